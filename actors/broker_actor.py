@@ -1,0 +1,126 @@
+"""BrokerActor: the named registry of a broker's queues and its settings.
+
+One detached actor ``raymq.broker`` per namespace. It creates queue actors, finds them
+again after a restart of the cluster (each queue directory holds a ``queue.json``), and
+serializes create and delete so that ``create_queue`` is idempotent. It holds no
+message: a crash of it loses nothing and it rebuilds its registry from the files.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+
+import ray
+from raymq.actors.queue_actor import QueueActor, queue_actor_name
+from raymq.placement.nodes import choose_queue_node, pinned_to
+
+from raymq.config import BrokerConfig, QueueConfig, validate_queue_name
+from raymq.errors import QueueExists, QueueNotFound
+from raymq.storage.format import QUEUE_CONFIG_NAME
+
+BROKER_ACTOR_NAME = "raymq.broker"
+
+
+@ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=100)
+class BrokerActor:
+    """Registry of queues: name -> (settings, node, actor handle)."""
+
+    def __init__(self, config: BrokerConfig, namespace: str):
+        self.broker_config = config
+        self.namespace = namespace
+        self._lock = asyncio.Lock()
+        self._queues: dict[str, tuple[QueueConfig, str]] = {}
+        os.makedirs(config.paging_directory, exist_ok=True)
+        self._load_existing()
+
+    def _load_existing(self) -> None:
+        root = self.broker_config.paging_directory
+        for name in sorted(os.listdir(root)):
+            meta = os.path.join(root, name, QUEUE_CONFIG_NAME)
+            if not os.path.isfile(meta):
+                continue
+            with open(meta) as f:
+                saved = json.load(f)
+            self._queues[name] = (QueueConfig(**saved["config"]), saved.get("node_id", ""))
+
+    def config(self) -> BrokerConfig:
+        """The broker settings."""
+        return self.broker_config
+
+    def _actor(self, name: str, cfg: QueueConfig, node_id: str):
+        node_id = choose_queue_node(node_id)
+        return QueueActor.options(
+            name=queue_actor_name(name), namespace=self.namespace, lifetime="detached",
+            get_if_exists=True, scheduling_strategy=pinned_to(node_id),
+        ).remote(cfg, self.broker_config)
+
+    async def create_queue(self, cfg: QueueConfig, node_id: str | None = None):
+        """Create (or return, for equal settings) a queue; returns its actor handle."""
+        async with self._lock:
+            existing = self._queues.get(cfg.name)
+            if existing is not None:
+                if existing[0] != cfg:
+                    raise QueueExists(
+                        f"queue {cfg.name!r} exists with settings {existing[0].to_dict()},"
+                        f" not {cfg.to_dict()}"
+                    )
+                handle = self._actor(cfg.name, existing[0], existing[1])
+            else:
+                node = choose_queue_node(node_id)
+                directory = os.path.join(self.broker_config.paging_directory, cfg.name)
+                os.makedirs(directory, exist_ok=True)
+                tmp = os.path.join(directory, QUEUE_CONFIG_NAME + ".tmp")
+                with open(tmp, "w") as f:
+                    json.dump({"config": cfg.to_dict(), "node_id": node}, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, os.path.join(directory, QUEUE_CONFIG_NAME))
+                self._queues[cfg.name] = (cfg, node)
+                handle = self._actor(cfg.name, cfg, node)
+            await handle.ready.remote()
+            return handle
+
+    async def get_queue(self, name: str):
+        """The actor handle of an existing queue (started if its actor is not running)."""
+        validate_queue_name(name)
+        entry = self._queues.get(name)
+        if entry is None:
+            raise QueueNotFound(
+                f"queue {name!r} does not exist in {self.broker_config.paging_directory}"
+            )
+        handle = self._actor(name, entry[0], entry[1])
+        await handle.ready.remote()
+        return handle
+
+    def list_queues(self) -> list[str]:
+        """Names of all queues, sorted."""
+        return sorted(self._queues)
+
+    async def delete_queue(self, name: str) -> None:
+        """Stop a queue's actor and delete its files and messages."""
+        validate_queue_name(name)
+        async with self._lock:
+            if name not in self._queues:
+                raise QueueNotFound(f"queue {name!r} does not exist")
+            handle = await self.get_queue(name)
+            await handle.shutdown.remote(delete_files=True)
+            ray.kill(handle, no_restart=True)
+            del self._queues[name]
+            shutil.rmtree(os.path.join(self.broker_config.paging_directory, name),
+                          ignore_errors=True)
+
+    async def stop_queues(self) -> None:
+        """Stop every queue actor, keeping the files (``raymq stop``, test teardown)."""
+        async with self._lock:
+            for name in list(self._queues):
+                try:
+                    handle = ray.get_actor(queue_actor_name(name), namespace=self.namespace)
+                except ValueError:
+                    continue
+                try:
+                    await handle.shutdown.remote()
+                finally:
+                    ray.kill(handle, no_restart=True)

@@ -1,0 +1,100 @@
+"""QueueActor: one async Ray actor per queue, wrapping ``raymq.queue_core.QueueCore``.
+
+Named ``raymq.queue.<name>``, detached, restarted forever (``max_restarts=-1``) and
+pinned to the node holding its files; on restart it recovers from those files. Calls
+interleave at the awaits of QueueCore; every method is safe to retry except ``send_batch``,
+whose retry after a crash may store a message twice (at-least-once).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pyarrow as pa
+import ray
+
+from raymq.batch import MessageBatch
+from raymq.config import BrokerConfig, QueueConfig
+from raymq.queue_core import QueueCore, QueueStats
+
+QUEUE_ACTOR_PREFIX = "raymq.queue."
+
+
+def queue_actor_name(queue: str) -> str:
+    """Ray actor name of a queue's actor."""
+    return QUEUE_ACTOR_PREFIX + queue
+
+
+@ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=1000)
+class QueueActor:
+    """The Ray shell of one queue."""
+
+    def __init__(self, config: QueueConfig, broker: BrokerConfig):
+        self.core = QueueCore(config, broker)
+        self._started = False
+
+    async def _ensure_started(self) -> None:
+        if not self._started:
+            self.core.start()
+            self._started = True
+
+    async def ready(self) -> dict:
+        """Wait until recovery is done; returns the recovery report as a dict."""
+        await self._ensure_started()
+        r = self.core.recovery
+        return {"seconds": r.seconds, "depth": r.depth, "damage": r.damage,
+                "truncated_bytes": r.truncated_bytes, "lost_messages": r.lost_messages}
+
+    async def send_batch(self, batch: MessageBatch) -> tuple[int, int]:
+        """Append a batch durably; returns (first offset, count)."""
+        await self._ensure_started()
+        return await self.core.send_batch(batch)
+
+    async def fetch(self, consumer_id: str, max_messages: int, timeout: float,
+                    prefetch: int) -> pa.RecordBatch:
+        """Deliver up to ``max_messages`` to a consumer, waiting up to ``timeout`` s."""
+        await self._ensure_started()
+        return await self.core.fetch(consumer_id, max_messages, timeout, prefetch)
+
+    async def register_consumer(self, consumer_id: str, prefetch: int) -> None:
+        """Register a consumer with its prefetch."""
+        await self._ensure_started()
+        self.core.register_consumer(consumer_id, prefetch)
+
+    async def ack(self, consumer_id: str, offsets: np.ndarray) -> int:
+        """Acknowledge; returns how many were newly acked, once durable."""
+        await self._ensure_started()
+        return await self.core.ack(consumer_id, offsets)
+
+    async def nack(self, consumer_id: str, offsets: np.ndarray) -> int:
+        """Release for redelivery with delivery count + 1."""
+        await self._ensure_started()
+        return self.core.nack(consumer_id, offsets)
+
+    async def close_consumer(self, consumer_id: str, not_received: np.ndarray | None) -> int:
+        """Remove a consumer; what it held is delivered again."""
+        await self._ensure_started()
+        return self.core.close_consumer(consumer_id, not_received)
+
+    async def stats(self) -> QueueStats:
+        """A QueueStats snapshot."""
+        await self._ensure_started()
+        return self.core.stats()
+
+    async def config(self) -> QueueConfig:
+        """The queue's settings."""
+        return self.core.config
+
+    def pid(self) -> int:
+        """The actor's process id (for fault tests and diagnostics)."""
+        return os.getpid()
+
+    async def shutdown(self, delete_files: bool = False) -> None:
+        """Flush, close files and optionally delete the queue's directory."""
+        await self._ensure_started()
+        await self.core.close()
+        if delete_files:
+            import shutil
+
+            shutil.rmtree(self.core.directory, ignore_errors=True)

@@ -1,0 +1,9 @@
+"""Placement: which node runs which RayMQ actor.
+
+Queue actors are pinned (hard node affinity) to the node whose disk holds their
+segment files; the choice of that node is made here and recorded with the queue.
+"""
+
+from raymq.placement.nodes import alive_nodes, current_node_id, pinned_to
+
+__all__ = ["alive_nodes", "current_node_id", "pinned_to"]

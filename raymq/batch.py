@@ -1,0 +1,262 @@
+"""MessageBatch: the columnar unit of I/O and of Ray traffic.
+
+A batch holds n messages as four NumPy arrays: body offsets and bytes, property offsets
+and bytes (one msgpack map per message), plus timestamps and the first offset once the
+queue has stored it. The same buffers are written to segment files (see
+docs/FORMAT.md) and turned into Arrow arrays without copying, so a batch crosses the
+object store as a handful of buffers, never as one Python object per message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+from raymq.errors import InvalidProperties, MessageTooLarge
+from raymq.properties import encode_properties, validate_properties
+
+#: Schema of what consumers receive (``Consumer.receive_batch``).
+DELIVERY_SCHEMA = pa.schema(
+    [
+        ("offset", pa.int64()),
+        ("timestamp", pa.timestamp("us", tz="UTC")),
+        ("delivery_count", pa.int32()),
+        ("body", pa.large_binary()),
+        ("properties", pa.large_binary()),
+    ]
+)
+
+_EMPTY_U8 = np.zeros(0, dtype=np.uint8)
+
+
+def _as_u8(data: object) -> np.ndarray:
+    """View bytes-like data as a uint8 array without copying."""
+    if isinstance(data, np.ndarray):
+        return data.view(np.uint8).reshape(-1)
+    return np.frombuffer(data, dtype=np.uint8)
+
+
+@dataclass
+class MessageBatch:
+    """n messages in columnar form.
+
+    ``body_offsets`` and ``prop_offsets`` are int64 arrays of n+1 entries starting at 0;
+    message i's body is ``body_data[body_offsets[i]:body_offsets[i+1]]``. ``timestamps``
+    (int64 microseconds since the epoch) and ``first_offset`` are set by the queue.
+    """
+
+    body_offsets: np.ndarray
+    body_data: np.ndarray
+    prop_offsets: np.ndarray
+    prop_data: np.ndarray
+    timestamps: np.ndarray | None = None
+    first_offset: int = -1
+
+    def __len__(self) -> int:
+        return len(self.body_offsets) - 1
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the batch's buffers."""
+        ts = 0 if self.timestamps is None else self.timestamps.nbytes
+        return (
+            self.body_offsets.nbytes + self.body_data.nbytes + self.prop_offsets.nbytes
+            + self.prop_data.nbytes + ts
+        )
+
+    @property
+    def end_offset(self) -> int:
+        """One past the last message's offset."""
+        return self.first_offset + len(self)
+
+    def body_sizes(self) -> np.ndarray:
+        """Body length of each message, bytes."""
+        return np.diff(self.body_offsets)
+
+    def body(self, i: int) -> bytes:
+        """Body of message i (a copy)."""
+        return self.body_data[self.body_offsets[i] : self.body_offsets[i + 1]].tobytes()
+
+    def properties_bytes(self, i: int) -> bytes:
+        """msgpack-encoded properties of message i (``b""`` when none)."""
+        return self.prop_data[self.prop_offsets[i] : self.prop_offsets[i + 1]].tobytes()
+
+    # -- building -------------------------------------------------------------------
+
+    @classmethod
+    def from_bodies(
+        cls,
+        bodies: Sequence[bytes],
+        properties: Sequence[Mapping | None] | Mapping | None = None,
+        *,
+        max_message_size: int,
+        queue: str = "?",
+    ) -> MessageBatch:
+        """Validate and pack a list of bodies with their properties.
+
+        ``properties`` is None, one dict applied to every message, or one dict (or None)
+        per message. Raises ``TypeError``, ``MessageTooLarge`` or ``InvalidProperties``
+        naming the message and the queue; nothing is sent then.
+        """
+        if isinstance(bodies, bytes | bytearray | memoryview | str):
+            raise TypeError("bodies must be a list of bytes, not a single body")
+        n = len(bodies)
+        sizes = np.empty(n, dtype=np.int64)
+        for i, body in enumerate(bodies):
+            if not isinstance(body, bytes | bytearray | memoryview):
+                raise TypeError(
+                    f"body of message {i} for queue {queue!r} must be bytes,"
+                    f" not {type(body).__name__}"
+                )
+            sizes[i] = len(body)
+        too_big = np.flatnonzero(sizes > max_message_size)
+        if len(too_big):
+            i = int(too_big[0])
+            raise MessageTooLarge(
+                f"message {i} for queue {queue!r} is {int(sizes[i])} bytes;"
+                f" max_message_size is {max_message_size}"
+            )
+        body_offsets = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(sizes, out=body_offsets[1:])
+        body_data = _as_u8(b"".join(bodies)) if n else _EMPTY_U8
+        prop_offsets, prop_data = cls._pack_properties(properties, n, queue)
+        return cls(body_offsets, body_data, prop_offsets, prop_data)
+
+    @staticmethod
+    def _pack_properties(
+        properties: Sequence[Mapping | None] | Mapping | None, n: int, queue: str
+    ) -> tuple[np.ndarray, np.ndarray]:
+        if properties is None:
+            return np.zeros(n + 1, dtype=np.int64), _EMPTY_U8
+        if isinstance(properties, Mapping):
+            one = encode_properties(validate_properties(properties, where=f"queue {queue!r}"))
+            encoded = [one] * n
+        else:
+            if isinstance(properties, str | bytes) or not isinstance(properties, Sequence):
+                raise InvalidProperties(
+                    f"properties for queue {queue!r} must be a dict or a list of dicts,"
+                    f" not {type(properties).__name__}"
+                )
+            if len(properties) != n:
+                raise InvalidProperties(
+                    f"{len(properties)} property dicts for {n} messages for queue {queue!r}"
+                )
+            encoded = [
+                encode_properties(validate_properties(p, where=f"message {i} for queue {queue!r}"))
+                for i, p in enumerate(properties)
+            ]
+        offsets = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum([len(e) for e in encoded], out=offsets[1:])
+        return offsets, _as_u8(b"".join(encoded)) if n else _EMPTY_U8
+
+    @classmethod
+    def from_arrow(
+        cls, data: pa.Table | pa.RecordBatch, *, max_message_size: int, queue: str = "?"
+    ) -> MessageBatch:
+        """Pack an Arrow table: a ``body`` column (binary or string) and property columns.
+
+        Every column but ``body`` becomes a property of each row; nulls are absent
+        properties.
+        """
+        if not isinstance(data, pa.Table | pa.RecordBatch):
+            raise TypeError(f"expected a pyarrow Table or RecordBatch, not {type(data).__name__}")
+        if "body" not in data.schema.names:
+            raise TypeError(f"Arrow data for queue {queue!r} has no 'body' column")
+        body = data.column("body")
+        if isinstance(body, pa.ChunkedArray):
+            body = body.combine_chunks()
+        if pa.types.is_string(body.type) or pa.types.is_large_string(body.type):
+            body = body.cast(pa.large_binary())
+        if not (pa.types.is_binary(body.type) or pa.types.is_large_binary(body.type)):
+            raise TypeError(f"'body' column for queue {queue!r} must be binary, not {body.type}")
+        body = body.cast(pa.large_binary())
+        if body.null_count:
+            raise TypeError(f"'body' column for queue {queue!r} has {body.null_count} nulls")
+        offsets = np.frombuffer(body.buffers()[1], dtype=np.int64)[
+            body.offset : body.offset + len(body) + 1
+        ]
+        sizes = np.diff(offsets)
+        too_big = np.flatnonzero(sizes > max_message_size)
+        if len(too_big):
+            i = int(too_big[0])
+            raise MessageTooLarge(
+                f"row {i} for queue {queue!r} is {int(sizes[i])} bytes;"
+                f" max_message_size is {max_message_size}"
+            )
+        data_buf = body.buffers()[2]
+        start, end = int(offsets[0]), int(offsets[-1])
+        body_data = np.frombuffer(data_buf, dtype=np.uint8)[start:end] if end > start else _EMPTY_U8
+        prop_names = [c for c in data.schema.names if c != "body"]
+        if prop_names:
+            columns = {c: data.column(c).to_pylist() for c in prop_names}
+            rows = [
+                {c: columns[c][i] for c in prop_names if columns[c][i] is not None}
+                for i in range(len(body))
+            ]
+        else:
+            rows = None
+        prop_offsets, prop_data = cls._pack_properties(rows, len(body), queue)
+        return cls(offsets - start, body_data, prop_offsets, prop_data)
+
+    # -- reading --------------------------------------------------------------------
+
+    def slice(self, start: int, stop: int) -> MessageBatch:
+        """Messages ``start`` to ``stop`` (indexes in this batch) as a new batch sharing buffers."""
+        bo, po = self.body_offsets[start : stop + 1], self.prop_offsets[start : stop + 1]
+        return MessageBatch(
+            bo - bo[0],
+            self.body_data[bo[0] : bo[-1]],
+            po - po[0],
+            self.prop_data[po[0] : po[-1]],
+            None if self.timestamps is None else self.timestamps[start:stop],
+            self.first_offset + start,
+        )
+
+    def to_arrow(self, delivery_counts: np.ndarray | None = None) -> pa.RecordBatch:
+        """The batch as an Arrow record batch in ``DELIVERY_SCHEMA``, without copying buffers."""
+        n = len(self)
+        ts = self.timestamps if self.timestamps is not None else np.zeros(n, dtype=np.int64)
+        counts = delivery_counts if delivery_counts is not None else np.ones(n, dtype=np.int32)
+        return pa.RecordBatch.from_arrays(
+            [
+                pa.array(np.arange(self.first_offset, self.first_offset + n, dtype=np.int64)),
+                pa.Array.from_buffers(DELIVERY_SCHEMA.field("timestamp").type, n,
+                                      [None, pa.py_buffer(ts)]),
+                pa.array(counts.astype(np.int32, copy=False)),
+                _binary(n, self.body_offsets, self.body_data),
+                _binary(n, self.prop_offsets, self.prop_data),
+            ],
+            schema=DELIVERY_SCHEMA,
+        )
+
+
+def _binary(n: int, offsets: np.ndarray, data: np.ndarray) -> pa.Array:
+    return pa.Array.from_buffers(
+        pa.large_binary(), n, [None, pa.py_buffer(offsets), pa.py_buffer(data)]
+    )
+
+
+def concat(batches: Sequence[MessageBatch]) -> MessageBatch:
+    """Join consecutive batches (offsets continuing) into one; copies the buffers."""
+    if len(batches) == 1:
+        return batches[0]
+    body_sizes = np.concatenate([np.diff(b.body_offsets) for b in batches])
+    prop_sizes = np.concatenate([np.diff(b.prop_offsets) for b in batches])
+    bo = np.zeros(len(body_sizes) + 1, dtype=np.int64)
+    po = np.zeros(len(prop_sizes) + 1, dtype=np.int64)
+    np.cumsum(body_sizes, out=bo[1:])
+    np.cumsum(prop_sizes, out=po[1:])
+    ts = None
+    if all(b.timestamps is not None for b in batches):
+        ts = np.concatenate([b.timestamps for b in batches])
+    return MessageBatch(
+        bo,
+        np.concatenate([b.body_data for b in batches]),
+        po,
+        np.concatenate([b.prop_data for b in batches]),
+        ts,
+        batches[0].first_offset,
+    )

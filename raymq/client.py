@@ -1,0 +1,417 @@
+"""The client API: ``connect()``, and handles for the broker, queues and consumers.
+
+Usable from a driver, a Ray task, an actor or a ``ray job submit`` job. Every call to
+a broker actor goes through ``_call``, which turns Ray's wrapped errors back into the
+typed errors of ``raymq.errors`` and retries while a restarting actor comes back.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import ray
+
+from raymq.batch import MessageBatch
+from raymq.config import BrokerConfig, QueueConfig, validate_queue_name
+from raymq.errors import (
+    BrokerUnavailable,
+    ConsumerClosed,
+    InvalidSetting,
+    RayMQError,
+    SelectorError,
+)
+from raymq.properties import decode_properties, encode_properties, validate_properties
+
+#: How long a call keeps retrying while an actor restarts (seconds).
+RESTART_GRACE_SECONDS = 60.0
+_RETRYABLE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+
+
+def _unwrap(exc: BaseException) -> BaseException:
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, RayMQError | TypeError | ValueError):
+        return cause
+    return exc
+
+
+def _call(method, *args, retry: bool = True, **kwargs) -> Any:
+    """Call an actor method and wait; typed errors unwrapped, restarts waited out."""
+    deadline = time.monotonic() + RESTART_GRACE_SECONDS
+    delay = 0.05
+    while True:
+        try:
+            return ray.get(method.remote(*args, **kwargs))
+        except ray.exceptions.RayTaskError as exc:
+            raise _unwrap(exc) from None
+        except _RETRYABLE as exc:
+            if not retry or time.monotonic() > deadline:
+                raise BrokerUnavailable(f"actor unavailable: {exc}") from exc
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+
+async def _call_async(method, *args, **kwargs) -> Any:
+    try:
+        return await method.remote(*args, **kwargs)
+    except ray.exceptions.RayTaskError as exc:
+        raise _unwrap(exc) from None
+    except _RETRYABLE as exc:
+        raise BrokerUnavailable(f"actor unavailable: {exc}") from exc
+
+
+def connect(address: str | None = None, namespace: str = "raymq", **broker_config: Any) -> Broker:
+    """Join (or start) Ray and the broker of ``namespace``; returns a ``Broker``.
+
+    ``address`` None joins a running cluster if one is found, else starts an embedded
+    local Ray; ``"auto"`` requires a running cluster. ``broker_config`` are the settings
+    of ``raymq.config.BrokerConfig`` (``paging_directory``, ``max_message_size``, ...);
+    they apply when this call creates the broker, and must match a running one.
+    """
+    from raymq.actors.broker_actor import BROKER_ACTOR_NAME, BrokerActor
+    from raymq.placement.nodes import current_node_id, pinned_to
+
+    config = BrokerConfig.from_kwargs(**broker_config)
+    if not ray.is_initialized():
+        try:
+            ray.init(address=address, namespace=namespace, log_to_driver=False,
+                     configure_logging=False)
+        except ConnectionError as exc:
+            raise BrokerUnavailable(f"cannot reach Ray at {address!r}: {exc}") from exc
+    actor = BrokerActor.options(
+        name=BROKER_ACTOR_NAME, namespace=namespace, lifetime="detached", get_if_exists=True,
+        scheduling_strategy=pinned_to(current_node_id()),
+    ).remote(config, namespace)
+    running: BrokerConfig = _call(actor.config)
+    if broker_config and running != config:
+        raise InvalidSetting(
+            f"broker in namespace {namespace!r} runs with {running}, not {config}"
+        )
+    return Broker(actor, running, namespace)
+
+
+class Broker:
+    """Handle of a running broker: create, find, delete and inspect queues."""
+
+    def __init__(self, actor, config: BrokerConfig, namespace: str):
+        self._actor = actor
+        self.config = config
+        self.namespace = namespace
+
+    def create_queue(self, name: str, *, durable: bool = True, max_size_bytes: int = -1,
+                     page_size_bytes: int = 10 * 2**20, address_full_policy: str = "PAGE",
+                     page_max_cache_size: int = 5, node_id: str | None = None) -> Queue:
+        """Create a queue, or return it if it exists with equal settings.
+
+        Raises ``QueueExists`` for different settings, ``InvalidQueueName``,
+        ``InvalidSetting`` or ``TypeError`` for bad arguments (nothing is created then).
+        """
+        cfg = QueueConfig(name, durable, max_size_bytes, page_size_bytes, address_full_policy,
+                          page_max_cache_size)
+        handle = _call(self._actor.create_queue, cfg, node_id)
+        return Queue(self, name, handle)
+
+    def get_queue(self, name: str) -> Queue:
+        """The handle of an existing queue; ``QueueNotFound`` if there is none."""
+        validate_queue_name(name)
+        return Queue(self, name, _call(self._actor.get_queue, name))
+
+    def delete_queue(self, name: str) -> None:
+        """Delete a queue with its messages and files."""
+        validate_queue_name(name)
+        _call(self._actor.delete_queue, name)
+
+    def list_queues(self) -> list[str]:
+        """Names of the broker's queues."""
+        return _call(self._actor.list_queues)
+
+    def stats(self) -> dict[str, dict]:
+        """Each queue's statistics as a dict, by queue name."""
+        names = self.list_queues()
+        handles = [_call(self._actor.get_queue, n) for n in names]
+        return {n: s.to_dict() for n, s in zip(names, ray.get([h.stats.remote() for h in handles]),
+                                               strict=True)}
+
+    def shutdown(self) -> None:
+        """Stop the broker's actors, keeping every queue's files."""
+        from raymq.actors.broker_actor import BROKER_ACTOR_NAME
+
+        _call(self._actor.stop_queues)
+        ray.kill(ray.get_actor(BROKER_ACTOR_NAME, namespace=self.namespace), no_restart=True)
+
+
+class _Coalescer:
+    """Coalesces concurrent single-message sends of one process into one actor call.
+
+    The first caller in becomes the leader and sends what has gathered; callers arriving
+    meanwhile wait and go out together in the next call (client-side group commit).
+    """
+
+    def __init__(self, queue: Queue):
+        self._queue = queue
+        self._cv = threading.Condition()
+        self._waiting: list[list] = []  # [body, props_bytes, result, error, done]
+        self._leader = False
+
+    def send(self, body: bytes, props: bytes) -> int:
+        item = [body, props, None, None, False]
+        with self._cv:
+            self._waiting.append(item)
+            while self._leader and not item[4]:
+                self._cv.wait()
+            if not item[4]:
+                self._leader = True
+        if not item[4]:
+            try:
+                self._flush_until(item)
+            finally:
+                with self._cv:
+                    self._leader = False
+                    self._cv.notify_all()
+        if item[3] is not None:
+            raise item[3]
+        return item[2]
+
+    def _flush_until(self, mine: list) -> None:
+        while not mine[4]:
+            with self._cv:
+                items, self._waiting = self._waiting, []
+            batch = _batch_of(b"".join(i[0] for i in items), [len(i[0]) for i in items],
+                              [i[1] for i in items])
+            try:
+                first, _count = _call(self._queue._actor.send_batch, batch)
+                for k, it in enumerate(items):
+                    it[2] = first + k
+            except Exception as exc:  # every waiter of this call gets the error
+                for it in items:
+                    it[3] = exc
+            with self._cv:
+                for it in items:
+                    it[4] = True
+                self._cv.notify_all()
+
+
+def _batch_of(data: bytes, sizes: list[int], props: list[bytes]) -> MessageBatch:
+    bo = np.zeros(len(sizes) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=bo[1:])
+    po = np.zeros(len(props) + 1, dtype=np.int64)
+    np.cumsum([len(p) for p in props], out=po[1:])
+    return MessageBatch(bo, np.frombuffer(data, dtype=np.uint8), po,
+                        np.frombuffer(b"".join(props), dtype=np.uint8))
+
+
+class Queue:
+    """Handle of one queue: send, consume, inspect."""
+
+    def __init__(self, broker: Broker, name: str, actor):
+        self.broker = broker
+        self.name = name
+        self._actor = actor
+        self._coalescer = _Coalescer(self)
+
+    def __repr__(self) -> str:
+        return f"Queue({self.name!r})"
+
+    def _check_body(self, body: object) -> bytes:
+        if not isinstance(body, bytes | bytearray | memoryview):
+            raise TypeError(f"body for queue {self.name!r} must be bytes, not {type(body).__name__}")
+        if len(body) > self.broker.config.max_message_size:
+            from raymq.errors import MessageTooLarge
+
+            raise MessageTooLarge(
+                f"message for queue {self.name!r} is {len(body)} bytes;"
+                f" max_message_size is {self.broker.config.max_message_size}"
+            )
+        return bytes(body)
+
+    def send(self, body: bytes, properties: Mapping[str, Any] | None = None) -> int:
+        """Send one message; returns its offset once it is durable.
+
+        Concurrent sends from threads of one process share one call and one fsync.
+        """
+        body = self._check_body(body)
+        props = encode_properties(validate_properties(properties, where=f"message for queue {self.name!r}"))
+        return self._coalescer.send(body, props)
+
+    def _pack(self, bodies, properties) -> MessageBatch:
+        if isinstance(bodies, pa.Table | pa.RecordBatch):
+            if properties is not None:
+                raise TypeError("properties come from the Arrow columns; pass properties=None")
+            return MessageBatch.from_arrow(bodies, max_message_size=self.broker.config.max_message_size,
+                                           queue=self.name)
+        return MessageBatch.from_bodies(bodies, properties,
+                                        max_message_size=self.broker.config.max_message_size,
+                                        queue=self.name)
+
+    def send_batch(self, bodies: Sequence[bytes] | pa.Table | pa.RecordBatch,
+                   properties: Sequence[Mapping | None] | Mapping | None = None) -> list[int]:
+        """Send many messages in one write and one fsync; returns their offsets.
+
+        ``bodies`` is a list of bytes (``properties`` then one dict for all, or one per
+        message) or an Arrow table with a ``body`` column whose other columns are
+        properties.
+        """
+        first, count = _call(self._actor.send_batch, self._pack(bodies, properties))
+        return list(range(first, first + count))
+
+    async def send_async(self, body: bytes, properties: Mapping[str, Any] | None = None) -> int:
+        """``send`` for asyncio code."""
+        return (await self.send_batch_async([self._check_body(body)],
+                                            None if properties is None else [properties]))[0]
+
+    async def send_batch_async(self, bodies, properties=None) -> list[int]:
+        """``send_batch`` for asyncio code."""
+        first, count = await _call_async(self._actor.send_batch, self._pack(bodies, properties))
+        return list(range(first, first + count))
+
+    def consumer(self, selector: str | None = None, prefetch: int = 1000) -> Consumer:
+        """A consumer holding at most ``prefetch`` unacknowledged messages."""
+        if selector is not None:
+            raise SelectorError(
+                f"queue {self.name!r}: message selectors are not supported yet ({selector!r})"
+            )
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
+            raise InvalidSetting(f"prefetch={prefetch!r} must be an int >= 1")
+        return Consumer(self, prefetch)
+
+    def stats(self) -> dict[str, Any]:
+        """Depth, bytes in memory and on disk, segment files, consumers and rates."""
+        return _call(self._actor.stats).to_dict()
+
+
+@dataclass
+class Message:
+    """One delivered message."""
+
+    offset: int
+    body: bytes
+    delivery_count: int
+    #: Seconds since the epoch when the queue stored the message.
+    timestamp: float
+    _properties: bytes = b""
+
+    @cached_property
+    def properties(self) -> dict[str, Any]:
+        """The message's properties (decoded on first use)."""
+        return decode_properties(self._properties)
+
+
+class Consumer:
+    """Receives messages of one queue; usable as a context manager (closes on exit)."""
+
+    def __init__(self, queue: Queue, prefetch: int):
+        self.queue = queue
+        self.prefetch = prefetch
+        self.consumer_id = uuid.uuid4().hex
+        self._actor = queue._actor
+        self._buffer: pa.RecordBatch | None = None  # prefetched, not yet handed out
+        self._closed = False
+        _call(self._actor.register_consumer, self.consumer_id, prefetch)
+
+    def __enter__(self) -> Consumer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConsumerClosed(f"consumer {self.consumer_id} of queue {self.queue.name!r} is closed")
+
+    def _fill(self, timeout: float | None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            wait = 1.0 if deadline is None else max(0.0, deadline - time.monotonic())
+            batch = _call(self._actor.fetch, self.consumer_id, self.prefetch, wait, self.prefetch)
+            if batch.num_rows or (deadline is not None and time.monotonic() >= deadline):
+                self._buffer = batch if batch.num_rows else None
+                return
+
+    def _take(self, max_messages: int, timeout: float | None) -> pa.RecordBatch | None:
+        self._check_open()
+        if isinstance(max_messages, bool) or not isinstance(max_messages, int) or max_messages < 1:
+            raise InvalidSetting(f"max_messages={max_messages!r} must be an int >= 1")
+        if self._buffer is None:
+            self._fill(timeout)
+            if self._buffer is None:
+                return None
+        out = self._buffer.slice(0, max_messages)
+        rest = self._buffer.slice(max_messages)
+        self._buffer = rest if rest.num_rows else None
+        return out
+
+    def receive(self, max_messages: int = 1, timeout: float | None = None) -> list[Message]:
+        """Up to ``max_messages`` messages, waiting up to ``timeout`` seconds (None: forever)."""
+        batch = self._take(max_messages, timeout)
+        if batch is None:
+            return []
+        cols = batch.to_pydict()
+        ts = batch.column("timestamp").cast(pa.int64()).to_numpy()
+        return [
+            Message(o, b, int(c), float(t) / 1e6, p)
+            for o, b, c, t, p in zip(cols["offset"], cols["body"], cols["delivery_count"], ts,
+                                     cols["properties"], strict=True)
+        ]
+
+    def receive_batch(self, max_messages: int, timeout: float | None = None) -> pa.RecordBatch:
+        """Up to ``max_messages`` as one Arrow RecordBatch read from the object store.
+
+        Columns: offset, timestamp, delivery_count, body, properties (msgpack). Empty
+        when nothing arrived within ``timeout`` seconds.
+        """
+        from raymq.batch import DELIVERY_SCHEMA
+
+        batch = self._take(max_messages, timeout)
+        return batch if batch is not None else pa.RecordBatch.from_pylist([], schema=DELIVERY_SCHEMA)
+
+    def ack(self, messages: Message | int | Iterable | pa.RecordBatch | pa.Table) -> int:
+        """Acknowledge messages; returns how many were newly acknowledged (durably)."""
+        self._check_open()
+        return _call(self._actor.ack, self.consumer_id, _offsets_of(messages))
+
+    def nack(self, messages: Message | int | Iterable | pa.RecordBatch | pa.Table) -> int:
+        """Give messages back: they are delivered again with ``delivery_count`` + 1."""
+        self._check_open()
+        return _call(self._actor.nack, self.consumer_id, _offsets_of(messages))
+
+    def close(self) -> None:
+        """Close; unacknowledged messages are delivered again (to any consumer)."""
+        if self._closed:
+            return
+        self._closed = True
+        not_received = None if self._buffer is None else self._buffer.column("offset").to_numpy()
+        self._buffer = None
+        _call(self._actor.close_consumer, self.consumer_id, not_received)
+
+
+def _offsets_of(messages: Any) -> np.ndarray:
+    if isinstance(messages, Message):
+        return np.array([messages.offset], dtype=np.int64)
+    if isinstance(messages, pa.RecordBatch | pa.Table):
+        return np.asarray(messages.column("offset").to_numpy(), dtype=np.int64)
+    if isinstance(messages, bool):
+        raise TypeError("ack takes messages or offsets, not bool")
+    if isinstance(messages, int | np.integer):
+        return np.array([int(messages)], dtype=np.int64)
+    if isinstance(messages, np.ndarray):
+        if messages.dtype.kind not in "iu":
+            raise TypeError(f"offsets array must be integer, not {messages.dtype}")
+        return messages.astype(np.int64)
+    if isinstance(messages, Iterable) and not isinstance(messages, str | bytes):
+        out = []
+        for m in messages:
+            if isinstance(m, Message):
+                out.append(m.offset)
+            elif isinstance(m, int | np.integer) and not isinstance(m, bool):
+                out.append(int(m))
+            else:
+                raise TypeError(f"ack takes messages or int offsets, not {type(m).__name__}")
+        return np.array(out, dtype=np.int64)
+    raise TypeError(f"ack takes messages or offsets, not {type(messages).__name__}")

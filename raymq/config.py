@@ -1,0 +1,125 @@
+"""Broker and queue settings, with their validation.
+
+Names follow Artemis where Artemis has one (``max_size_bytes``, ``page_size_bytes``,
+``address_full_policy``, ``page_max_cache_size``, ``paging_directory``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from raymq.errors import InvalidQueueName, InvalidSetting
+
+#: Where queues keep their files unless told otherwise: ``$RAYMQ_PAGING_DIRECTORY`` or
+#: ``~/.raymq/paging`` (not /tmp, which may be wiped at boot and lose durable messages).
+DEFAULT_PAGING_DIRECTORY = os.environ.get(
+    "RAYMQ_PAGING_DIRECTORY", os.path.join(os.path.expanduser("~"), ".raymq", "paging")
+)
+DEFAULT_MAX_MESSAGE_SIZE = 100 * 2**20
+DEFAULT_PAGE_SIZE_BYTES = 10 * 2**20
+MAX_QUEUE_NAME_BYTES = 200
+ADDRESS_FULL_POLICIES = ("PAGE", "DROP", "FAIL", "BLOCK")
+
+
+def validate_queue_name(name: object) -> str:
+    """Return ``name`` if it is safe as a directory name under the paging directory.
+
+    Raises ``TypeError`` for a non-string and ``InvalidQueueName`` for a name that is
+    empty, over 200 bytes in UTF-8, contains ``/``, ``\\`` or NUL, or is ``.``/``..``.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"queue name must be str, not {type(name).__name__}")
+    if not name:
+        raise InvalidQueueName("queue name is empty")
+    if len(name.encode("utf-8", "surrogatepass")) > MAX_QUEUE_NAME_BYTES:
+        raise InvalidQueueName(
+            f"queue name {name[:40]!r}... is over {MAX_QUEUE_NAME_BYTES} bytes"
+        )
+    for bad in ("/", "\\", "\x00"):
+        if bad in name:
+            raise InvalidQueueName(f"queue name {name!r} contains {bad!r}")
+    if name in (".", "..") or name.startswith("."):
+        raise InvalidQueueName(f"queue name {name!r} may not start with '.'")
+    if any(ord(c) < 32 for c in name):
+        raise InvalidQueueName(f"queue name {name!r} contains a control character")
+    return name
+
+
+def _check_int(setting: str, value: object, *, minimum: int, allow_minus_one: bool = False) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{setting} must be int, not {type(value).__name__}")
+    if allow_minus_one and value == -1:
+        return value
+    if value < minimum:
+        raise InvalidSetting(f"{setting}={value} is below its minimum {minimum}")
+    return value
+
+
+@dataclass(frozen=True)
+class QueueConfig:
+    """Settings of one queue; equal settings make ``create_queue`` idempotent."""
+
+    name: str
+    durable: bool = True
+    #: Bytes of messages the queue may hold in memory; -1 means no per-queue limit.
+    max_size_bytes: int = -1
+    #: Largest size of one segment (page) file, bytes.
+    page_size_bytes: int = DEFAULT_PAGE_SIZE_BYTES
+    #: What a send does when ``max_size_bytes`` is reached: PAGE, DROP, FAIL or BLOCK.
+    address_full_policy: str = "PAGE"
+    #: How many segment files the queue keeps cached for reading.
+    page_max_cache_size: int = 5
+
+    def __post_init__(self) -> None:
+        validate_queue_name(self.name)
+        if not isinstance(self.durable, bool):
+            raise TypeError(f"durable must be bool, not {type(self.durable).__name__}")
+        _check_int("max_size_bytes", self.max_size_bytes, minimum=1, allow_minus_one=True)
+        _check_int("page_size_bytes", self.page_size_bytes, minimum=4096)
+        _check_int("page_max_cache_size", self.page_max_cache_size, minimum=0)
+        if self.address_full_policy not in ADDRESS_FULL_POLICIES:
+            raise InvalidSetting(
+                f"address_full_policy={self.address_full_policy!r} for queue {self.name!r}"
+                f" is not one of {', '.join(ADDRESS_FULL_POLICIES)}"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the settings as a plain dict (stored as the queue's ``queue.json``)."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class BrokerConfig:
+    """Settings of the whole broker."""
+
+    #: Directory holding one sub-directory of segment files per queue.
+    paging_directory: str = DEFAULT_PAGING_DIRECTORY
+    #: Largest message body accepted, bytes.
+    max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE
+    #: Bytes of undelivered messages each queue keeps in its HeadQueueCache.
+    head_cache_bytes: int = 64 * 2**20
+    #: Seconds between checkpoints of a queue's index and ack state.
+    checkpoint_interval: float = 1.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.paging_directory, str | os.PathLike):
+            raise TypeError("paging_directory must be a path")
+        object.__setattr__(self, "paging_directory", os.fspath(self.paging_directory))
+        _check_int("max_message_size", self.max_message_size, minimum=1)
+        _check_int("head_cache_bytes", self.head_cache_bytes, minimum=0)
+        if not isinstance(self.checkpoint_interval, int | float) or self.checkpoint_interval <= 0:
+            raise InvalidSetting(f"checkpoint_interval={self.checkpoint_interval!r} must be > 0")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> BrokerConfig:
+        """Build a config from ``connect(**broker_config)``; unknown names are an error."""
+        known = {f for f in cls.__dataclass_fields__ if f != "extra"}
+        unknown = set(kwargs) - known
+        if unknown:
+            raise InvalidSetting(
+                f"unknown broker setting(s) {sorted(unknown)}; known: {sorted(known)}"
+            )
+        return cls(**kwargs)

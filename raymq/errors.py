@@ -1,0 +1,59 @@
+"""Typed errors of RayMQ.
+
+The class names are stable: callers match on them. Every error says which queue,
+setting or file is involved, and raising one never changes or loses data.
+"""
+
+from __future__ import annotations
+
+
+class RayMQError(Exception):
+    """Base class of every RayMQ error."""
+
+
+class InvalidQueueName(RayMQError, ValueError):
+    """A queue name is empty, too long, or could escape the paging directory."""
+
+
+class QueueNotFound(RayMQError, LookupError):
+    """No queue of that name exists in this broker."""
+
+
+class QueueExists(RayMQError):
+    """A queue of that name exists already with different settings."""
+
+
+class MessageTooLarge(RayMQError, ValueError):
+    """A message body is larger than the broker's ``max_message_size`` (bytes)."""
+
+
+class InvalidProperties(RayMQError, ValueError):
+    """Message properties are not a dict of str to str, int, float, bool or None."""
+
+
+class InvalidSetting(RayMQError, ValueError):
+    """A broker or queue setting has a value outside its allowed range."""
+
+
+class InvalidAck(RayMQError, ValueError):
+    """An ack or nack names messages this consumer does not hold."""
+
+
+class AddressFull(RayMQError):
+    """The queue is at ``max_size_bytes`` and its ``address_full_policy`` refuses the send."""
+
+
+class SelectorError(RayMQError, ValueError):
+    """A message selector is malformed."""
+
+
+class BrokerUnavailable(RayMQError, ConnectionError):
+    """The broker, or the actor of a queue, cannot be reached."""
+
+
+class ConsumerClosed(RayMQError):
+    """The consumer was closed; it receives, acks and nacks nothing more."""
+
+
+class StorageError(RayMQError, OSError):
+    """A segment or ack file could not be written; the queue refuses further writes."""

@@ -1,0 +1,56 @@
+"""Validation and msgpack encoding of message properties.
+
+Properties are a flat dict of str keys to str, int, float, bool or None values, the
+types a JMS selector can compare. Each message's properties are stored as one msgpack
+map (an empty byte string when there are none).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import msgpack
+
+from raymq.errors import InvalidProperties
+
+PropertyValue = str | int | float | bool | None
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_ALLOWED = (str, int, float, bool, type(None))
+
+
+def validate_properties(props: object, *, where: str = "message") -> dict[str, PropertyValue]:
+    """Return ``props`` as a dict after checking keys and value types.
+
+    ``where`` names the message (e.g. ``"message 3 for queue 'orders'"``) in the error.
+    Raises ``InvalidProperties`` for a non-mapping, a non-str or empty key, a value of
+    another type, or an int outside the signed 64-bit range.
+    """
+    if props is None:
+        return {}
+    if not isinstance(props, Mapping):
+        raise InvalidProperties(f"properties of {where} must be a dict, not {type(props).__name__}")
+    for key, value in props.items():
+        if not isinstance(key, str) or not key:
+            raise InvalidProperties(f"property key {key!r} of {where} must be a non-empty str")
+        if not isinstance(value, _ALLOWED):
+            raise InvalidProperties(
+                f"property {key!r} of {where} has type {type(value).__name__};"
+                " allowed: str, int, float, bool, None"
+            )
+        if isinstance(value, int) and not _INT64_MIN <= value <= _INT64_MAX:
+            raise InvalidProperties(f"property {key!r} of {where} is outside int64: {value}")
+    return dict(props)
+
+
+_packer = msgpack.Packer(use_bin_type=True)
+
+
+def encode_properties(props: Mapping[str, PropertyValue]) -> bytes:
+    """Encode validated properties as one msgpack map; ``b""`` when empty."""
+    return _packer.pack(props) if props else b""
+
+
+def decode_properties(data: bytes | memoryview) -> dict[str, Any]:
+    """Decode what ``encode_properties`` wrote."""
+    return msgpack.unpackb(data, raw=False) if len(data) else {}
