@@ -1,0 +1,61 @@
+"""One Ray for the whole session; each test gets its own broker namespace and directory."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import uuid
+
+import pytest
+
+# Quiet and quick: no dashboard, no usage stats, short metrics interval.
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """A real local Ray for the session, removed afterwards with its temp files."""
+    import ray
+
+    temp_dir = tempfile.mkdtemp(prefix="rmq-ray-")
+    ray.init(num_cpus=4, object_store_memory=200 * 2**20, include_dashboard=False,
+             _temp_dir=temp_dir, log_to_driver=False, configure_logging=False)
+    yield ray
+    ray.shutdown()
+    shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def paging_dir(tmp_path):
+    """A fresh paging directory for one test."""
+    d = tmp_path / "paging"
+    d.mkdir()
+    return str(d)
+
+
+@pytest.fixture
+def broker_factory(ray_session, paging_dir):
+    """Make brokers in fresh namespaces; all are shut down after the test."""
+    import raymq
+
+    made = []
+
+    def make(**config):
+        config.setdefault("paging_directory", paging_dir)
+        b = raymq.connect(namespace=f"raymq-test-{uuid.uuid4().hex[:8]}", **config)
+        made.append(b)
+        return b
+
+    yield make
+    for b in made:
+        try:
+            b.shutdown()
+        except Exception:
+            pass
+
+
+@pytest.fixture
+def broker(broker_factory):
+    """A broker in a fresh namespace with its own paging directory."""
+    return broker_factory()

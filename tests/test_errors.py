@@ -1,0 +1,107 @@
+"""Bad input gets a typed error naming what is wrong, and changes nothing."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import raymq
+from raymq import errors
+
+
+@pytest.mark.parametrize("name", ["", "..", ".", "a/b", "../x", "a\x00b", "x" * 201, "a\\b", ".hidden"])
+def test_invalid_queue_names_touch_no_file(broker, paging_dir, name):
+    before = sorted(os.listdir(paging_dir))
+    with pytest.raises(errors.InvalidQueueName):
+        broker.create_queue(name)
+    with pytest.raises(errors.InvalidQueueName):
+        broker.get_queue(name)
+    assert sorted(os.listdir(paging_dir)) == before
+
+
+def test_queue_name_type(broker):
+    with pytest.raises(TypeError, match="queue name must be str"):
+        broker.create_queue(b"bytes")
+
+
+def test_queue_not_found_and_exists(broker):
+    with pytest.raises(errors.QueueNotFound, match="nope"):
+        broker.get_queue("nope")
+    q = broker.create_queue("same", page_size_bytes=1 << 20)
+    assert broker.create_queue("same", page_size_bytes=1 << 20).name == q.name  # idempotent
+    with pytest.raises(errors.QueueExists, match="same"):
+        broker.create_queue("same", page_size_bytes=2 << 20)
+
+
+def test_invalid_settings(broker):
+    with pytest.raises(errors.InvalidSetting, match="address_full_policy"):
+        broker.create_queue("p", address_full_policy="EXPLODE")
+    with pytest.raises(errors.InvalidSetting, match="page_size_bytes"):
+        broker.create_queue("p", page_size_bytes=10)
+    with pytest.raises(TypeError, match="durable"):
+        broker.create_queue("p", durable="yes")
+    assert broker.list_queues() == []
+
+
+def test_message_too_large(broker_factory):
+    b = broker_factory(max_message_size=1024)
+    q = b.create_queue("small")
+    with pytest.raises(errors.MessageTooLarge, match="small"):
+        q.send(b"x" * 1025)
+    with pytest.raises(errors.MessageTooLarge, match="message 1"):
+        q.send_batch([b"ok", b"x" * 2000])
+    assert q.stats()["depth"] == 0
+    assert q.send(b"x" * 1024) == 0
+
+
+@pytest.mark.parametrize("props", [{"k": [1]}, {1: "v"}, {"": 1}, {"k": 2**64}, "str", {"k": b"b"}])
+def test_invalid_properties(broker, props):
+    q = broker.create_queue("props")
+    with pytest.raises(errors.InvalidProperties):
+        q.send(b"x", props)
+    with pytest.raises(errors.InvalidProperties):
+        q.send_batch([b"x"], [props] if isinstance(props, dict) else props)
+    assert q.stats()["depth"] == 0
+
+
+def test_wrong_types(broker):
+    q = broker.create_queue("types")
+    with pytest.raises(TypeError, match="bytes"):
+        q.send("text")
+    with pytest.raises(TypeError, match="message 1"):
+        q.send_batch([b"a", 3])
+    with pytest.raises(TypeError):
+        q.send_batch(b"not a list")
+    with pytest.raises(errors.InvalidSetting, match="prefetch"):
+        q.consumer(prefetch=0)
+    assert q.stats()["depth"] == 0
+
+
+def test_selector_not_yet_supported_is_a_selector_error(broker):
+    q = broker.create_queue("sel")
+    with pytest.raises(errors.SelectorError, match="sel"):
+        q.consumer(selector="color = 'red'")
+
+
+def test_unknown_broker_setting():
+    with pytest.raises(errors.InvalidSetting, match="max_size"):
+        raymq.connect(max_size=3)
+
+
+def test_broker_unavailable_after_retries(broker, monkeypatch):
+    import raymq.client as client
+
+    q = broker.create_queue("dead")
+    import ray
+
+    ray.kill(q._actor, no_restart=True)
+    monkeypatch.setattr(client, "RESTART_GRACE_SECONDS", 0.5)
+    with pytest.raises(errors.BrokerUnavailable):
+        q.send(b"x")
+
+
+def test_error_classes_are_stable():
+    for name in ["InvalidQueueName", "QueueNotFound", "QueueExists", "MessageTooLarge",
+                 "InvalidProperties", "AddressFull", "SelectorError", "BrokerUnavailable"]:
+        assert issubclass(getattr(errors, name), errors.RayMQError)
