@@ -53,8 +53,11 @@ class BrokerActor:
     def _actor(self, name: str, cfg: QueueConfig, node_id: str):
         node_id = choose_queue_node(node_id)
         return QueueActor.options(
-            name=queue_actor_name(name), namespace=self.namespace, lifetime="detached",
-            get_if_exists=True, scheduling_strategy=pinned_to(node_id),
+            name=queue_actor_name(name),
+            namespace=self.namespace,
+            lifetime="detached",
+            get_if_exists=True,
+            scheduling_strategy=pinned_to(node_id),
         ).remote(cfg, self.broker_config)
 
     async def create_queue(self, cfg: QueueConfig, node_id: str | None = None):
@@ -109,8 +112,9 @@ class BrokerActor:
             await handle.shutdown.remote(delete_files=True)
             ray.kill(handle, no_restart=True)
             del self._queues[name]
-            shutil.rmtree(os.path.join(self.broker_config.paging_directory, name),
-                          ignore_errors=True)
+            shutil.rmtree(
+                os.path.join(self.broker_config.paging_directory, name), ignore_errors=True
+            )
 
     async def stop_queues(self) -> None:
         """Stop every queue actor, keeping the files (``raymq stop``, test teardown)."""

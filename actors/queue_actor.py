@@ -43,16 +43,22 @@ class QueueActor:
         """Wait until recovery is done; returns the recovery report as a dict."""
         await self._ensure_started()
         r = self.core.recovery
-        return {"seconds": r.seconds, "depth": r.depth, "damage": r.damage,
-                "truncated_bytes": r.truncated_bytes, "lost_messages": r.lost_messages}
+        return {
+            "seconds": r.seconds,
+            "depth": r.depth,
+            "damage": r.damage,
+            "truncated_bytes": r.truncated_bytes,
+            "lost_messages": r.lost_messages,
+        }
 
     async def send_batch(self, batch: MessageBatch) -> tuple[int, int]:
         """Append a batch durably; returns (first offset, count)."""
         await self._ensure_started()
         return await self.core.send_batch(batch)
 
-    async def fetch(self, consumer_id: str, max_messages: int, timeout: float,
-                    prefetch: int) -> pa.RecordBatch:
+    async def fetch(
+        self, consumer_id: str, max_messages: int, timeout: float, prefetch: int
+    ) -> pa.RecordBatch:
         """Deliver up to ``max_messages`` to a consumer, waiting up to ``timeout`` s."""
         await self._ensure_started()
         return await self.core.fetch(consumer_id, max_messages, timeout, prefetch)

@@ -63,8 +63,11 @@ class MessageBatch:
         """Bytes held by the batch's buffers."""
         ts = 0 if self.timestamps is None else self.timestamps.nbytes
         return (
-            self.body_offsets.nbytes + self.body_data.nbytes + self.prop_offsets.nbytes
-            + self.prop_data.nbytes + ts
+            self.body_offsets.nbytes
+            + self.body_data.nbytes
+            + self.prop_offsets.nbytes
+            + self.prop_data.nbytes
+            + ts
         )
 
     @property
@@ -223,8 +226,9 @@ class MessageBatch:
         return pa.RecordBatch.from_arrays(
             [
                 pa.array(np.arange(self.first_offset, self.first_offset + n, dtype=np.int64)),
-                pa.Array.from_buffers(DELIVERY_SCHEMA.field("timestamp").type, n,
-                                      [None, pa.py_buffer(ts)]),
+                pa.Array.from_buffers(
+                    DELIVERY_SCHEMA.field("timestamp").type, n, [None, pa.py_buffer(ts)]
+                ),
                 pa.array(counts.astype(np.int32, copy=False)),
                 _binary(n, self.body_offsets, self.body_data),
                 _binary(n, self.prop_offsets, self.prop_data),

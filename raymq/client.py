@@ -81,19 +81,21 @@ def connect(address: str | None = None, namespace: str = "raymq", **broker_confi
     config = BrokerConfig.from_kwargs(**broker_config)
     if not ray.is_initialized():
         try:
-            ray.init(address=address, namespace=namespace, log_to_driver=False,
-                     configure_logging=False)
+            ray.init(
+                address=address, namespace=namespace, log_to_driver=False, configure_logging=False
+            )
         except ConnectionError as exc:
             raise BrokerUnavailable(f"cannot reach Ray at {address!r}: {exc}") from exc
     actor = BrokerActor.options(
-        name=BROKER_ACTOR_NAME, namespace=namespace, lifetime="detached", get_if_exists=True,
+        name=BROKER_ACTOR_NAME,
+        namespace=namespace,
+        lifetime="detached",
+        get_if_exists=True,
         scheduling_strategy=pinned_to(current_node_id()),
     ).remote(config, namespace)
     running: BrokerConfig = _call(actor.config)
     if broker_config and running != config:
-        raise InvalidSetting(
-            f"broker in namespace {namespace!r} runs with {running}, not {config}"
-        )
+        raise InvalidSetting(f"broker in namespace {namespace!r} runs with {running}, not {config}")
     return Broker(actor, running, namespace)
 
 
@@ -104,17 +106,27 @@ class Broker:
         self._actor = actor
         self.config = config
         self.namespace = namespace
+        self._shut_down = False
 
-    def create_queue(self, name: str, *, durable: bool = True, max_size_bytes: int = -1,
-                     page_size_bytes: int = 10 * 2**20, address_full_policy: str = "PAGE",
-                     page_max_cache_size: int = 5, node_id: str | None = None) -> Queue:
+    def create_queue(
+        self,
+        name: str,
+        *,
+        durable: bool = True,
+        max_size_bytes: int = -1,
+        page_size_bytes: int = 10 * 2**20,
+        address_full_policy: str = "PAGE",
+        page_max_cache_size: int = 5,
+        node_id: str | None = None,
+    ) -> Queue:
         """Create a queue, or return it if it exists with equal settings.
 
         Raises ``QueueExists`` for different settings, ``InvalidQueueName``,
         ``InvalidSetting`` or ``TypeError`` for bad arguments (nothing is created then).
         """
-        cfg = QueueConfig(name, durable, max_size_bytes, page_size_bytes, address_full_policy,
-                          page_max_cache_size)
+        cfg = QueueConfig(
+            name, durable, max_size_bytes, page_size_bytes, address_full_policy, page_max_cache_size
+        )
         handle = _call(self._actor.create_queue, cfg, node_id)
         return Queue(self, name, handle)
 
@@ -136,15 +148,20 @@ class Broker:
         """Each queue's statistics as a dict, by queue name."""
         names = self.list_queues()
         handles = [_call(self._actor.get_queue, n) for n in names]
-        return {n: s.to_dict() for n, s in zip(names, ray.get([h.stats.remote() for h in handles]),
-                                               strict=True)}
+        return {
+            n: s.to_dict()
+            for n, s in zip(names, ray.get([h.stats.remote() for h in handles]), strict=True)
+        }
 
     def shutdown(self) -> None:
         """Stop the broker's actors, keeping every queue's files."""
-        from raymq.actors.broker_actor import BROKER_ACTOR_NAME
-
-        _call(self._actor.stop_queues)
-        ray.kill(ray.get_actor(BROKER_ACTOR_NAME, namespace=self.namespace), no_restart=True)
+        if self._shut_down:
+            return
+        self._shut_down = True
+        try:
+            _call(self._actor.stop_queues, retry=False)
+        finally:
+            ray.kill(self._actor, no_restart=True)
 
 
 class _Coalescer:
@@ -183,8 +200,9 @@ class _Coalescer:
         while not mine[4]:
             with self._cv:
                 items, self._waiting = self._waiting, []
-            batch = _batch_of(b"".join(i[0] for i in items), [len(i[0]) for i in items],
-                              [i[1] for i in items])
+            batch = _batch_of(
+                b"".join(i[0] for i in items), [len(i[0]) for i in items], [i[1] for i in items]
+            )
             try:
                 first, _count = _call(self._queue._actor.send_batch, batch)
                 for k, it in enumerate(items):
@@ -203,8 +221,9 @@ def _batch_of(data: bytes, sizes: list[int], props: list[bytes]) -> MessageBatch
     np.cumsum(sizes, out=bo[1:])
     po = np.zeros(len(props) + 1, dtype=np.int64)
     np.cumsum([len(p) for p in props], out=po[1:])
-    return MessageBatch(bo, np.frombuffer(data, dtype=np.uint8), po,
-                        np.frombuffer(b"".join(props), dtype=np.uint8))
+    return MessageBatch(
+        bo, np.frombuffer(data, dtype=np.uint8), po, np.frombuffer(b"".join(props), dtype=np.uint8)
+    )
 
 
 class Queue:
@@ -221,7 +240,9 @@ class Queue:
 
     def _check_body(self, body: object) -> bytes:
         if not isinstance(body, bytes | bytearray | memoryview):
-            raise TypeError(f"body for queue {self.name!r} must be bytes, not {type(body).__name__}")
+            raise TypeError(
+                f"body for queue {self.name!r} must be bytes, not {type(body).__name__}"
+            )
         if len(body) > self.broker.config.max_message_size:
             from raymq.errors import MessageTooLarge
 
@@ -237,21 +258,30 @@ class Queue:
         Concurrent sends from threads of one process share one call and one fsync.
         """
         body = self._check_body(body)
-        props = encode_properties(validate_properties(properties, where=f"message for queue {self.name!r}"))
+        props = encode_properties(
+            validate_properties(properties, where=f"message for queue {self.name!r}")
+        )
         return self._coalescer.send(body, props)
 
     def _pack(self, bodies, properties) -> MessageBatch:
         if isinstance(bodies, pa.Table | pa.RecordBatch):
             if properties is not None:
                 raise TypeError("properties come from the Arrow columns; pass properties=None")
-            return MessageBatch.from_arrow(bodies, max_message_size=self.broker.config.max_message_size,
-                                           queue=self.name)
-        return MessageBatch.from_bodies(bodies, properties,
-                                        max_message_size=self.broker.config.max_message_size,
-                                        queue=self.name)
+            return MessageBatch.from_arrow(
+                bodies, max_message_size=self.broker.config.max_message_size, queue=self.name
+            )
+        return MessageBatch.from_bodies(
+            bodies,
+            properties,
+            max_message_size=self.broker.config.max_message_size,
+            queue=self.name,
+        )
 
-    def send_batch(self, bodies: Sequence[bytes] | pa.Table | pa.RecordBatch,
-                   properties: Sequence[Mapping | None] | Mapping | None = None) -> list[int]:
+    def send_batch(
+        self,
+        bodies: Sequence[bytes] | pa.Table | pa.RecordBatch,
+        properties: Sequence[Mapping | None] | Mapping | None = None,
+    ) -> list[int]:
         """Send many messages in one write and one fsync; returns their offsets.
 
         ``bodies`` is a list of bytes (``properties`` then one dict for all, or one per
@@ -263,8 +293,11 @@ class Queue:
 
     async def send_async(self, body: bytes, properties: Mapping[str, Any] | None = None) -> int:
         """``send`` for asyncio code."""
-        return (await self.send_batch_async([self._check_body(body)],
-                                            None if properties is None else [properties]))[0]
+        return (
+            await self.send_batch_async(
+                [self._check_body(body)], None if properties is None else [properties]
+            )
+        )[0]
 
     async def send_batch_async(self, bodies, properties=None) -> list[int]:
         """``send_batch`` for asyncio code."""
@@ -323,7 +356,9 @@ class Consumer:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise ConsumerClosed(f"consumer {self.consumer_id} of queue {self.queue.name!r} is closed")
+            raise ConsumerClosed(
+                f"consumer {self.consumer_id} of queue {self.queue.name!r} is closed"
+            )
 
     def _fill(self, timeout: float | None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -356,8 +391,14 @@ class Consumer:
         ts = batch.column("timestamp").cast(pa.int64()).to_numpy()
         return [
             Message(o, b, int(c), float(t) / 1e6, p)
-            for o, b, c, t, p in zip(cols["offset"], cols["body"], cols["delivery_count"], ts,
-                                     cols["properties"], strict=True)
+            for o, b, c, t, p in zip(
+                cols["offset"],
+                cols["body"],
+                cols["delivery_count"],
+                ts,
+                cols["properties"],
+                strict=True,
+            )
         ]
 
     def receive_batch(self, max_messages: int, timeout: float | None = None) -> pa.RecordBatch:
@@ -369,7 +410,9 @@ class Consumer:
         from raymq.batch import DELIVERY_SCHEMA
 
         batch = self._take(max_messages, timeout)
-        return batch if batch is not None else pa.RecordBatch.from_pylist([], schema=DELIVERY_SCHEMA)
+        return (
+            batch if batch is not None else pa.RecordBatch.from_pylist([], schema=DELIVERY_SCHEMA)
+        )
 
     def ack(self, messages: Message | int | Iterable | pa.RecordBatch | pa.Table) -> int:
         """Acknowledge messages; returns how many were newly acknowledged (durably)."""

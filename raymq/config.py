@@ -34,9 +34,7 @@ def validate_queue_name(name: object) -> str:
     if not name:
         raise InvalidQueueName("queue name is empty")
     if len(name.encode("utf-8", "surrogatepass")) > MAX_QUEUE_NAME_BYTES:
-        raise InvalidQueueName(
-            f"queue name {name[:40]!r}... is over {MAX_QUEUE_NAME_BYTES} bytes"
-        )
+        raise InvalidQueueName(f"queue name {name[:40]!r}... is over {MAX_QUEUE_NAME_BYTES} bytes")
     for bad in ("/", "\\", "\x00"):
         if bad in name:
             raise InvalidQueueName(f"queue name {name!r} contains {bad!r}")

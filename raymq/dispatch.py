@@ -86,8 +86,11 @@ class Dispatcher:
         self._holder.update(dict.fromkeys(as_list, consumer_id))
         state.delivered += len(as_list)
         prev = self._previous
-        counts = np.fromiter((prev.get(o, 0) + 1 for o in as_list) if prev else (),
-                             dtype=np.int32, count=len(as_list) if prev else 0)
+        counts = np.fromiter(
+            (prev.get(o, 0) + 1 for o in as_list) if prev else (),
+            dtype=np.int32,
+            count=len(as_list) if prev else 0,
+        )
         if not prev:
             counts = np.ones(len(as_list), dtype=np.int32)
         return offsets, counts
@@ -101,9 +104,7 @@ class Dispatcher:
         """
         bad = offsets[(offsets < 0) | (offsets >= self.log.next_offset)]
         if len(bad):
-            raise InvalidAck(
-                f"queue {self.queue!r}: offsets {bad[:5].tolist()} were never sent"
-            )
+            raise InvalidAck(f"queue {self.queue!r}: offsets {bad[:5].tolist()} were never sent")
         holder = self._holder
         others = [o for o in offsets.tolist() if holder.get(o, consumer_id) != consumer_id]
         if others:
@@ -123,8 +124,9 @@ class Dispatcher:
             state.acked += fresh
         return fresh
 
-    def release(self, consumer_id: str, offsets: np.ndarray | None = None, *,
-                count_delivery: bool = True) -> int:
+    def release(
+        self, consumer_id: str, offsets: np.ndarray | None = None, *, count_delivery: bool = True
+    ) -> int:
         """Give messages back for redelivery (nack, close, death).
 
         ``offsets`` None means all the consumer holds. ``count_delivery`` False is for
@@ -133,9 +135,11 @@ class Dispatcher:
         state = self.consumers.get(consumer_id)
         if state is None:
             return 0
-        chosen = list(state.held) if offsets is None else [
-            o for o in offsets.tolist() if o in state.held
-        ]
+        chosen = (
+            list(state.held)
+            if offsets is None
+            else [o for o in offsets.tolist() if o in state.held]
+        )
         for o in chosen:
             state.held.discard(o)
             del self._holder[o]

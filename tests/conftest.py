@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -19,8 +20,14 @@ def ray_session():
     import ray
 
     temp_dir = tempfile.mkdtemp(prefix="rmq-ray-")
-    ray.init(num_cpus=4, object_store_memory=200 * 2**20, include_dashboard=False,
-             _temp_dir=temp_dir, log_to_driver=False, configure_logging=False)
+    ray.init(
+        num_cpus=4,
+        object_store_memory=200 * 2**20,
+        include_dashboard=False,
+        _temp_dir=temp_dir,
+        log_to_driver=False,
+        configure_logging=False,
+    )
     yield ray
     ray.shutdown()
     shutil.rmtree(temp_dir, ignore_errors=True)
@@ -49,10 +56,8 @@ def broker_factory(ray_session, paging_dir):
 
     yield make
     for b in made:
-        try:
+        with contextlib.suppress(Exception):
             b.shutdown()
-        except Exception:
-            pass
 
 
 @pytest.fixture

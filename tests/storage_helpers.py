@@ -10,8 +10,9 @@ from raymq.storage import SegmentLog
 NOW_US = 1_700_000_000_000_000
 
 
-def commit(log: SegmentLog, bodies: list[bytes] | None = None, props=None, *,
-           checkpoint: bool = False) -> list[int]:
+def commit(
+    log: SegmentLog, bodies: list[bytes] | None = None, props=None, *, checkpoint: bool = False
+) -> list[int]:
     """Append ``bodies`` (maybe none) and flush pending acks in one group commit."""
     batches = []
     if bodies:

@@ -10,7 +10,9 @@ import raymq
 from raymq import errors
 
 
-@pytest.mark.parametrize("name", ["", "..", ".", "a/b", "../x", "a\x00b", "x" * 201, "a\\b", ".hidden"])
+@pytest.mark.parametrize(
+    "name", ["", "..", ".", "a/b", "../x", "a\x00b", "x" * 201, "a\\b", ".hidden"]
+)
 def test_invalid_queue_names_touch_no_file(broker, paging_dir, name):
     before = sorted(os.listdir(paging_dir))
     with pytest.raises(errors.InvalidQueueName):
@@ -102,6 +104,14 @@ def test_broker_unavailable_after_retries(broker, monkeypatch):
 
 
 def test_error_classes_are_stable():
-    for name in ["InvalidQueueName", "QueueNotFound", "QueueExists", "MessageTooLarge",
-                 "InvalidProperties", "AddressFull", "SelectorError", "BrokerUnavailable"]:
+    for name in [
+        "InvalidQueueName",
+        "QueueNotFound",
+        "QueueExists",
+        "MessageTooLarge",
+        "InvalidProperties",
+        "AddressFull",
+        "SelectorError",
+        "BrokerUnavailable",
+    ]:
         assert issubclass(getattr(errors, name), errors.RayMQError)

@@ -200,8 +200,13 @@ def test_sigkill_of_the_queue_actor_loses_no_acknowledged_send(broker):
             batch = c.receive_batch(5000, timeout=2)
             if batch.num_rows == 0:
                 break
-            got.update(zip(batch.column("offset").to_pylist(), batch.column("body").to_pylist(),
-                           strict=True))
+            got.update(
+                zip(
+                    batch.column("offset").to_pylist(),
+                    batch.column("body").to_pylist(),
+                    strict=True,
+                )
+            )
             c.ack(batch)
     missing = [o for o in sent if o not in got]
     assert not missing, f"{len(missing)} acknowledged sends lost, e.g. {missing[:5]}"
@@ -250,7 +255,10 @@ def test_ack_of_foreign_or_unknown_offsets_is_refused(broker):
 
 def test_actor_layout(broker):
     q = broker.create_queue("layout")
-    names = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if a["namespace"] == broker.namespace}
+    names = {
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["namespace"] == broker.namespace
+    }
     assert names == {"raymq.broker", "raymq.queue.layout"}
     assert np.int64(q.send(b"x")) == 0

@@ -14,6 +14,16 @@ from tests.storage_helpers import commit, read_all
 PAGE = 64 * 1024
 
 
+def _read(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _write(path, data):
+    with open(path, "wb") as f:
+        f.write(data)
+
+
 def open_log(path, durable=True, page=PAGE):
     return SegmentLog.open(str(path), queue="q", page_size_bytes=page, durable=durable)
 
@@ -134,7 +144,8 @@ def test_truncation_at_every_byte_of_the_last_record(tmp_path):
     commit(log, [b"second-record"] * 2, [{"k": 1}, {"k": 2}])
     log.close()
     seg_path, pos, size = _last_record_position(src)
-    original = open(seg_path, "rb").read()
+    with open(seg_path, "rb") as f:
+        original = f.read()
     for cut in range(pos, size):
         work = tmp_path / f"cut{cut}"
         work.mkdir()
@@ -158,9 +169,9 @@ def test_flipped_byte_in_the_middle_is_reported_never_served(tmp_path):
     middle_pos = seg.positions[1]
     log.close()
     os.unlink(tmp_path / "checkpoint")
-    data = bytearray(open(seg.path, "rb").read())
+    data = bytearray(_read(seg.path))
     data[middle_pos + RECORD_HEADER.size + 20] ^= 0xFF  # inside the payload
-    open(seg.path, "wb").write(bytes(data))
+    _write(seg.path, bytes(data))
     log2, report = open_log(tmp_path)
     got = read_all(log2)
     assert sorted(got) == [0, 1, 2, 3, 8, 9, 10, 11]
@@ -177,9 +188,9 @@ def test_flipped_byte_in_a_header_is_reported(tmp_path):
     pos = seg.positions[1]
     log.close()
     os.unlink(tmp_path / "checkpoint")
-    data = bytearray(open(seg.path, "rb").read())
+    data = bytearray(_read(seg.path))
     data[pos + 13] ^= 0x01  # the length field
-    open(seg.path, "wb").write(bytes(data))
+    _write(seg.path, bytes(data))
     log2, report = open_log(tmp_path)
     assert sorted(read_all(log2)) == [0, 1, 4, 5]
     assert report.lost_messages == 2

@@ -68,6 +68,11 @@ class PreparedWrite:
     firsts: list[int] = field(default_factory=list)
 
     @property
+    def write_bytes(self) -> int:
+        """Bytes of records this write appends."""
+        return sum(item[4] for item in self.items)
+
+    @property
     def message_count(self) -> int:
         """Messages this write appends."""
         return sum(len(item[3]) for item in self.items)
@@ -77,7 +82,12 @@ class SegmentLog:
     """The queue's messages: page files (or memory, for a non-durable queue) and ack state."""
 
     def __init__(
-        self, directory: str, *, queue: str, page_size_bytes: int, durable: bool = True,
+        self,
+        directory: str,
+        *,
+        queue: str,
+        page_size_bytes: int,
+        durable: bool = True,
         read_cache_bytes: int = 64 * 2**20,
     ):
         self.directory = directory
@@ -103,7 +113,12 @@ class SegmentLog:
 
     @classmethod
     def open(
-        cls, directory: str, *, queue: str, page_size_bytes: int, durable: bool = True,
+        cls,
+        directory: str,
+        *,
+        queue: str,
+        page_size_bytes: int,
+        durable: bool = True,
         read_cache_bytes: int = 64 * 2**20,
     ) -> tuple[SegmentLog, RecoveryReport]:
         """Open (creating if needed) the queue's directory and recover its state.
@@ -112,8 +127,13 @@ class SegmentLog:
         """
         t0 = time.perf_counter()
         os.makedirs(directory, exist_ok=True)
-        self = cls(directory, queue=queue, page_size_bytes=page_size_bytes, durable=durable,
-                   read_cache_bytes=read_cache_bytes)
+        self = cls(
+            directory,
+            queue=queue,
+            page_size_bytes=page_size_bytes,
+            durable=durable,
+            read_cache_bytes=read_cache_bytes,
+        )
         report = RecoveryReport(queue=queue)
         if durable:
             self._recover(report)
@@ -213,19 +233,26 @@ class SegmentLog:
     # -- checkpoints -----------------------------------------------------------------
 
     def _snapshot(self, ack_generation: int) -> bytes:
-        body = msgpack.packb({
-            "next_offset": self.next_offset,
-            "ack_generation": ack_generation,
-            "segments": [
-                {
-                    "base": s.base_offset, "size": s.size, "count": s.count,
-                    "acked_n": s.acked_n, "lost_n": s.lost_n,
-                    "firsts": s.firsts.tobytes(), "positions": s.positions.tobytes(),
-                    "acked": np.packbits(s.acked).tobytes(),
-                }
-                for s in self.segments if s.count
-            ],
-        })
+        body = msgpack.packb(
+            {
+                "next_offset": self.next_offset,
+                "ack_generation": ack_generation,
+                "segments": [
+                    {
+                        "base": s.base_offset,
+                        "size": s.size,
+                        "count": s.count,
+                        "acked_n": s.acked_n,
+                        "lost_n": s.lost_n,
+                        "firsts": s.firsts.tobytes(),
+                        "positions": s.positions.tobytes(),
+                        "acked": np.packbits(s.acked).tobytes(),
+                    }
+                    for s in self.segments
+                    if s.count
+                ],
+            }
+        )
         header = CHECKPOINT_HEADER.pack(
             CHECKPOINT_MAGIC, CHECKPOINT_VERSION, crc32([body]), len(body)
         )
@@ -251,8 +278,12 @@ class SegmentLog:
         if len(data) >= hs:
             magic, version, crc, length = CHECKPOINT_HEADER.unpack_from(data, 0)
             body = data[hs : hs + length]
-            if (magic == CHECKPOINT_MAGIC and version == CHECKPOINT_VERSION
-                    and len(body) == length and crc32([body]) == crc):
+            if (
+                magic == CHECKPOINT_MAGIC
+                and version == CHECKPOINT_VERSION
+                and len(body) == length
+                and crc32([body]) == crc
+            ):
                 return msgpack.unpackb(body)
         report.damage.append(f"{path}: damaged checkpoint ignored; all files rescanned")
         return None
@@ -307,7 +338,8 @@ class SegmentLog:
                 self._ack_log = AckLog(self.directory, gen)
         written = {id(item[0]) for item in prepared.items}
         prepared.deletable = [
-            s for s in self.segments
+            s
+            for s in self.segments
             if s.fully_acked and s.planned_size == s.size and id(s) not in written
         ]
         return prepared
@@ -414,8 +446,9 @@ class SegmentLog:
         offsets = np.asarray(offsets, dtype=np.int64)
         if not len(offsets) or not self.segments:
             return 0
-        bases = np.fromiter((s.base_offset for s in self.segments), dtype=np.int64,
-                            count=len(self.segments))
+        bases = np.fromiter(
+            (s.base_offset for s in self.segments), dtype=np.int64, count=len(self.segments)
+        )
         where = np.searchsorted(bases, offsets, side="right") - 1
         fresh = 0
         for i in np.unique(where[where >= 0]):

@@ -48,9 +48,7 @@ def encode_record(batch: MessageBatch) -> list[bytes | memoryview]:
     length = sum(p.nbytes for p in payload)
     pcrc = crc32(payload)
     tail = RECORD_HEADER.pack(RECORD_MAGIC, 0, pcrc, length, batch.first_offset, n, 0)[8:]
-    header = RECORD_HEADER.pack(
-        RECORD_MAGIC, crc32([tail]), pcrc, length, batch.first_offset, n, 0
-    )
+    header = RECORD_HEADER.pack(RECORD_MAGIC, crc32([tail]), pcrc, length, batch.first_offset, n, 0)
     return [header, *payload]
 
 

@@ -1,0 +1,152 @@
+"""Produce and consume rates of RayMQ against ray.util.queue.Queue, measured in one run.
+
+1 KiB messages; durable and non-durable queues; single sends from 8 concurrent
+producers and batches of 1,000. Each RayMQ figure is printed with its ratio to
+ray.util.queue doing the same work in memory, and durable figures also as a fraction
+of this disk's sequential fdatasync bandwidth, measured first.
+
+    python bench/throughput.py [--messages 200000] [--single 4000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+import threading
+import time
+
+import ray
+from ray.util.queue import Queue as RayQueue
+
+import raymq
+from bench.common import console, fdatasync_bandwidth, print_table, timed
+
+BODY = b"x" * 1024
+BATCH = 1000
+
+
+def in_threads(n_threads: int, total: int, work) -> int:
+    """Split ``total`` items over threads running ``work(count)``; returns ``total``."""
+    per = total // n_threads
+    threads = [threading.Thread(target=work, args=(per,)) for _ in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return per * n_threads
+
+
+def raymq_rates(broker, durable: bool, messages: int, single: int) -> dict[str, float]:
+    name = f"bench-{'durable' if durable else 'memory'}"
+    q = broker.create_queue(name, durable=durable)
+    bodies = [BODY] * BATCH
+
+    def produce_batches(count: int) -> None:
+        for _ in range(count // BATCH):
+            q.send_batch(bodies)
+
+    _, batched_in = timed(lambda: in_threads(4, messages, produce_batches))
+
+    def consume() -> int:
+        got = 0
+        with q.consumer(prefetch=4 * BATCH) as c:
+            while got < messages:
+                batch = c.receive_batch(BATCH, timeout=10)
+                if batch.num_rows == 0:
+                    raise RuntimeError(f"consumer stalled after {got} messages")
+                c.ack(batch)
+                got += batch.num_rows
+        return got
+
+    _, batched_out = timed(consume)
+
+    def produce_single(count: int) -> None:
+        for _ in range(count):
+            q.send(BODY)
+
+    _, single_in = timed(lambda: in_threads(8, single, produce_single))
+    broker.delete_queue(name)
+    return {
+        "batched produce": batched_in,
+        "batched consume": batched_out,
+        "single produce (8 producers)": single_in,
+    }
+
+
+def ray_queue_rates(messages: int, single: int) -> dict[str, float]:
+    rq = RayQueue(maxsize=0)
+    bodies = [BODY] * BATCH
+
+    def produce_batches(count: int) -> None:
+        for _ in range(count // BATCH):
+            rq.put_nowait_batch(bodies)
+
+    _, batched_in = timed(lambda: in_threads(4, messages, produce_batches))
+
+    def consume() -> int:
+        got = 0
+        while got < messages:
+            got += len(rq.get_nowait_batch(min(BATCH, messages - got)))
+        return got
+
+    _, batched_out = timed(consume)
+
+    def produce_single(count: int) -> None:
+        for _ in range(count):
+            rq.put(BODY)
+
+    _, single_in = timed(lambda: in_threads(8, single, produce_single))
+    rq.shutdown()
+    return {
+        "batched produce": batched_in,
+        "batched consume": batched_out,
+        "single produce (8 producers)": single_in,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--messages", type=int, default=200_000, help="messages per batched run")
+    parser.add_argument("--single", type=int, default=4_000, help="messages per single-send run")
+    args = parser.parse_args()
+
+    console.print("measuring sequential fdatasync bandwidth ...")
+    disk = fdatasync_bandwidth()
+    console.print(f"disk: {disk / 2**20:.0f} MiB/s sequential with fdatasync per MiB")
+
+    ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+    paging = tempfile.mkdtemp(prefix="raymq-bench-")
+    broker = raymq.connect(namespace="raymq-bench", paging_directory=paging)
+    try:
+        console.print("ray.util.queue baseline ...")
+        base = ray_queue_rates(args.messages, args.single)
+        rows = []
+        for durable in (True, False):
+            console.print(f"RayMQ {'durable' if durable else 'non-durable'} ...")
+            rates = raymq_rates(broker, durable, args.messages, args.single)
+            for k, v in rates.items():
+                disk_share = f"{v * len(BODY) / disk:.0%}" if durable and "produce" in k else "-"
+                rows.append(
+                    [
+                        f"{'durable' if durable else 'memory'} {k}",
+                        f"{v:,.0f}",
+                        f"{base[k]:,.0f}",
+                        f"{v / base[k]:.2f}x",
+                        disk_share,
+                    ]
+                )
+        print_table(
+            f"1 KiB messages, {args.messages:,} batched / {args.single:,} single, "
+            f"{time.strftime('%Y-%m-%d')}",
+            ["workload", "RayMQ msg/s", "ray.util.queue msg/s", "ratio", "of disk bw"],
+            rows,
+        )
+    finally:
+        broker.shutdown()
+        ray.shutdown()
+        shutil.rmtree(paging, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
