@@ -32,6 +32,19 @@ DELIVERY_SCHEMA = pa.schema(
 _EMPTY_U8 = np.zeros(0, dtype=np.uint8)
 
 
+def check_sizes(
+    sizes: np.ndarray, max_message_size: int, queue: str, what: str = "message"
+) -> None:
+    """Raise ``MessageTooLarge`` naming the first body over ``max_message_size`` bytes."""
+    too_big = np.flatnonzero(sizes > max_message_size)
+    if len(too_big):
+        i = int(too_big[0])
+        raise MessageTooLarge(
+            f"{what} {i} for queue {queue!r} is {int(sizes[i])} bytes;"
+            f" max_message_size is {max_message_size}"
+        )
+
+
 def _as_u8(data: object) -> np.ndarray:
     """View bytes-like data as a uint8 array without copying."""
     if isinstance(data, np.ndarray):
@@ -115,13 +128,7 @@ class MessageBatch:
                     f" not {type(body).__name__}"
                 )
             sizes[i] = len(body)
-        too_big = np.flatnonzero(sizes > max_message_size)
-        if len(too_big):
-            i = int(too_big[0])
-            raise MessageTooLarge(
-                f"message {i} for queue {queue!r} is {int(sizes[i])} bytes;"
-                f" max_message_size is {max_message_size}"
-            )
+        check_sizes(sizes, max_message_size, queue)
         body_offsets = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(sizes, out=body_offsets[1:])
         body_data = _as_u8(b"".join(bodies)) if n else _EMPTY_U8
@@ -182,13 +189,7 @@ class MessageBatch:
             body.offset : body.offset + len(body) + 1
         ]
         sizes = np.diff(offsets)
-        too_big = np.flatnonzero(sizes > max_message_size)
-        if len(too_big):
-            i = int(too_big[0])
-            raise MessageTooLarge(
-                f"row {i} for queue {queue!r} is {int(sizes[i])} bytes;"
-                f" max_message_size is {max_message_size}"
-            )
+        check_sizes(sizes, max_message_size, queue, what="row")
         data_buf = body.buffers()[2]
         start, end = int(offsets[0]), int(offsets[-1])
         body_data = np.frombuffer(data_buf, dtype=np.uint8)[start:end] if end > start else _EMPTY_U8

@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 import ray
 
-from raymq.batch import MessageBatch
+from raymq.batch import MessageBatch, check_sizes
 from raymq.config import BrokerConfig, QueueConfig, validate_queue_name
 from raymq.errors import (
     BrokerUnavailable,
@@ -243,13 +243,7 @@ class Queue:
             raise TypeError(
                 f"body for queue {self.name!r} must be bytes, not {type(body).__name__}"
             )
-        if len(body) > self.broker.config.max_message_size:
-            from raymq.errors import MessageTooLarge
-
-            raise MessageTooLarge(
-                f"message for queue {self.name!r} is {len(body)} bytes;"
-                f" max_message_size is {self.broker.config.max_message_size}"
-            )
+        check_sizes(np.array([len(body)]), self.broker.config.max_message_size, self.name)
         return bytes(body)
 
     def send(self, body: bytes, properties: Mapping[str, Any] | None = None) -> int:

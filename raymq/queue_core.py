@@ -21,10 +21,10 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import pyarrow as pa
 
-from raymq.batch import DELIVERY_SCHEMA, MessageBatch
+from raymq.batch import DELIVERY_SCHEMA, MessageBatch, check_sizes
 from raymq.config import BrokerConfig, QueueConfig
 from raymq.dispatch import Dispatcher
-from raymq.errors import MessageTooLarge, RayMQError
+from raymq.errors import RayMQError
 from raymq.storage import RecoveryReport, SegmentLog
 
 log = logging.getLogger("raymq.queue")
@@ -139,13 +139,7 @@ class QueueCore:
     def _check_batch(self, batch: MessageBatch) -> None:
         if not isinstance(batch, MessageBatch):
             raise TypeError(f"send_batch takes a MessageBatch, not {type(batch).__name__}")
-        sizes = batch.body_sizes()
-        if len(sizes) and int(sizes.max()) > self.broker.max_message_size:
-            i = int(np.argmax(sizes))
-            raise MessageTooLarge(
-                f"message {i} for queue {self.name!r} is {int(sizes[i])} bytes;"
-                f" max_message_size is {self.broker.max_message_size}"
-            )
+        check_sizes(batch.body_sizes(), self.broker.max_message_size, self.name)
 
     async def _write_loop(self) -> None:
         while True:
