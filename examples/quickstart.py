@@ -6,6 +6,7 @@ cluster with ``ray job submit --working-dir . -- python examples/quickstart.py``
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 
 import raymq
@@ -51,6 +52,7 @@ def main() -> None:
     assert received == 1001 and stats["depth"] == 0, "quickstart did not consume everything"
     broker.delete_queue("orders")
     broker.shutdown()
+    shutil.rmtree(paging, ignore_errors=True)
 
 
 if __name__ == "__main__":
