@@ -24,7 +24,6 @@ import pyarrow as pa
 from raymq.batch import DELIVERY_SCHEMA, MessageBatch, check_sizes
 from raymq.config import BrokerConfig, QueueConfig
 from raymq.dispatch import Dispatcher
-from raymq.errors import RayMQError
 from raymq.storage import RecoveryReport, SegmentLog
 
 log = logging.getLogger("raymq.queue")
@@ -315,4 +314,4 @@ class QueueCore:
 
 _EMPTY = pa.RecordBatch.from_pylist([], schema=DELIVERY_SCHEMA)
 
-__all__ = ["QueueCore", "QueueStats", "RayMQError"]
+__all__ = ["QueueCore", "QueueStats"]
