@@ -37,21 +37,39 @@ def in_threads(n_threads: int, total: int, work) -> int:
     return per * n_threads
 
 
-def raymq_rates(broker, durable: bool, messages: int, single: int) -> dict[str, float]:
-    name = f"bench-{'durable' if durable else 'memory'}"
-    q = broker.create_queue(name, durable=durable)
+def measure(send_batch, consume, send_one, messages: int, single: int) -> dict[str, float]:
+    """Rates of one system: batched produce (4 threads), batched consume, single sends
+    from 8 threads. ``consume(n)`` must receive n messages and return n."""
     bodies = [BODY] * BATCH
+    messages -= messages % (4 * BATCH)  # whole batches for each of the 4 producer threads
 
     def produce_batches(count: int) -> None:
         for _ in range(count // BATCH):
-            q.send_batch(bodies)
+            send_batch(bodies)
+
+    def produce_single(count: int) -> None:
+        for _ in range(count):
+            send_one(BODY)
 
     _, batched_in = timed(lambda: in_threads(4, messages, produce_batches))
+    _, batched_out = timed(lambda: consume(messages))
+    _, single_in = timed(lambda: in_threads(8, single, produce_single))
+    return {
+        "batched produce": batched_in,
+        "batched consume": batched_out,
+        "single produce (8 producers)": single_in,
+    }
 
-    def consume() -> int:
+
+def raymq_rates(broker, durable: bool, messages: int, single: int) -> dict[str, float]:
+    """RayMQ: send_batch / receive_batch + ack / send."""
+    name = f"bench-{'durable' if durable else 'memory'}"
+    q = broker.create_queue(name, durable=durable)
+
+    def consume(n: int) -> int:
         got = 0
         with q.consumer(prefetch=4 * BATCH) as c:
-            while got < messages:
+            while got < n:
                 batch = c.receive_batch(BATCH, timeout=10)
                 if batch.num_rows == 0:
                     raise RuntimeError(f"consumer stalled after {got} messages")
@@ -59,50 +77,24 @@ def raymq_rates(broker, durable: bool, messages: int, single: int) -> dict[str, 
                 got += batch.num_rows
         return got
 
-    _, batched_out = timed(consume)
-
-    def produce_single(count: int) -> None:
-        for _ in range(count):
-            q.send(BODY)
-
-    _, single_in = timed(lambda: in_threads(8, single, produce_single))
+    rates = measure(q.send_batch, consume, q.send, messages, single)
     broker.delete_queue(name)
-    return {
-        "batched produce": batched_in,
-        "batched consume": batched_out,
-        "single produce (8 producers)": single_in,
-    }
+    return rates
 
 
 def ray_queue_rates(messages: int, single: int) -> dict[str, float]:
+    """ray.util.queue: put_nowait_batch / get_nowait_batch / put."""
     rq = RayQueue(maxsize=0)
-    bodies = [BODY] * BATCH
 
-    def produce_batches(count: int) -> None:
-        for _ in range(count // BATCH):
-            rq.put_nowait_batch(bodies)
-
-    _, batched_in = timed(lambda: in_threads(4, messages, produce_batches))
-
-    def consume() -> int:
+    def consume(n: int) -> int:
         got = 0
-        while got < messages:
-            got += len(rq.get_nowait_batch(min(BATCH, messages - got)))
+        while got < n:
+            got += len(rq.get_nowait_batch(min(BATCH, n - got)))
         return got
 
-    _, batched_out = timed(consume)
-
-    def produce_single(count: int) -> None:
-        for _ in range(count):
-            rq.put(BODY)
-
-    _, single_in = timed(lambda: in_threads(8, single, produce_single))
+    rates = measure(rq.put_nowait_batch, consume, rq.put, messages, single)
     rq.shutdown()
-    return {
-        "batched produce": batched_in,
-        "batched consume": batched_out,
-        "single produce (8 producers)": single_in,
-    }
+    return rates
 
 
 def main() -> None:

@@ -29,6 +29,9 @@ DELIVERY_SCHEMA = pa.schema(
     ]
 )
 
+#: What a fetch returns when nothing arrived in time.
+EMPTY_DELIVERY = pa.RecordBatch.from_pylist([], schema=DELIVERY_SCHEMA)
+
 _EMPTY_U8 = np.zeros(0, dtype=np.uint8)
 
 
@@ -43,6 +46,15 @@ def check_sizes(
             f"{what} {i} for queue {queue!r} is {int(sizes[i])} bytes;"
             f" max_message_size is {max_message_size}"
         )
+
+
+def _pack(
+    parts: Sequence[bytes], sizes: Sequence[int] | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Concatenate byte strings: (int64 offsets of n+1 entries from 0, uint8 data)."""
+    offsets = np.zeros(len(parts) + 1, dtype=np.int64)
+    np.cumsum([len(p) for p in parts] if sizes is None else sizes, out=offsets[1:])
+    return offsets, _as_u8(b"".join(parts)) if len(parts) else _EMPTY_U8
 
 
 def _as_u8(data: object) -> np.ndarray:
@@ -129,11 +141,14 @@ class MessageBatch:
                 )
             sizes[i] = len(body)
         check_sizes(sizes, max_message_size, queue)
-        body_offsets = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(sizes, out=body_offsets[1:])
-        body_data = _as_u8(b"".join(bodies)) if n else _EMPTY_U8
+        body_offsets, body_data = _pack(bodies, sizes)
         prop_offsets, prop_data = cls._pack_properties(properties, n, queue)
         return cls(body_offsets, body_data, prop_offsets, prop_data)
+
+    @classmethod
+    def from_encoded(cls, bodies: Sequence[bytes], properties: Sequence[bytes]) -> MessageBatch:
+        """Pack bodies and already validated, msgpack-encoded properties (one per body)."""
+        return cls(*_pack(bodies), *_pack(properties))
 
     @staticmethod
     def _pack_properties(
@@ -158,9 +173,7 @@ class MessageBatch:
                 encode_properties(validate_properties(p, where=f"message {i} for queue {queue!r}"))
                 for i, p in enumerate(properties)
             ]
-        offsets = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum([len(e) for e in encoded], out=offsets[1:])
-        return offsets, _as_u8(b"".join(encoded)) if n else _EMPTY_U8
+        return _pack(encoded)
 
     @classmethod
     def from_arrow(

@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 import ray
 
-from raymq.batch import MessageBatch, check_sizes
+from raymq.batch import EMPTY_DELIVERY, MessageBatch, check_sizes
 from raymq.config import BrokerConfig, QueueConfig, validate_queue_name
 from raymq.errors import (
     BrokerUnavailable,
@@ -164,6 +164,17 @@ class Broker:
             ray.kill(self._actor, no_restart=True)
 
 
+@dataclass
+class _PendingSend:
+    """One single-message send waiting in the coalescer."""
+
+    body: bytes
+    properties: bytes
+    offset: int = -1
+    error: BaseException | None = None
+    done: bool = False
+
+
 class _Coalescer:
     """Coalesces concurrent single-message sends of one process into one actor call.
 
@@ -174,56 +185,47 @@ class _Coalescer:
     def __init__(self, queue: Queue):
         self._queue = queue
         self._cv = threading.Condition()
-        self._waiting: list[list] = []  # [body, props_bytes, result, error, done]
+        self._waiting: list[_PendingSend] = []
         self._leader = False
 
     def send(self, body: bytes, props: bytes) -> int:
-        item = [body, props, None, None, False]
+        item = _PendingSend(body, props)
         with self._cv:
             self._waiting.append(item)
-            while self._leader and not item[4]:
+            while self._leader and not item.done:
                 self._cv.wait()
-            if not item[4]:
+            lead = not item.done
+            if lead:
                 self._leader = True
-        if not item[4]:
+        if lead:
             try:
                 self._flush_until(item)
             finally:
                 with self._cv:
                     self._leader = False
                     self._cv.notify_all()
-        if item[3] is not None:
-            raise item[3]
-        return item[2]
+        if item.error is not None:
+            raise item.error
+        return item.offset
 
-    def _flush_until(self, mine: list) -> None:
-        while not mine[4]:
+    def _flush_until(self, mine: _PendingSend) -> None:
+        while not mine.done:
             with self._cv:
                 items, self._waiting = self._waiting, []
-            batch = _batch_of(
-                b"".join(i[0] for i in items), [len(i[0]) for i in items], [i[1] for i in items]
+            batch = MessageBatch.from_encoded(
+                [i.body for i in items], [i.properties for i in items]
             )
             try:
                 first, _count = _call(self._queue._actor.send_batch, batch)
                 for k, it in enumerate(items):
-                    it[2] = first + k
+                    it.offset = first + k
             except Exception as exc:  # every waiter of this call gets the error
                 for it in items:
-                    it[3] = exc
+                    it.error = exc
             with self._cv:
                 for it in items:
-                    it[4] = True
+                    it.done = True
                 self._cv.notify_all()
-
-
-def _batch_of(data: bytes, sizes: list[int], props: list[bytes]) -> MessageBatch:
-    bo = np.zeros(len(sizes) + 1, dtype=np.int64)
-    np.cumsum(sizes, out=bo[1:])
-    po = np.zeros(len(props) + 1, dtype=np.int64)
-    np.cumsum([len(p) for p in props], out=po[1:])
-    return MessageBatch(
-        bo, np.frombuffer(data, dtype=np.uint8), po, np.frombuffer(b"".join(props), dtype=np.uint8)
-    )
 
 
 class Queue:
@@ -401,12 +403,8 @@ class Consumer:
         Columns: offset, timestamp, delivery_count, body, properties (msgpack). Empty
         when nothing arrived within ``timeout`` seconds.
         """
-        from raymq.batch import DELIVERY_SCHEMA
-
         batch = self._take(max_messages, timeout)
-        return (
-            batch if batch is not None else pa.RecordBatch.from_pylist([], schema=DELIVERY_SCHEMA)
-        )
+        return batch if batch is not None else EMPTY_DELIVERY
 
     def ack(self, messages: Message | int | Iterable | pa.RecordBatch | pa.Table) -> int:
         """Acknowledge messages; returns how many were newly acknowledged (durably)."""

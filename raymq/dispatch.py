@@ -69,11 +69,7 @@ class Dispatcher:
         want = min(max_messages, state.prefetch - len(state.held))
         if want <= 0:
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32)
-        picked: list[int] = []
-        while self._redeliver and len(picked) < want:
-            off = heapq.heappop(self._redeliver)
-            if off not in self._holder and not self.log.is_acked(np.array([off]))[0]:
-                picked.append(off)
+        picked = self._pop_redeliverable(want)
         fresh = np.zeros(0, dtype=np.int64)
         if len(picked) < want and self.cursor < self.log.next_offset:
             fresh = self.log.unacked(self.cursor, want - len(picked))
@@ -86,14 +82,23 @@ class Dispatcher:
         self._holder.update(dict.fromkeys(as_list, consumer_id))
         state.delivered += len(as_list)
         prev = self._previous
-        counts = np.fromiter(
-            (prev.get(o, 0) + 1 for o in as_list) if prev else (),
-            dtype=np.int32,
-            count=len(as_list) if prev else 0,
-        )
-        if not prev:
+        if prev:
+            counts = np.array([prev.get(o, 0) + 1 for o in as_list], dtype=np.int32)
+        else:
             counts = np.ones(len(as_list), dtype=np.int32)
         return offsets, counts
+
+    def _pop_redeliverable(self, want: int) -> list[int]:
+        """Pop up to ``want`` released offsets that are still unacked and unheld."""
+        picked: list[int] = []
+        while self._redeliver and len(picked) < want:
+            k = min(want - len(picked), len(self._redeliver))
+            candidates = [heapq.heappop(self._redeliver) for _ in range(k)]
+            candidates = [o for o in candidates if o not in self._holder]
+            if candidates:
+                acked = self.log.is_acked(np.array(candidates, dtype=np.int64))
+                picked.extend(o for o, a in zip(candidates, acked, strict=True) if not a)
+        return picked
 
     def check_ack(self, consumer_id: str, offsets: np.ndarray) -> None:
         """Raise ``InvalidAck`` (changing nothing) unless ``consumer_id`` may ack ``offsets``.

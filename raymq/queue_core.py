@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import pyarrow as pa
 
-from raymq.batch import DELIVERY_SCHEMA, MessageBatch, check_sizes
+from raymq.batch import EMPTY_DELIVERY, MessageBatch, check_sizes
 from raymq.config import BrokerConfig, QueueConfig
 from raymq.dispatch import Dispatcher
 from raymq.storage import RecoveryReport, SegmentLog
@@ -109,9 +109,11 @@ class QueueCore:
         """Flush what is pending, stop the tasks and close the files."""
         if self._closed:
             return
-        while self._pending or self.log.has_pending_acks:
+        if self._pending or self.log.has_pending_acks:
+            flushed = asyncio.get_running_loop().create_future()
+            self._ack_waiters.append(flushed)  # resolved by the commit that takes them all
             self._kick.set()
-            await asyncio.sleep(0.001)
+            await flushed
         self._closed = True
         for task in (self._writer, self._ticker):
             if task is not None:
@@ -217,7 +219,7 @@ class QueueCore:
     ) -> pa.RecordBatch:
         """Deliver up to ``max_messages``, waiting up to ``timeout`` seconds for some.
 
-        Returns a RecordBatch in ``DELIVERY_SCHEMA`` (empty when nothing came in time).
+        Returns a RecordBatch in ``raymq.batch.DELIVERY_SCHEMA`` (empty when nothing came in time).
         """
         if consumer_id not in self.dispatcher.consumers:  # e.g. after an actor restart
             self.dispatcher.register(consumer_id, prefetch)
@@ -229,7 +231,7 @@ class QueueCore:
                 return self._materialize(offsets, counts)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                return _EMPTY
+                return EMPTY_DELIVERY
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._arrival.wait(), remaining)
 
@@ -311,7 +313,5 @@ class QueueCore:
             damaged_messages=self.recovery.lost_messages,
         )
 
-
-_EMPTY = pa.RecordBatch.from_pylist([], schema=DELIVERY_SCHEMA)
 
 __all__ = ["QueueCore", "QueueStats"]

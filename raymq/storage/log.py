@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from bisect import bisect_right
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -364,7 +363,7 @@ class SegmentLog:
         seg = self._active
         if seg is not None and (
             seg.planned_end != first
-            or (seg.planned_end > seg.base_offset and seg.planned_size + size > self._limit(seg))
+            or (seg.planned_end > seg.base_offset and seg.planned_size + size > self._page_limit)
         ):
             seg = None
         if seg is None:
@@ -374,7 +373,9 @@ class SegmentLog:
             self._active = seg
         return seg
 
-    def _limit(self, seg: Segment) -> int:
+    @property
+    def _page_limit(self) -> int:
+        """Bytes a segment may reach before the next record goes to a new one."""
         return self.page_size_bytes + (RECORD_HEADER.size if self.durable else 0)
 
     def write(self, prepared: PreparedWrite) -> None:
@@ -446,10 +447,7 @@ class SegmentLog:
         offsets = np.asarray(offsets, dtype=np.int64)
         if not len(offsets) or not self.segments:
             return 0
-        bases = np.fromiter(
-            (s.base_offset for s in self.segments), dtype=np.int64, count=len(self.segments)
-        )
-        where = np.searchsorted(bases, offsets, side="right") - 1
+        where = np.searchsorted(self._bases(), offsets, side="right") - 1
         fresh = 0
         for i in np.unique(where[where >= 0]):
             seg = self.segments[i]
@@ -469,11 +467,21 @@ class SegmentLog:
 
     # -- reading ---------------------------------------------------------------------
 
+    def _bases(self) -> np.ndarray:
+        """First offsets of the live segments, ascending."""
+        return np.fromiter(
+            (s.base_offset for s in self.segments), dtype=np.int64, count=len(self.segments)
+        )
+
+    def _segment_at(self, offset: int) -> int:
+        """Index of the first segment that may hold ``offset`` or anything after it."""
+        return max(0, int(np.searchsorted(self._bases(), offset, side="right")) - 1)
+
     def unacked(self, start: int, limit: int, end: int | None = None) -> np.ndarray:
         """Up to ``limit`` unacknowledged published offsets >= ``start`` (and < ``end``)."""
         end = self.next_offset if end is None else min(end, self.next_offset)
         out, need = [], limit
-        i = max(0, bisect_right([s.base_offset for s in self.segments], start) - 1)
+        i = self._segment_at(start)
         for seg in self.segments[i:]:
             if need <= 0 or seg.base_offset >= end:
                 break
@@ -501,7 +509,7 @@ class SegmentLog:
         Offsets in gaps (deleted segments, damaged records) are skipped.
         """
         out: list[MessageBatch] = []
-        i = max(0, bisect_right([s.base_offset for s in self.segments], start) - 1)
+        i = self._segment_at(start)
         for seg in self.segments[i:]:
             if seg.base_offset >= end:
                 break
