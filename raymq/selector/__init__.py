@@ -1,0 +1,80 @@
+"""Message selectors: JMS SQL-92 conditions compiled once, evaluated over whole batches.
+
+``Selector(text)`` parses (raising ``raymq.errors.SelectorError`` with the position);
+``Selector.match(properties, headers)`` returns a boolean mask for a batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from raymq.properties import decode_properties
+from raymq.selector.ast import HEADER_DELIVERY_COUNT, HEADER_OFFSET, HEADER_TIMESTAMP, HEADERS
+from raymq.selector.ast import identifiers as _identifiers
+from raymq.selector.evaluate import evaluate, numeric_column, selected, typed_column
+from raymq.selector.parser import parse
+
+
+class Selector:
+    """A compiled message selector."""
+
+    def __init__(self, text: str):
+        self.text = text
+        self.tree = parse(text)
+        names = _identifiers(self.tree)
+        self.headers = frozenset(names & HEADERS)
+        self.properties = frozenset(names - HEADERS)
+
+    def __repr__(self) -> str:
+        return f"Selector({self.text!r})"
+
+    @property
+    def uses_headers(self) -> bool:
+        """True when the selector reads offset, timestamp or delivery count."""
+        return bool(self.headers)
+
+    def match(
+        self,
+        properties: Sequence[Mapping[str, object]],
+        headers: Mapping[str, np.ndarray] | None = None,
+    ) -> np.ndarray:
+        """Boolean mask: which of these messages the selector selects.
+
+        ``properties`` holds one decoded dict per message; ``headers`` maps each of
+        ``self.headers`` to an array of that header per message.
+        """
+        n = len(properties)
+        if n == 0:
+            return np.zeros(0, dtype=np.bool_)
+        columns = {
+            name: typed_column([p.get(name) for p in properties]) for name in self.properties
+        }
+        for name in self.headers:
+            if headers is None or name not in headers:
+                raise ValueError(f"selector {self.text!r} needs header {name} per message")
+            columns[name] = numeric_column(headers[name])
+        return selected(evaluate(self.tree, columns), n)
+
+    def match_encoded(
+        self, blobs: Sequence[bytes], headers: Mapping[str, np.ndarray] | None = None
+    ) -> np.ndarray:
+        """``match`` over msgpack-encoded properties, decoding each distinct blob once."""
+        if self.uses_headers:
+            return self.match([decode_properties(b) for b in blobs], headers)
+        distinct: dict[bytes, int] = {}
+        index = np.fromiter(
+            (distinct.setdefault(b, len(distinct)) for b in blobs), dtype=np.int64, count=len(blobs)
+        )
+        mask = self.match([decode_properties(b) for b in distinct])
+        return mask[index] if len(index) else mask
+
+
+__all__ = [
+    "HEADERS",
+    "HEADER_DELIVERY_COUNT",
+    "HEADER_OFFSET",
+    "HEADER_TIMESTAMP",
+    "Selector",
+]
