@@ -54,10 +54,10 @@ def _pack(
     """Concatenate byte strings: (int64 offsets of n+1 entries from 0, uint8 data)."""
     offsets = np.zeros(len(parts) + 1, dtype=np.int64)
     np.cumsum([len(p) for p in parts] if sizes is None else sizes, out=offsets[1:])
-    return offsets, _as_u8(b"".join(parts)) if len(parts) else _EMPTY_U8
+    return offsets, as_u8(b"".join(parts)) if len(parts) else _EMPTY_U8
 
 
-def _as_u8(data: object) -> np.ndarray:
+def as_u8(data: object) -> np.ndarray:
     """View bytes-like data as a uint8 array without copying."""
     if isinstance(data, np.ndarray):
         return data.view(np.uint8).reshape(-1)
@@ -111,6 +111,14 @@ class MessageBatch:
     def properties_bytes(self, i: int) -> bytes:
         """msgpack-encoded properties of message i (``b""`` when none)."""
         return self.prop_data[self.prop_offsets[i] : self.prop_offsets[i + 1]].tobytes()
+
+    def property_blobs(self) -> list[bytes]:
+        """Every message's msgpack-encoded properties (``b""`` when none)."""
+        data = self.prop_data.tobytes()
+        if not data:
+            return [b""] * len(self)
+        offs = self.prop_offsets.tolist()
+        return [data[a:b] for a, b in zip(offs, offs[1:], strict=False)]
 
     # -- building -------------------------------------------------------------------
 

@@ -1,8 +1,10 @@
 """QueueCore: one queue's behaviour, as plain asyncio code without Ray.
 
-It owns the SegmentLog (the QueueArea) and the Dispatcher, runs the group-commit writer
-and long-polls for consumers. The Ray actor in ``raymq.actors.queue_actor`` only wires
-it to Ray, so tests drive this class directly with asyncio.
+It owns the SegmentLog (the QueueArea), its HeadQueueCache and the TargetArea (the queue
+side of every consumer's TargetList), runs the group-commit writer, matches arriving
+messages against selectors and long-polls for consumers. The Ray actor in
+``raymq.actors.queue_actor`` only wires it to Ray, so tests drive this class directly
+with asyncio.
 
 Interleaving: every public coroutine may interleave with the others at its ``await``;
 each state change between two awaits is one synchronous step. Only the writer task
@@ -23,8 +25,10 @@ import pyarrow as pa
 
 from raymq.batch import EMPTY_DELIVERY, MessageBatch, check_sizes
 from raymq.config import BrokerConfig, QueueConfig
-from raymq.dispatch import Dispatcher
+from raymq.head_cache import HeadQueueCache
+from raymq.selector import Selector
 from raymq.storage import RecoveryReport, SegmentLog
+from raymq.target_area import TargetArea
 
 log = logging.getLogger("raymq.queue")
 
@@ -58,6 +62,12 @@ class QueueStats:
     max_size_bytes: int
     recovery_seconds: float
     damaged_messages: int
+    head_cache_bytes: int
+    head_cache_messages: int
+    head_cache_hits: int
+    head_cache_misses: int
+    read_cache_hits: int
+    read_cache_misses: int
 
     def to_dict(self) -> dict:
         """The snapshot as a plain dict."""
@@ -81,7 +91,8 @@ class QueueCore:
             durable=config.durable,
             read_cache_bytes=max(config.page_max_cache_size, 1) * config.page_size_bytes,
         )
-        self.dispatcher = Dispatcher(self.log, config.name)
+        self.area = TargetArea(self.log, config.name)
+        self.head_cache = HeadQueueCache(broker.head_cache_bytes if config.durable else 0)
         self._pending: list[tuple[MessageBatch, asyncio.Future]] = []
         self._ack_waiters: list[asyncio.Future] = []
         self._kick: asyncio.Event | None = None
@@ -179,6 +190,12 @@ class QueueCore:
                     fut.set_exception(exc)
             return
         self.log.publish(prepared)
+        for seg, _pos, _bufs, chunk, _size in prepared.items:
+            blobs = chunk.property_blobs()
+            seg.note_properties(blobs)
+            self.area.arrived(chunk, blobs)
+            if self.config.durable:
+                self.head_cache.append(chunk)
         if checkpoint:
             self._last_checkpoint = time.monotonic()
             self._dirty_since_checkpoint = False
@@ -195,7 +212,8 @@ class QueueCore:
             self._wake_consumers()
 
     async def _tick_loop(self) -> None:
-        """Housekeeping: checkpoint an idle queue, sample rates (once a second)."""
+        """Housekeeping: checkpoint an idle queue, sample rates, trim and refill the
+        HeadQueueCache, drop stale CacheReferences (once a second)."""
         while True:
             await asyncio.sleep(min(1.0, self.broker.checkpoint_interval))
             now = time.monotonic()
@@ -203,6 +221,15 @@ class QueueCore:
             self._samples = [s for s in self._samples if now - s[0] <= 10.0]
             if self._dirty_since_checkpoint:
                 self._kick.set()
+            self.housekeeping()
+
+    def housekeeping(self) -> None:
+        """Trim the HeadQueueCache to what is undelivered and refill it from the log."""
+        self.area.housekeeping()
+        if self.config.durable:
+            undelivered = self.area.head() if self.area.selective else self.area.cursor
+            self.head_cache.trim(undelivered)
+            self.head_cache.refill(self.log.read, undelivered, self.log.next_offset)
 
     def _wake_consumers(self) -> None:
         self._arrival.set()
@@ -210,32 +237,60 @@ class QueueCore:
 
     # -- consuming -------------------------------------------------------------------
 
-    def register_consumer(self, consumer_id: str, prefetch: int) -> None:
-        """Register a consumer with its prefetch (max unacknowledged messages held)."""
-        self.dispatcher.register(consumer_id, prefetch)
+    def register_consumer(
+        self,
+        consumer_id: str,
+        prefetch: int,
+        selector: str | None = None,
+        watch: object = None,
+    ) -> None:
+        """Register a consumer with its prefetch (max unacknowledged messages held).
+
+        ``selector`` is compiled here (``SelectorError`` if malformed, nothing
+        registered). ``watch`` is what the shell uses to check the consumer is alive.
+        """
+        compiled = None if selector is None else Selector(selector)
+        self.area.register(consumer_id, prefetch, compiled, watch)
 
     async def fetch(
-        self, consumer_id: str, max_messages: int, timeout: float, prefetch: int
+        self,
+        consumer_id: str,
+        max_messages: int,
+        timeout: float,
+        prefetch: int,
+        selector: str | None = None,
     ) -> pa.RecordBatch:
         """Deliver up to ``max_messages``, waiting up to ``timeout`` seconds for some.
 
-        Returns a RecordBatch in ``raymq.batch.DELIVERY_SCHEMA`` (empty when nothing came in time).
+        Returns a RecordBatch in ``raymq.batch.DELIVERY_SCHEMA`` (empty when nothing came
+        in time). An unknown consumer (e.g. after an actor restart) is registered again.
         """
-        if consumer_id not in self.dispatcher.consumers:  # e.g. after an actor restart
-            self.dispatcher.register(consumer_id, prefetch)
+        if consumer_id not in self.area.consumers:
+            self.register_consumer(consumer_id, prefetch, selector)
+        target = self.area.consumers[consumer_id]
         deadline = time.monotonic() + min(max(timeout, 0.0), MAX_POLL_SECONDS)
         while True:
-            offsets, counts = self.dispatcher.take(consumer_id, max_messages)
+            arrival = self._arrival
+            offsets, counts = self.area.take(consumer_id, max_messages)
             if len(offsets):
                 self._counters["out"] += len(offsets)
                 return self._materialize(offsets, counts)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return EMPTY_DELIVERY
+            if target.scanning:
+                await asyncio.sleep(0)  # let other calls in between scan steps
+                continue
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._arrival.wait(), remaining)
+                await asyncio.wait_for(arrival.wait(), remaining)
 
-    def _materialize(self, offsets: np.ndarray, counts: np.ndarray) -> pa.RecordBatch:
+    def _read(self, start: int, end: int) -> list[MessageBatch]:
+        """Messages [start, end) from the HeadQueueCache, else the log (its read cache)."""
+        cached = self.head_cache.get(start, end) if self.config.durable else None
+        return cached if cached is not None else self.log.read(start, end)
+
+    def _materialize(self, offsets: np.ndarray, counts: np.ndarray, *, read=None) -> pa.RecordBatch:
+        read = read or self._read
         breaks = np.flatnonzero(np.diff(offsets) != 1) + 1
         starts = np.concatenate(([0], breaks))
         ends = np.concatenate((breaks, [len(offsets)]))
@@ -243,20 +298,51 @@ class QueueCore:
         for s, e in zip(starts.tolist(), ends.tolist(), strict=True):
             lo = int(offsets[s])
             pos = s
-            for batch in self.log.read(lo, int(offsets[e - 1]) + 1):
+            for batch in read(lo, int(offsets[e - 1]) + 1):
                 n = len(batch)
                 parts.append(batch.to_arrow(counts[pos : pos + n]))
                 pos += n
+        if not parts:
+            return EMPTY_DELIVERY
         if len(parts) == 1:
             return parts[0]
         return pa.concat_batches(parts)
 
+    def browse(
+        self, start: int, max_messages: int, selector: str | None = None
+    ) -> tuple[pa.RecordBatch, int]:
+        """Up to ``max_messages`` unacknowledged messages from ``start`` on, changing nothing.
+
+        Returns the batch (delivery_count = deliveries so far) and the offset to continue
+        from (``next_offset`` when the queue was walked to its end).
+        """
+        compiled = None if selector is None else Selector(selector)
+        picked: list[np.ndarray] = []
+        n, pos = 0, max(start, 0)
+        while n < max_messages and pos < self.log.next_offset:
+            got = self.log.unacked(pos, 4096)
+            if not len(got):
+                pos = self.log.next_offset
+                break
+            examined_end = int(got[-1]) + 1
+            if compiled is not None:
+                got = got[self.area.select(compiled, got)]
+            got = got[: max_messages - n]
+            picked.append(got)
+            n += len(got)
+            pos = int(got[-1]) + 1 if n >= max_messages and len(got) else examined_end
+        offsets = np.concatenate(picked) if picked else np.zeros(0, dtype=np.int64)
+        prev = self.area.previous_deliveries(offsets)
+        return self._materialize(offsets, prev, read=self.log.read), pos
+
     async def ack(self, consumer_id: str, offsets: np.ndarray) -> int:
         """Acknowledge offsets; returns once the acks are durable (for a durable queue)."""
         offsets = np.asarray(offsets, dtype=np.int64)
-        self.dispatcher.check_ack(consumer_id, offsets)
-        fresh = self.dispatcher.ack(consumer_id, offsets)
+        self.area.check_ack(consumer_id, offsets)
+        fresh = self.area.ack(consumer_id, offsets)
         self._counters["acked"] += fresh
+        if fresh:
+            self._wake_consumers()  # credit came back
         if self.config.durable and fresh:
             fut = asyncio.get_running_loop().create_future()
             self._ack_waiters.append(fut)
@@ -267,8 +353,8 @@ class QueueCore:
     def nack(self, consumer_id: str, offsets: np.ndarray) -> int:
         """Release offsets for redelivery with their delivery count raised."""
         offsets = np.asarray(offsets, dtype=np.int64)
-        self.dispatcher.check_ack(consumer_id, offsets)
-        n = self.dispatcher.release(consumer_id, offsets)
+        self.area.check_ack(consumer_id, offsets)
+        n = self.area.release(consumer_id, offsets)
         if n:
             self._wake_consumers()
         return n
@@ -277,10 +363,42 @@ class QueueCore:
         """Remove a consumer; what it held is delivered again (``not_received`` uncounted)."""
         if not_received is not None:
             not_received = np.asarray(not_received, dtype=np.int64)
-        n = self.dispatcher.unregister(consumer_id, not_received)
+        n = self.area.unregister(consumer_id, not_received)
         if n:
             self._wake_consumers()
         return n
+
+    def consumer_stats(self, consumer_id: str) -> dict:
+        """The queue side of one consumer's TargetList (counts in messages, bytes)."""
+        t = self.area.consumers.get(consumer_id)
+        if t is None:
+            return {}
+        return {
+            "selector": None if t.selector is None else t.selector.text,
+            "held": len(t.held),
+            "delivered": t.delivered,
+            "acked": t.acked,
+            "cache_references": self.area.deliverable_estimate(consumer_id),
+            "cache_reference_bytes": 0 if t.candidates is None else t.candidates.nbytes,
+            "scan_remaining": max(0, t.scan_end - t.scan_pos),
+            "messages_scanned": t.messages_scanned,
+            "segments_skipped": t.segments_skipped,
+        }
+
+    def silent_consumers(self, seconds: float) -> list[tuple[str, object]]:
+        """(consumer id, watch) of consumers not heard from for ``seconds``."""
+        now = time.monotonic()
+        return [
+            (t.consumer_id, t.watch)
+            for t in self.area.consumers.values()
+            if t.watch is not None and now - t.last_seen > seconds
+        ]
+
+    def heard_from(self, consumer_id: str) -> None:
+        """Note that a consumer showed it is alive."""
+        t = self.area.consumers.get(consumer_id)
+        if t is not None:
+            t.last_seen = time.monotonic()
 
     # -- statistics ------------------------------------------------------------------
 
@@ -294,16 +412,16 @@ class QueueCore:
             name=self.name,
             durable=self.config.durable,
             depth=self.log.depth,
-            in_flight=self.dispatcher.in_flight,
+            in_flight=self.area.in_flight,
             next_offset=self.log.next_offset,
-            consumers=len(self.dispatcher.consumers),
+            consumers=len(self.area.consumers),
             bytes_in_memory=self.log.bytes_in_memory,
             bytes_on_disk=self.log.bytes_on_disk,
             segment_files=self.log.segment_files,
             messages_in=c["in"],
             messages_out=c["out"],
             messages_acked=c["acked"],
-            messages_redelivered=self.dispatcher.redelivered_total,
+            messages_redelivered=self.area.redelivered_total,
             in_rate=(c["in"] - c0["in"]) / span,
             out_rate=(c["out"] - c0["out"]) / span,
             ack_rate=(c["acked"] - c0["acked"]) / span,
@@ -311,6 +429,12 @@ class QueueCore:
             max_size_bytes=self.config.max_size_bytes,
             recovery_seconds=self.recovery.seconds,
             damaged_messages=self.recovery.lost_messages,
+            head_cache_bytes=self.head_cache.bytes,
+            head_cache_messages=self.head_cache.messages,
+            head_cache_hits=self.head_cache.hits,
+            head_cache_misses=self.head_cache.misses,
+            read_cache_hits=self.log.cache_hits,
+            read_cache_misses=self.log.cache_misses,
         )
 
 

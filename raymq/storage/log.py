@@ -195,6 +195,7 @@ class SegmentLog:
     ) -> Segment | None:
         try:
             seg, data = Segment.open_existing(self.directory, base)
+            seg.summary = None  # unknown until a scan reads its properties
         except CorruptRecord as exc:
             path = os.path.join(self.directory, f"{base:020d}{SEGMENT_SUFFIX}")
             os.replace(path, path + ".damaged")
@@ -496,9 +497,14 @@ class SegmentLog:
 
     def is_acked(self, offsets: np.ndarray) -> np.ndarray:
         """Ack flag per offset (offsets of deleted segments count as acked)."""
+        offsets = np.asarray(offsets, dtype=np.int64)
         result = np.ones(len(offsets), dtype=np.bool_)
-        for seg in self.segments:
-            m = (offsets >= seg.base_offset) & (offsets < seg.end_offset)
+        if not len(offsets) or not self.segments:
+            return result
+        where = np.searchsorted(self._bases(), offsets, side="right") - 1
+        for i in np.unique(where[where >= 0]).tolist():
+            seg = self.segments[i]
+            m = (where == i) & (offsets < seg.end_offset)
             if m.any():
                 result[m] = seg.acked[offsets[m] - seg.base_offset]
         return result
@@ -508,6 +514,16 @@ class SegmentLog:
 
         Offsets in gaps (deleted segments, damaged records) are skipped.
         """
+        return self._collect(start, end, self._record)
+
+    def properties(self, start: int, end: int) -> list[MessageBatch]:
+        """Like ``read`` but with empty bodies: timestamps and properties only.
+
+        For a durable queue the bodies are not read from disk (unless cached already).
+        """
+        return self._collect(start, end, self._record_properties)
+
+    def _collect(self, start: int, end: int, reader) -> list[MessageBatch]:
         out: list[MessageBatch] = []
         i = self._segment_at(start)
         for seg in self.segments[i:]:
@@ -517,12 +533,25 @@ class SegmentLog:
                 continue
             k = max(0, seg.record_index(start))
             while k < len(seg.firsts) and seg.firsts[k] < end:
-                rec = self._record(seg, k)
+                rec = reader(seg, k)
                 lo, hi = max(start, rec.first_offset), min(end, rec.end_offset)
                 if hi > lo:
                     out.append(rec.slice(lo - rec.first_offset, hi - rec.first_offset))
                 k += 1
         return out
+
+    def _record_properties(self, seg: Segment, k: int) -> MessageBatch:
+        if not self.durable:
+            return seg.batches[k]
+        rec = self._cache.get((seg.base_offset, k))
+        return rec if rec is not None else seg.read_properties(k)
+
+    def segment_of(self, offset: int) -> Segment | None:
+        """The live segment holding ``offset``, if any."""
+        if not self.segments:
+            return None
+        seg = self.segments[self._segment_at(offset)]
+        return seg if seg.base_offset <= offset < seg.end_offset else None
 
     def _record(self, seg: Segment, k: int) -> MessageBatch:
         if not self.durable:

@@ -11,11 +11,12 @@ import contextlib
 import os
 from array import array
 from bisect import bisect_right
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from raymq.batch import MessageBatch
+from raymq.batch import MessageBatch, as_u8
 from raymq.storage.format import (
     RECORD_HEADER,
     RECORD_MAGIC,
@@ -26,6 +27,9 @@ from raymq.storage.format import (
     crc32,
     segment_name,
 )
+
+#: A segment summary keeps at most this many distinct property maps.
+SUMMARY_MAX_DISTINCT = 256
 
 
 class CorruptRecord(Exception):
@@ -189,6 +193,11 @@ class Segment:
         self.acked_n = 0
         self.lost_n = 0  # offsets lost to damage; counted as acked, never served
         self.memory_bytes = 0
+        #: Distinct property maps of this segment's messages (msgpack -> count), so a
+        #: selector that matches none of them skips the segment unread. None when
+        #: unknown (after a restart, until a scan rebuilds it) or over the cap.
+        self.summary: dict[bytes, int] | None = {}
+        self.summary_overflow = False
 
     # -- files -----------------------------------------------------------------------
 
@@ -301,3 +310,39 @@ class Segment:
         if len(payload) != length or (verify and crc32([payload]) != pcrc):
             raise CorruptRecord(f"{self.path}: record at byte {pos} fails its checksum")
         return decode_payload(payload, first, count)
+
+    def read_properties(self, k: int) -> MessageBatch:
+        """Record ``k``'s timestamps and properties only, as a batch with empty bodies.
+
+        Two preads skip the bodies. The payload CRC covers the whole payload, so these
+        bytes are not checksummed: they only decide matching; delivery reads and checks
+        the whole record.
+        """
+        if self.fd is None:
+            return self.batches[k]
+        pos = self.positions[k]
+        _magic, _h, _p, _length, first, n, _flags = RECORD_HEADER.unpack(
+            os.pread(self.fd, RECORD_HEADER.size, pos)
+        )
+        head_len = 8 * n + 16 * (n + 1)
+        head = np.frombuffer(os.pread(self.fd, head_len, pos + RECORD_HEADER.size), np.uint8)
+        if len(head) != head_len:
+            raise CorruptRecord(f"{self.path}: record at byte {pos} is cut short")
+        ts = head[: 8 * n].view(np.int64)
+        bo = head[8 * n : 8 * n + 8 * (n + 1)].view(np.int64)
+        po = head[8 * n + 8 * (n + 1) :].view(np.int64)
+        props = os.pread(self.fd, int(po[-1]), pos + RECORD_HEADER.size + head_len + int(bo[-1]))
+        return MessageBatch(
+            np.zeros(n + 1, dtype=np.int64), np.zeros(0, np.uint8), po, as_u8(props), ts, first
+        )
+
+    def note_properties(self, blobs: list[bytes]) -> None:
+        """Add a published record's properties to the segment's summary."""
+        summary = self.summary
+        if summary is None:
+            return
+        for blob, count in Counter(blobs).items():
+            summary[blob] = summary.get(blob, 0) + count
+        if len(summary) > SUMMARY_MAX_DISTINCT:
+            self.summary = None
+            self.summary_overflow = True

@@ -1,0 +1,381 @@
+"""TargetArea: which consumer may get which message, and which one holds it.
+
+The seed's TargetArea keeps a TargetList per consumer: the messages that matched its
+selector. Here the queue side of each TargetList is a ``ConsumerTarget``:
+
+- consumers without a selector share one cursor over the log (every unacknowledged
+  message matches them), so they cost nothing per message;
+- a consumer with a selector has ``candidates``, an ``OffsetSet`` of matching offsets
+  not yet delivered to it: its CacheReferences (an offset names its segment and
+  position through the log's index). New messages are matched when they arrive; a
+  consumer that arrives later scans the stored properties (never the bodies), and a
+  segment whose property summary cannot match is skipped unread. Messages that match
+  nobody cost no one's credit.
+
+Delivery state lives in memory (acks are what is durable): after a restart every
+unacknowledged message is deliverable again. A message is held by at most one consumer
+at a time (``_holder``); released messages (nack, close, death) go to a heap for the
+shared cursor and back into every matching selector consumer's candidates.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from raymq.batch import MessageBatch
+from raymq.errors import InvalidAck
+from raymq.offset_set import OffsetSet
+from raymq.selector import HEADER_DELIVERY_COUNT, HEADER_OFFSET, HEADER_TIMESTAMP, Selector
+from raymq.storage import SegmentLog
+
+#: Offsets a late consumer's scan examines per step before yielding (messages).
+SCAN_STEP_MESSAGES = 200_000
+
+
+@dataclass
+class ConsumerTarget:
+    """The queue side of one consumer's TargetList."""
+
+    consumer_id: str
+    prefetch: int
+    selector: Selector | None = None
+    held: set[int] = field(default_factory=set)
+    delivered: int = 0
+    acked: int = 0
+    #: Matching offsets not yet delivered to this consumer (selector consumers only).
+    candidates: OffsetSet | None = None
+    #: Stored messages in [scan_pos, scan_end) still to be matched (a late arrival).
+    scan_pos: int = 0
+    scan_end: int = 0
+    segments_skipped: int = 0
+    messages_scanned: int = 0
+    #: monotonic seconds of the consumer's last call (liveness).
+    last_seen: float = field(default_factory=time.monotonic)
+    #: Opaque handle the shell uses to check the consumer is alive (its actor).
+    watch: object = None
+
+    @property
+    def scanning(self) -> bool:
+        """True while stored messages remain to be matched."""
+        return self.scan_pos < self.scan_end
+
+
+def selector_headers(batch: MessageBatch, delivery_counts: np.ndarray) -> dict[str, np.ndarray]:
+    """Header columns of a batch for selectors that use headers."""
+    n = len(batch)
+    ts = batch.timestamps if batch.timestamps is not None else np.zeros(n, dtype=np.int64)
+    return {
+        HEADER_OFFSET: np.arange(batch.first_offset, batch.first_offset + n, dtype=np.int64),
+        HEADER_TIMESTAMP: ts // 1000,
+        HEADER_DELIVERY_COUNT: delivery_counts,
+    }
+
+
+class TargetArea:
+    """Delivery bookkeeping of one queue over its SegmentLog."""
+
+    def __init__(self, log: SegmentLog, queue: str):
+        self.log = log
+        self.queue = queue
+        self.cursor = self.head()
+        self._redeliver: list[int] = []  # heap of released offsets (shared cursor side)
+        self._previous: dict[int, int] = {}  # offset -> deliveries so far, when > 0
+        self._holder: dict[int, str] = {}
+        self.consumers: dict[str, ConsumerTarget] = {}
+        self.redelivered_total = 0
+
+    def head(self) -> int:
+        """The first unacknowledged offset (``next_offset`` when there is none)."""
+        first = self.log.unacked(0, 1)
+        return int(first[0]) if len(first) else self.log.next_offset
+
+    @property
+    def selective(self) -> list[ConsumerTarget]:
+        """Consumers with a selector."""
+        return [c for c in self.consumers.values() if c.selector is not None]
+
+    def register(
+        self,
+        consumer_id: str,
+        prefetch: int,
+        selector: Selector | None = None,
+        watch: object = None,
+    ) -> ConsumerTarget:
+        """Add a consumer (or update its prefetch); idempotent."""
+        target = self.consumers.get(consumer_id)
+        if target is None:
+            target = ConsumerTarget(consumer_id, prefetch, selector, watch=watch)
+            if selector is not None:
+                target.candidates = OffsetSet()
+                target.scan_pos, target.scan_end = self.head(), self.log.next_offset
+            self.consumers[consumer_id] = target
+        target.prefetch = prefetch
+        if watch is not None:
+            target.watch = watch
+        target.last_seen = time.monotonic()
+        return target
+
+    @property
+    def in_flight(self) -> int:
+        """Messages delivered and not yet acked or released."""
+        return len(self._holder)
+
+    # -- matching --------------------------------------------------------------------
+
+    def _match(self, target: ConsumerTarget, batch: MessageBatch, blobs: list[bytes]) -> np.ndarray:
+        """Offsets of ``batch`` that ``target``'s selector selects."""
+        return np.flatnonzero(self._mask(target.selector, batch, blobs)) + batch.first_offset
+
+    def _mask(self, selector: Selector, batch: MessageBatch, blobs: list[bytes]) -> np.ndarray:
+        headers = None
+        if selector.uses_headers:
+            counts = self.previous_deliveries(
+                np.arange(batch.first_offset, batch.end_offset, dtype=np.int64)
+            )
+            headers = selector_headers(batch, counts + 1)
+        return selector.match_encoded(blobs, headers)
+
+    def select(self, selector: Selector, offsets: np.ndarray) -> np.ndarray:
+        """Mask of ``offsets`` (sorted, published) that ``selector`` selects."""
+        return np.isin(offsets, self._selected_offsets(selector, offsets))
+
+    def _selected_offsets(self, selector: Selector, offsets: np.ndarray) -> np.ndarray:
+        out = [
+            np.flatnonzero(self._mask(selector, b, b.property_blobs())) + b.first_offset
+            for b in self._properties_of(offsets)
+        ]
+        return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+
+    def previous_deliveries(self, offsets: np.ndarray) -> np.ndarray:
+        """How many times each offset was delivered and given back (int32)."""
+        prev = self._previous
+        if not prev:
+            return np.zeros(len(offsets), dtype=np.int32)
+        return np.array([prev.get(o, 0) for o in offsets.tolist()], dtype=np.int32)
+
+    def arrived(self, batch: MessageBatch, blobs: list[bytes]) -> None:
+        """Match a newly published batch against every selector consumer."""
+        by_text: dict[str, np.ndarray] = {}
+        for target in self.selective:
+            if batch.first_offset < target.scan_end:
+                continue  # its scan covers this batch
+            text = target.selector.text
+            if text not in by_text or target.selector.uses_headers:
+                by_text[text] = self._match(target, batch, blobs)
+            target.candidates.add(by_text[text])
+
+    def scan_step(self, target: ConsumerTarget, budget: int = SCAN_STEP_MESSAGES) -> None:
+        """Match up to ``budget`` stored messages of a late consumer's scan range.
+
+        Segments whose property summary matches nothing are skipped without reading.
+        """
+        while target.scanning and budget > 0:
+            seg = self.log.segment_of(target.scan_pos)
+            if seg is None:  # a gap: a deleted segment or the queue's end
+                later = [s for s in self.log.segments if s.base_offset > target.scan_pos]
+                target.scan_pos = (
+                    min(later[0].base_offset, target.scan_end) if later else (target.scan_end)
+                )
+                continue
+            end = min(seg.end_offset, target.scan_end, target.scan_pos + budget)
+            if self._summary_rules_out(target, seg):
+                target.segments_skipped += 1
+                target.scan_pos = min(seg.end_offset, target.scan_end)
+                continue
+            whole = target.scan_pos == seg.base_offset and end == seg.end_offset
+            blobs_seen: list[bytes] = []
+            for batch in self.log.properties(target.scan_pos, end):
+                blobs = batch.property_blobs()
+                if whole:
+                    blobs_seen.extend(blobs)
+                matched = self._match(target, batch, blobs)
+                if len(matched):
+                    matched = matched[~self.log.is_acked(matched)]
+                    target.candidates.add(matched)
+            if whole and seg.summary is None and not seg.summary_overflow:
+                seg.summary = {}
+                seg.note_properties(blobs_seen)
+            target.messages_scanned += end - target.scan_pos
+            budget -= end - target.scan_pos
+            target.scan_pos = end
+
+    @staticmethod
+    def _summary_rules_out(target: ConsumerTarget, seg) -> bool:
+        if seg.summary is None or target.selector.uses_headers:
+            return False
+        blobs = list(seg.summary)
+        return bool(blobs) and not target.selector.match_encoded(blobs).any()
+
+    # -- delivering ------------------------------------------------------------------
+
+    def take(self, consumer_id: str, max_messages: int) -> tuple[np.ndarray, np.ndarray]:
+        """Deliver up to ``max_messages`` (within the consumer's prefetch credit).
+
+        Returns sorted offsets and each one's delivery count (1 on first delivery).
+        """
+        target = self.consumers[consumer_id]
+        target.last_seen = time.monotonic()
+        want = min(max_messages, target.prefetch - len(target.held))
+        if want <= 0:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32)
+        if target.selector is None:
+            offsets = self._take_shared(want)
+        else:
+            offsets = self._take_candidates(target, want)
+        as_list = offsets.tolist()
+        target.held.update(as_list)
+        self._holder.update(dict.fromkeys(as_list, consumer_id))
+        target.delivered += len(as_list)
+        prev = self._previous
+        if prev:
+            counts = np.array([prev.get(o, 0) + 1 for o in as_list], dtype=np.int32)
+        else:
+            counts = np.ones(len(as_list), dtype=np.int32)
+        return offsets, counts
+
+    def _take_shared(self, want: int) -> np.ndarray:
+        picked = self._pop_redeliverable(want)
+        fresh: list[int] = []
+        holder = self._holder
+        while len(picked) + len(fresh) < want and self.cursor < self.log.next_offset:
+            need = want - len(picked) - len(fresh)
+            got = self.log.unacked(self.cursor, need)
+            self.cursor = int(got[-1]) + 1 if len(got) == need else self.log.next_offset
+            # Selector consumers may hold offsets beyond the cursor: skip those (they come
+            # back through the redelivery heap if released).
+            fresh.extend(o for o in got.tolist() if o not in holder)
+        return np.sort(np.array(picked + fresh, dtype=np.int64))
+
+    def _take_candidates(self, target: ConsumerTarget, want: int) -> np.ndarray:
+        picked: list[np.ndarray] = []
+        n = 0
+        while n < want:
+            examined = target.candidates.first(want - n)
+            if not len(examined):
+                if not target.scanning:
+                    break
+                self.scan_step(target)
+                continue
+            target.candidates.discard(examined)
+            ok = examined[~self.log.is_acked(examined)]
+            ok = np.array([o for o in ok.tolist() if o not in self._holder], dtype=np.int64)
+            picked.append(ok)
+            n += len(ok)
+        return np.concatenate(picked) if picked else np.zeros(0, dtype=np.int64)
+
+    def _pop_redeliverable(self, want: int) -> list[int]:
+        """Pop up to ``want`` released offsets that are still unacked and unheld."""
+        picked: list[int] = []
+        while self._redeliver and len(picked) < want:
+            k = min(want - len(picked), len(self._redeliver))
+            candidates = [heapq.heappop(self._redeliver) for _ in range(k)]
+            candidates = [o for o in candidates if o not in self._holder]
+            if candidates:
+                acked = self.log.is_acked(np.array(candidates, dtype=np.int64))
+                picked.extend(o for o, a in zip(candidates, acked, strict=True) if not a)
+        return picked
+
+    def deliverable_estimate(self, consumer_id: str) -> int:
+        """Messages this consumer could be given now or after its scan (CacheReferences)."""
+        target = self.consumers[consumer_id]
+        if target.selector is None:
+            return max(0, self.log.depth - self.in_flight)
+        return len(target.candidates) + (target.scan_end - target.scan_pos)
+
+    # -- acknowledging and releasing -------------------------------------------------
+
+    def check_ack(self, consumer_id: str, offsets: np.ndarray) -> None:
+        """Raise ``InvalidAck`` (changing nothing) unless ``consumer_id`` may ack ``offsets``.
+
+        A consumer may ack what it holds, and also what nobody holds (it received it
+        before a restart of the queue actor); never what another consumer holds, nor
+        offsets the queue never published.
+        """
+        bad = offsets[(offsets < 0) | (offsets >= self.log.next_offset)]
+        if len(bad):
+            raise InvalidAck(f"queue {self.queue!r}: offsets {bad[:5].tolist()} were never sent")
+        holder = self._holder
+        others = [o for o in offsets.tolist() if holder.get(o, consumer_id) != consumer_id]
+        if others:
+            raise InvalidAck(
+                f"queue {self.queue!r}: offsets {others[:5]} are held by another consumer"
+            )
+
+    def ack(self, consumer_id: str, offsets: np.ndarray) -> int:
+        """Acknowledge offsets (after ``check_ack``); returns how many were newly acked."""
+        target = self.consumers.get(consumer_id)
+        if target is not None:
+            target.last_seen = time.monotonic()
+        for o in offsets.tolist():
+            if self._holder.pop(o, None) is not None and target is not None:
+                target.held.discard(o)
+            self._previous.pop(o, None)
+        fresh = self.log.ack(offsets)
+        if target is not None:
+            target.acked += fresh
+        return fresh
+
+    def release(
+        self, consumer_id: str, offsets: np.ndarray | None = None, *, count_delivery: bool = True
+    ) -> int:
+        """Give messages back for redelivery (nack, close, death).
+
+        ``offsets`` None means all the consumer holds. ``count_delivery`` False is for
+        messages prefetched but never handed to the application. Returns how many.
+        """
+        target = self.consumers.get(consumer_id)
+        if target is None:
+            return 0
+        chosen = (
+            sorted(target.held)
+            if offsets is None
+            else [o for o in offsets.tolist() if o in target.held]
+        )
+        for o in chosen:
+            target.held.discard(o)
+            del self._holder[o]
+            heapq.heappush(self._redeliver, o)
+            if count_delivery:
+                self._previous[o] = self._previous.get(o, 0) + 1
+        if count_delivery:
+            self.redelivered_total += len(chosen)
+        if chosen:
+            self._offer_to_selectors(np.array(chosen, dtype=np.int64))
+        return len(chosen)
+
+    def _offer_to_selectors(self, offsets: np.ndarray) -> None:
+        """Put released offsets back into the candidates of every selector that matches."""
+        targets = self.selective
+        if not targets:
+            return
+        for batch in self._properties_of(offsets):
+            blobs = batch.property_blobs()
+            for t in targets:
+                t.candidates.add(self._match(t, batch, blobs))
+
+    def _properties_of(self, offsets: np.ndarray) -> list[MessageBatch]:
+        """Properties-only batches covering exactly ``offsets`` (sorted)."""
+        breaks = np.flatnonzero(np.diff(offsets) != 1) + 1
+        out: list[MessageBatch] = []
+        for run in np.split(offsets, breaks):
+            out.extend(self.log.properties(int(run[0]), int(run[-1]) + 1))
+        return out
+
+    def unregister(self, consumer_id: str, not_received: np.ndarray | None = None) -> int:
+        """Remove a consumer, releasing what it holds; returns how many were released."""
+        n = 0
+        if not_received is not None and len(not_received):
+            n += self.release(consumer_id, not_received, count_delivery=False)
+        n += self.release(consumer_id)
+        self.consumers.pop(consumer_id, None)
+        return n
+
+    def housekeeping(self) -> None:
+        """Drop CacheReferences below the queue's head (acknowledged long ago)."""
+        head = self.head()
+        for t in self.selective:
+            t.candidates.discard_below(head)
