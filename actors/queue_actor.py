@@ -8,6 +8,8 @@ whose retry after a crash may store a message twice (at-least-once).
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 
 import numpy as np
@@ -19,6 +21,12 @@ from raymq.config import BrokerConfig, QueueConfig
 from raymq.queue_core import QueueCore, QueueStats
 
 QUEUE_ACTOR_PREFIX = "raymq.queue."
+#: A consumer not heard from for this long is pinged (seconds).
+CONSUMER_SILENCE_SECONDS = 2.0
+#: A ping unanswered for this long is retried next round, not taken as death (seconds).
+PING_TIMEOUT_SECONDS = 5.0
+
+log = logging.getLogger("raymq.queue")
 
 
 def queue_actor_name(queue: str) -> str:
@@ -38,6 +46,27 @@ class QueueActor:
         if not self._started:
             self.core.start()
             self._started = True
+            asyncio.get_running_loop().create_task(self._watch_consumers())
+
+    async def _watch_consumers(self) -> None:
+        """Deliver again what dead consumers held: every second, ping each consumer not
+        heard from for ``CONSUMER_SILENCE_SECONDS``; a dead TargetList actor is closed."""
+        while True:
+            await asyncio.sleep(1.0)
+            for consumer_id, actor in self.core.silent_consumers(CONSUMER_SILENCE_SECONDS):
+                try:
+                    await asyncio.wait_for(actor.ping.remote(), PING_TIMEOUT_SECONDS)
+                    self.core.heard_from(consumer_id)
+                except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+                    n = self.core.close_consumer(consumer_id)
+                    log.warning(
+                        "queue %r: consumer %s died; %d messages will be delivered again",
+                        self.core.name,
+                        consumer_id,
+                        n,
+                    )
+                except asyncio.TimeoutError:
+                    pass  # busy, not dead: ask again next round
 
     async def ready(self) -> dict:
         """Wait until recovery is done; returns the recovery report as a dict."""
@@ -63,10 +92,45 @@ class QueueActor:
         await self._ensure_started()
         return await self.core.fetch(consumer_id, max_messages, timeout, prefetch)
 
-    async def register_consumer(self, consumer_id: str, prefetch: int) -> None:
-        """Register a consumer with its prefetch."""
+    async def fetch_batch(
+        self,
+        consumer_id: str,
+        max_messages: int,
+        timeout: float,
+        prefetch: int,
+        selector: str | None = None,
+    ) -> tuple[tuple[np.ndarray, int], pa.RecordBatch]:
+        """``fetch`` for a TargetList actor, called with ``num_returns=2``: a small
+        ((offsets, bytes)) object and the batch as a separate object the caller owns
+        and can hand on by reference."""
         await self._ensure_started()
-        self.core.register_consumer(consumer_id, prefetch)
+        batch = await self.core.fetch(consumer_id, max_messages, timeout, prefetch, selector)
+        offsets = batch.column("offset").to_numpy() if batch.num_rows else np.zeros(0, np.int64)
+        return (offsets, batch.nbytes), batch
+
+    async def register_consumer(
+        self, consumer_id: str, prefetch: int, selector: str | None = None, watch=None
+    ) -> None:
+        """Register a consumer with its prefetch, selector and TargetList actor handle."""
+        await self._ensure_started()
+        self.core.register_consumer(consumer_id, prefetch, selector, watch)
+
+    async def give_back(self, consumer_id: str, offsets: np.ndarray) -> int:
+        """Release prefetched messages never handed to the application."""
+        await self._ensure_started()
+        return self.core.give_back(consumer_id, offsets)
+
+    async def consumer_stats(self, consumer_id: str) -> dict:
+        """The queue side of one consumer's TargetList."""
+        await self._ensure_started()
+        return self.core.consumer_stats(consumer_id)
+
+    async def browse(
+        self, start: int, max_messages: int, selector: str | None = None
+    ) -> tuple[pa.RecordBatch, int]:
+        """Unacknowledged messages from ``start`` on, changing nothing; and where to go on."""
+        await self._ensure_started()
+        return self.core.browse(start, max_messages, selector)
 
     async def ack(self, consumer_id: str, offsets: np.ndarray) -> int:
         """Acknowledge; returns how many were newly acked, once durable."""

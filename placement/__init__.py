@@ -2,8 +2,9 @@
 
 Queue actors are pinned (hard node affinity) to the node whose disk holds their
 segment files; the choice of that node is made here and recorded with the queue.
+A consumer's TargetList actor goes near the consumer (soft node affinity).
 """
 
-from raymq.placement.nodes import alive_nodes, current_node_id, pinned_to
+from raymq.placement.nodes import alive_nodes, current_node_id, near, pinned_to
 
-__all__ = ["alive_nodes", "current_node_id", "pinned_to"]
+__all__ = ["alive_nodes", "current_node_id", "near", "pinned_to"]

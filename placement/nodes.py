@@ -30,3 +30,10 @@ def choose_queue_node(preferred_node_id: str | None = None) -> str:
 def pinned_to(node_id: str) -> NodeAffinitySchedulingStrategy:
     """Hard affinity: the actor runs on ``node_id`` or not at all (its files are there)."""
     return NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
+
+
+def near(node_id: str | None = None) -> NodeAffinitySchedulingStrategy:
+    """Soft affinity for a consumer's TargetList actor: on ``node_id`` (default: the
+    calling process's node, so delivery batches are read from the local object store
+    without a copy), elsewhere if that node cannot take it."""
+    return NodeAffinitySchedulingStrategy(node_id=node_id or current_node_id(), soft=True)

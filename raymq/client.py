@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -29,6 +29,7 @@ from raymq.errors import (
     SelectorError,
 )
 from raymq.properties import decode_properties, encode_properties, validate_properties
+from raymq.selector import Selector
 
 #: How long a call keeps retrying while an actor restarts (seconds).
 RESTART_GRACE_SECONDS = 60.0
@@ -300,15 +301,55 @@ class Queue:
         first, count = await _call_async(self._actor.send_batch, self._pack(bodies, properties))
         return list(range(first, first + count))
 
-    def consumer(self, selector: str | None = None, prefetch: int = 1000) -> Consumer:
-        """A consumer holding at most ``prefetch`` unacknowledged messages."""
+    def consumer(
+        self,
+        selector: str | None = None,
+        prefetch: int = 1000,
+        *,
+        high_watermark: int | None = None,
+        high_watermark_bytes: int = 64 * 2**20,
+        pending_cache_bytes: int = 16 * 2**20,
+        node_id: str | None = None,
+    ) -> Consumer:
+        """A consumer (a TargetList actor near it) holding at most ``prefetch``
+        unacknowledged messages.
+
+        ``selector`` is a JMS message selector over properties and the headers
+        ``RayMQOffset``, ``JMSTimestamp`` (ms) and ``JMSXDeliveryCount``; a malformed one
+        raises ``SelectorError`` here. ``high_watermark`` (messages, default
+        ``prefetch``) and ``high_watermark_bytes`` bound the direct references the
+        eager loader keeps; ``pending_cache_bytes`` bounds the PendingCache.
+        """
         if selector is not None:
-            raise SelectorError(
-                f"queue {self.name!r}: message selectors are not supported yet ({selector!r})"
-            )
-        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
-            raise InvalidSetting(f"prefetch={prefetch!r} must be an int >= 1")
-        return Consumer(self, prefetch)
+            if not isinstance(selector, str):
+                raise TypeError(f"selector must be a str, not {type(selector).__name__}")
+            try:
+                Selector(selector)
+            except SelectorError as exc:
+                raise SelectorError(f"queue {self.name!r}: {exc}") from None
+        _check_count("prefetch", prefetch)
+        high = prefetch if high_watermark is None else high_watermark
+        _check_count("high_watermark", high)
+        _check_count("high_watermark_bytes", high_watermark_bytes)
+        _check_count("pending_cache_bytes", pending_cache_bytes, minimum=0)
+        return Consumer(
+            self, prefetch, selector, high, high_watermark_bytes, pending_cache_bytes, node_id
+        )
+
+    def browse(self, selector: str | None = None, batch_size: int = 1000) -> Iterator[Message]:
+        """Every unacknowledged message (paged ones included) in offset order, optionally
+        those ``selector`` selects, without consuming or changing anything."""
+        if selector is not None:
+            Selector(selector)
+        _check_count("batch_size", batch_size)
+        pos = 0
+        while True:
+            batch, pos = _call(self._actor.browse, pos, batch_size, selector)
+            yield from _messages(batch)
+            if batch.num_rows < batch_size:
+                stats = _call(self._actor.stats)
+                if pos >= stats.next_offset:
+                    return
 
     def stats(self) -> dict[str, Any]:
         """Depth, bytes in memory and on disk, segment files, consumers and rates."""
@@ -333,16 +374,44 @@ class Message:
 
 
 class Consumer:
-    """Receives messages of one queue; usable as a context manager (closes on exit)."""
+    """Receives messages of one queue through its TargetList actor; usable as a context
+    manager (closes on exit). Acks go straight to the queue actor."""
 
-    def __init__(self, queue: Queue, prefetch: int):
+    def __init__(
+        self,
+        queue: Queue,
+        prefetch: int,
+        selector: str | None = None,
+        high_watermark: int | None = None,
+        high_watermark_bytes: int = 64 * 2**20,
+        pending_cache_bytes: int = 16 * 2**20,
+        node_id: str | None = None,
+    ):
+        from raymq.actors.target_list_actor import TargetListActor
+        from raymq.placement.nodes import near
+
         self.queue = queue
         self.prefetch = prefetch
+        self.selector = selector
         self.consumer_id = uuid.uuid4().hex
         self._actor = queue._actor
-        self._buffer: pa.RecordBatch | None = None  # prefetched, not yet handed out
+        self._buffer: pa.RecordBatch | None = None  # taken from the TargetList, not yet handed out
         self._closed = False
-        _call(self._actor.register_consumer, self.consumer_id, prefetch)
+        self.target_list = TargetListActor.options(
+            name=f"raymq.consumer.{queue.name}.{self.consumer_id}",
+            namespace=queue.broker.namespace,
+            scheduling_strategy=near(node_id),
+        ).remote(
+            queue._actor,
+            queue.name,
+            self.consumer_id,
+            prefetch,
+            selector,
+            prefetch if high_watermark is None else high_watermark,
+            high_watermark_bytes,
+            pending_cache_bytes,
+        )
+        _call(self.target_list.start)
 
     def __enter__(self) -> Consumer:
         return self
@@ -360,9 +429,17 @@ class Consumer:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             wait = 1.0 if deadline is None else max(0.0, deadline - time.monotonic())
-            batch = _call(self._actor.fetch, self.consumer_id, self.prefetch, wait, self.prefetch)
-            if batch.num_rows or (deadline is not None and time.monotonic() >= deadline):
-                self._buffer = batch if batch.num_rows else None
+            entries = _call(self.target_list.take, self.prefetch, wait, retry=False)
+            parts = []
+            for (_ref, start, n), batch in zip(
+                entries, _get_batches([e[0] for e in entries]), strict=True
+            ):
+                if batch is not None:  # None: lost with a restarted queue (comes again)
+                    parts.append(batch.slice(start, n))
+            if parts or (deadline is not None and time.monotonic() >= deadline):
+                self._buffer = (
+                    None if not parts else parts[0] if len(parts) == 1 else pa.concat_batches(parts)
+                )
                 return
 
     def _take(self, max_messages: int, timeout: float | None) -> pa.RecordBatch | None:
@@ -381,21 +458,7 @@ class Consumer:
     def receive(self, max_messages: int = 1, timeout: float | None = None) -> list[Message]:
         """Up to ``max_messages`` messages, waiting up to ``timeout`` seconds (None: forever)."""
         batch = self._take(max_messages, timeout)
-        if batch is None:
-            return []
-        cols = batch.to_pydict()
-        ts = batch.column("timestamp").cast(pa.int64()).to_numpy()
-        return [
-            Message(o, b, int(c), float(t) / 1e6, p)
-            for o, b, c, t, p in zip(
-                cols["offset"],
-                cols["body"],
-                cols["delivery_count"],
-                ts,
-                cols["properties"],
-                strict=True,
-            )
-        ]
+        return [] if batch is None else list(_messages(batch))
 
     def receive_batch(self, max_messages: int, timeout: float | None = None) -> pa.RecordBatch:
         """Up to ``max_messages`` as one Arrow RecordBatch read from the object store.
@@ -416,6 +479,11 @@ class Consumer:
         self._check_open()
         return _call(self._actor.nack, self.consumer_id, _offsets_of(messages))
 
+    def stats(self) -> dict[str, Any]:
+        """The TargetList: watermark, high watermark, direct and CacheReference counts and
+        bytes, PendingCache bytes, hits and misses, and what the consumer holds."""
+        return _call(self.target_list.stats, retry=False)
+
     def close(self) -> None:
         """Close; unacknowledged messages are delivered again (to any consumer)."""
         if self._closed:
@@ -423,7 +491,42 @@ class Consumer:
         self._closed = True
         not_received = None if self._buffer is None else self._buffer.column("offset").to_numpy()
         self._buffer = None
-        _call(self._actor.close_consumer, self.consumer_id, not_received)
+        try:
+            _call(self.target_list.close, not_received, retry=False)
+        except BrokerUnavailable:  # the TargetList died: the queue releases what it held
+            _call(self._actor.close_consumer, self.consumer_id, not_received)
+        finally:
+            ray.kill(self.target_list, no_restart=True)
+
+
+def _get_batches(refs: list) -> list[pa.RecordBatch | None]:
+    """Read delivery batches from the object store (zero-copy on the same node)."""
+    lost = (ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError)
+    try:
+        return list(ray.get(refs))
+    except lost:
+        pass
+    out: list[pa.RecordBatch | None] = []
+    for ref in refs:
+        try:
+            out.append(ray.get(ref))
+        except lost:
+            out.append(None)
+    return out
+
+
+def _messages(batch: pa.RecordBatch) -> Iterator[Message]:
+    cols = batch.to_pydict()
+    ts = batch.column("timestamp").cast(pa.int64()).to_numpy()
+    for o, b, c, t, p in zip(
+        cols["offset"], cols["body"], cols["delivery_count"], ts, cols["properties"], strict=True
+    ):
+        yield Message(o, b, int(c), float(t) / 1e6, p)
+
+
+def _check_count(name: str, value: object, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InvalidSetting(f"{name}={value!r} must be an int >= {minimum}")
 
 
 def _offsets_of(messages: Any) -> np.ndarray:

@@ -359,6 +359,15 @@ class QueueCore:
             self._wake_consumers()
         return n
 
+    def give_back(self, consumer_id: str, offsets: np.ndarray) -> int:
+        """Release held offsets the application never received (delivery not counted)."""
+        n = self.area.release(
+            consumer_id, np.asarray(offsets, dtype=np.int64), count_delivery=False
+        )
+        if n:
+            self._wake_consumers()
+        return n
+
     def close_consumer(self, consumer_id: str, not_received: np.ndarray | None = None) -> int:
         """Remove a consumer; what it held is delivered again (``not_received`` uncounted)."""
         if not_received is not None:

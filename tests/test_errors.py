@@ -80,10 +80,15 @@ def test_wrong_types(broker):
     assert q.stats()["depth"] == 0
 
 
-def test_selector_not_yet_supported_is_a_selector_error(broker):
+def test_malformed_selector_names_queue_and_position(broker):
     q = broker.create_queue("sel")
-    with pytest.raises(errors.SelectorError, match="sel"):
-        q.consumer(selector="color = 'red'")
+    q.send(b"x", {"color": "red"})
+    with pytest.raises(errors.SelectorError, match=r"'sel'.*position 9"):
+        q.consumer(selector="color = ")
+    with pytest.raises(TypeError):
+        q.consumer(selector=5)
+    with q.consumer(selector="color = 'red'") as c:  # nothing was held by the failures
+        assert [m.body for m in c.receive(timeout=10)] == [b"x"]
 
 
 def test_unknown_broker_setting():

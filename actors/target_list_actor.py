@@ -1,0 +1,135 @@
+"""TargetListActor: one Ray actor per consumer, wrapping ``raymq.target_list.TargetList``.
+
+Placed by ``raymq.placement`` on the consumer's node so that the delivery batches it
+references are read from the local object store without a copy. It is owned by the
+process that created the consumer, so it dies with it; the queue actor notices (it pings
+consumers it has not heard from) and delivers what it held again.
+
+Its eager loader keeps the direct references filled up to the high watermark: from the
+PendingCache first, else by fetching from the queue actor, whose batches it owns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import numpy as np
+import ray
+
+from raymq.target_list import DirectEntry, TargetList
+
+log = logging.getLogger("raymq.consumer")
+
+#: Longest one fetch waits in the queue actor (seconds); the loader simply asks again.
+LOADER_POLL_SECONDS = 1.0
+
+
+@ray.remote(num_cpus=0, max_restarts=0, max_concurrency=64)
+class TargetListActor:
+    """The Ray shell of one consumer's TargetList."""
+
+    def __init__(
+        self,
+        queue_actor,
+        queue: str,
+        consumer_id: str,
+        prefetch: int,
+        selector: str | None,
+        high_watermark: int,
+        high_watermark_bytes: int,
+        pending_cache_bytes: int,
+    ):
+        self.queue_actor = queue_actor
+        self.queue = queue
+        self.consumer_id = consumer_id
+        self.prefetch = prefetch
+        self.selector = selector
+        self.targets = TargetList(high_watermark, high_watermark_bytes, pending_cache_bytes)
+        self._filled = asyncio.Event()
+        self._space = asyncio.Event()
+        self._loader: asyncio.Task | None = None
+        self._closed = False
+        self.loader_error: str | None = None
+
+    async def start(self) -> None:
+        """Register with the queue (it may check our liveness) and start eager loading."""
+        me = ray.get_runtime_context().current_actor
+        await self.queue_actor.register_consumer.remote(
+            self.consumer_id, self.prefetch, self.selector, me
+        )
+        self._loader = asyncio.get_running_loop().create_task(self._eager_load())
+
+    async def _eager_load(self) -> None:
+        """Raise the watermark toward the high watermark, forever."""
+        while not self._closed:
+            room = self.targets.room()
+            if room <= 0:
+                self._space.clear()
+                await self._space.wait()
+                continue
+            if self.targets.load_from_pending():
+                self._filled.set()
+                continue
+            try:
+                meta_ref, batch_ref = self.queue_actor.fetch_batch.options(num_returns=2).remote(
+                    self.consumer_id, room, LOADER_POLL_SECONDS, self.prefetch, self.selector
+                )
+                offsets, nbytes = await meta_ref
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
+                self.loader_error = f"queue {self.queue!r} unavailable: {exc}"
+                await asyncio.sleep(0.5)  # the queue actor restarts; ask again
+                continue
+            self.loader_error = None
+            if len(offsets):
+                self.targets.loaded(DirectEntry(batch_ref, offsets, nbytes))
+                self._filled.set()
+
+    async def take(self, max_messages: int, timeout: float) -> list[tuple[object, int, int]]:
+        """Up to ``max_messages`` as (batch reference, first row, rows), waiting up to
+        ``timeout`` seconds for the first."""
+        if not self.targets.direct:
+            self._filled.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._filled.wait(), max(timeout, 0.0))
+        out = self.targets.take(max_messages)
+        if out:
+            self._space.set()
+        return out
+
+    async def set_high_watermark(self, messages: int, max_bytes: int) -> int:
+        """Change the high watermark; returns how many messages went back to the queue."""
+        released = self.targets.set_high_watermark(messages, max_bytes)
+        if len(released):
+            await self.queue_actor.give_back.remote(self.consumer_id, released)
+        self._space.set()
+        return len(released)
+
+    async def stats(self) -> dict:
+        """The TargetList's levels and the queue's view of this consumer."""
+        queue_side = await self.queue_actor.consumer_stats.remote(self.consumer_id)
+        return {
+            "consumer_id": self.consumer_id,
+            "queue": self.queue,
+            "node_id": ray.get_runtime_context().get_node_id(),
+            **self.targets.stats(),
+            **queue_side,
+            "loader_error": self.loader_error,
+        }
+
+    async def close(self, not_received: np.ndarray | None) -> int:
+        """Stop loading and give back everything not acknowledged; returns how many."""
+        self._closed = True
+        if self._loader is not None:
+            self._loader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._loader
+        rest = self.targets.drain()
+        if not_received is not None and len(not_received):
+            rest = np.concatenate([np.asarray(not_received, dtype=np.int64), rest])
+        return await self.queue_actor.close_consumer.remote(self.consumer_id, rest)
+
+    def ping(self) -> bool:
+        """Liveness check by the queue actor."""
+        return True
