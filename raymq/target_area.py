@@ -248,6 +248,9 @@ class TargetArea:
             # Selector consumers may hold offsets beyond the cursor: skip those (they come
             # back through the redelivery heap if released).
             fresh.extend(o for o in got.tolist() if o not in holder)
+        if picked and fresh:  # a released offset can be ahead of the cursor as well
+            again = set(picked)
+            fresh = [o for o in fresh if o not in again]
         return np.sort(np.array(picked + fresh, dtype=np.int64))
 
     def _take_candidates(self, target: ConsumerTarget, want: int) -> np.ndarray:
@@ -272,8 +275,11 @@ class TargetArea:
         picked: list[int] = []
         while self._redeliver and len(picked) < want:
             k = min(want - len(picked), len(self._redeliver))
-            candidates = [heapq.heappop(self._redeliver) for _ in range(k)]
-            candidates = [o for o in candidates if o not in self._holder]
+            popped = [heapq.heappop(self._redeliver) for _ in range(k)]
+            # An offset released twice (by two consumers in turn) is in the heap twice.
+            candidates = [o for o in dict.fromkeys(popped) if o not in self._holder]
+            if picked:
+                candidates = [o for o in candidates if o != picked[-1]]
             if candidates:
                 acked = self.log.is_acked(np.array(candidates, dtype=np.int64))
                 picked.extend(o for o, a in zip(candidates, acked, strict=True) if not a)
@@ -333,7 +339,7 @@ class TargetArea:
         chosen = (
             sorted(target.held)
             if offsets is None
-            else [o for o in offsets.tolist() if o in target.held]
+            else [o for o in np.unique(offsets).tolist() if o in target.held]
         )
         for o in chosen:
             target.held.discard(o)

@@ -198,3 +198,22 @@ def test_offset_set_matches_python_set(values, start):
     assert s.first(10**6).tolist() == sorted(ref)
     s.discard_below(start)
     assert s.first(10**6).tolist() == sorted(v for v in ref if v >= start)
+
+
+def test_offset_released_twice_is_delivered_once(tmp_path):
+    async def main():
+        core = await open_core(tmp_path)
+        await send_colors(core, ["red", "blue"])
+        for cid in ("a", "b"):  # each takes the red one and gives it back in turn
+            core.register_consumer(cid, 10, "color = 'red'")
+            got = await core.fetch(cid, 10, 0, 10)
+            assert got.column("offset").to_pylist() == [0]
+            core.close_consumer(cid)
+        core.register_consumer("plain", 10, None)
+        got = await core.fetch("plain", 10, 0, 10)
+        assert got.column("offset").to_pylist() == [0, 1]
+        assert got.column("delivery_count").to_pylist() == [3, 1]
+        assert core.close_consumer("plain") == 2
+        await core.close()
+
+    run(main())

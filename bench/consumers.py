@@ -1,0 +1,192 @@
+"""Consumers and selectors: latency through a deep blue backlog, first message on a deep
+queue, competing and selective consume rates, and memory of CacheReferences.
+
+Baselines measured in the same run: ray.util.queue draining the same number of
+messages with get_nowait_batch (for rates), and a plain consumer (no selector) for the
+latencies.
+
+    python bench/consumers.py [--messages 1000000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+import threading
+import time
+
+import psutil
+import ray
+from ray.util.queue import Queue as RayQueue
+
+import raymq
+from bench.common import console, print_table
+from raymq.offset_set import OffsetSet
+
+BODY = b"x" * 100
+BATCH = 1000
+
+
+def fill(q, n: int, props) -> None:
+    """Send ``n`` messages in batches of 1,000 (``props`` one dict or a function of i)."""
+    for i in range(0, n, BATCH):
+        k = min(BATCH, n - i)
+        p = [props(i + j) for j in range(k)] if callable(props) else props
+        q.send_batch([BODY] * k, p)
+
+
+def first_message_seconds(q, **consumer_args) -> float:
+    """Seconds from creating a consumer to holding its first message."""
+    t0 = time.perf_counter()
+    with q.consumer(**consumer_args) as c:
+        got = c.receive(timeout=60)
+        dt = time.perf_counter() - t0
+    assert got, "no message arrived"
+    return dt
+
+
+def red_behind_blue(broker, n: int) -> dict[str, float]:
+    q = broker.create_queue("bench-red", page_size_bytes=2**20)
+    c = q.consumer(selector="color = 'red'", prefetch=10)
+    console.print(f"  sending {n:,} blue ...")
+    fill(q, n, {"color": "blue"})
+    t0 = time.perf_counter()
+    q.send(b"red", {"color": "red"})
+    got = c.receive(timeout=60)
+    early = time.perf_counter() - t0
+    assert [m.body for m in got] == [b"red"]
+    c.close()  # nack: the red one is there again for the late consumer
+    late = first_message_seconds(q, selector="color = 'red'")
+    plain = first_message_seconds(q)
+    broker.delete_queue("bench-red")
+    return {"early": early, "late": late, "plain": plain}
+
+
+def consume_rate(q, n_consumers: int, total: int, selector: str | None = None) -> float:
+    """Messages/s received (and acked) by ``n_consumers`` threads until ``total`` arrived."""
+    consumers = [q.consumer(selector=selector, prefetch=4 * BATCH) for _ in range(n_consumers)]
+    count = [0]
+    lock = threading.Lock()
+
+    deadline = time.monotonic() + 120
+
+    def work(c) -> None:
+        # Short waits: near the end the rest may sit in another consumer's prefetch.
+        while time.monotonic() < deadline:
+            with lock:
+                if count[0] >= total:
+                    return
+            batch = c.receive_batch(BATCH, timeout=0.05)
+            if batch.num_rows == 0:
+                continue
+            c.ack(batch)
+            with lock:
+                count[0] += batch.num_rows
+
+    threads = [threading.Thread(target=work, args=(c,)) for c in consumers]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    dt = time.perf_counter() - t0
+    for c in consumers:
+        c.close()
+    return count[0] / dt
+
+
+def ray_queue_rate(total: int) -> float:
+    rq = RayQueue(maxsize=0)
+    for _ in range(total // BATCH):
+        rq.put_nowait_batch([BODY] * BATCH)
+    t0 = time.perf_counter()
+    got = 0
+    while got < total:
+        got += len(rq.get_nowait_batch(min(BATCH, total - got)))
+    dt = time.perf_counter() - t0
+    rq.shutdown()
+    return total / dt
+
+
+def offset_set_memory(n: int) -> tuple[int, int]:
+    """(bitmap bytes, RSS growth bytes) of an OffsetSet holding ``n`` offsets."""
+    proc = psutil.Process()
+    before = proc.memory_info().rss
+    s = OffsetSet()
+    for start in range(0, n, 1 << 20):
+        s.add_range(start, min(n, start + (1 << 20)))
+    after = proc.memory_info().rss
+    assert len(s) == n
+    return s.nbytes, after - before
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--messages", type=int, default=1_000_000)
+    parser.add_argument("--rate-messages", type=int, default=200_000)
+    args = parser.parse_args()
+
+    ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+    paging = tempfile.mkdtemp(prefix="raymq-bench-", dir=os.environ.get("RAYMQ_BENCH_DIR"))
+    broker = raymq.connect(namespace="raymq-bench-consumers", paging_directory=paging)
+    rows = []
+    try:
+        console.print(f"red behind {args.messages:,} blue ...")
+        red = red_behind_blue(broker, args.messages)
+        rows.append(["red behind blue, consumer first (ms)", f"{red['early'] * 1e3:.1f}", "100"])
+        rows.append(["red behind blue, consumer after (ms)", f"{red['late'] * 1e3:.1f}", "2000"])
+        rows.append(["first message, plain consumer (ms)", f"{red['plain'] * 1e3:.1f}", "-"])
+
+        console.print(f"first message on a {args.messages:,}-message backlog ...")
+        q = broker.create_queue("bench-deep", page_size_bytes=10 * 2**20)
+        fill(q, args.messages, None)
+        deep = first_message_seconds(q)
+        rows.append([f"first message, {args.messages:,} backlog (ms)", f"{deep * 1e3:.1f}", "100"])
+        broker.delete_queue("bench-deep")
+
+        n = args.rate_messages
+        console.print(f"consume rates over {n:,} messages ...")
+        base = ray_queue_rate(n)
+        q = broker.create_queue("bench-rate")
+        fill(q, n, lambda i: {"bucket": i % 10})
+        r4 = consume_rate(q, 4, n)
+        rows.append(["4 competing consumers (msg/s)", f"{r4:,.0f}", "200,000"])
+        fill(q, n, lambda i: {"bucket": i % 10})
+        rsel = consume_rate(q, 1, n // 10, selector="bucket = 3")
+        rows.append(["selector matching 10 % (msg/s)", f"{rsel:,.0f}", "200,000"])
+        rows.append(["ray.util.queue get_nowait_batch (msg/s)", f"{base:,.0f}", "baseline"])
+        rows.append(["  ratio 4 competing / baseline", f"{r4 / base:.2f}x", "-"])
+        broker.delete_queue("bench-rate")
+
+        console.print("CacheReference memory ...")
+        bits, rss = offset_set_memory(10_000_000)
+        rows.append(["10,000,000 CacheReferences: bitmap (MiB)", f"{bits / 2**20:.1f}", "50"])
+        rows.append(["10,000,000 CacheReferences: RSS growth (MiB)", f"{rss / 2**20:.1f}", "50"])
+        q = broker.create_queue("bench-tl")
+        fill(q, args.messages, {"color": "red"})
+        with q.consumer(selector="color = 'red'", prefetch=1000) as c:
+            c.receive(timeout=60)
+            stats = c.stats()
+        rows.append(
+            [
+                f"TargetList with {stats['cache_references']:,} CacheReferences: bitmap (KiB)",
+                f"{stats['cache_reference_bytes'] / 1024:.0f}",
+                "-",
+            ]
+        )
+        broker.delete_queue("bench-tl")
+    finally:
+        broker.shutdown()
+        ray.shutdown()
+        shutil.rmtree(paging, ignore_errors=True)
+    print_table(
+        f"consumers and selectors, {time.strftime('%Y-%m-%d')}",
+        ["measure", "RayMQ", "target"],
+        rows,
+    )
+
+
+if __name__ == "__main__":
+    main()
