@@ -85,13 +85,6 @@ class QueueActor:
         await self._ensure_started()
         return await self.core.send_batch(batch)
 
-    async def fetch(
-        self, consumer_id: str, max_messages: int, timeout: float, prefetch: int
-    ) -> pa.RecordBatch:
-        """Deliver up to ``max_messages`` to a consumer, waiting up to ``timeout`` s."""
-        await self._ensure_started()
-        return await self.core.fetch(consumer_id, max_messages, timeout, prefetch)
-
     async def fetch_batch(
         self,
         consumer_id: str,

@@ -95,9 +95,7 @@ class HeadQueueCache:
                 if self.bytes + b.nbytes > self.max_bytes:
                     return
                 if self._batches and b.first_offset != self.end:
-                    # a gap (deleted or damaged records) keeps the range contiguous by
-                    # starting the cache again after it only when empty
-                    return
+                    return  # a gap (acked or damaged records): the range must stay contiguous
                 self._batches.append(b)
                 self.bytes += b.nbytes
             pos = chunk_end

@@ -43,17 +43,7 @@ class OffsetSet:
 
     def add(self, offsets: np.ndarray) -> None:
         """Add offsets (any order, duplicates allowed)."""
-        offsets = np.asarray(offsets, dtype=np.int64)
-        if not len(offsets):
-            return
-        cids = offsets >> _SHIFT
-        for cid in np.unique(cids).tolist():
-            bits = self._chunk(cid)
-            unpacked = np.unpackbits(bits)
-            before = int(unpacked.sum())
-            unpacked[offsets[cids == cid] & (CHUNK - 1)] = 1
-            self._count += int(unpacked.sum()) - before
-            self._chunks[cid] = np.packbits(unpacked)
+        self._set(offsets, 1)
 
     def add_range(self, start: int, end: int) -> None:
         """Add every offset in [start, end)."""
@@ -64,19 +54,23 @@ class OffsetSet:
 
     def discard(self, offsets: np.ndarray) -> None:
         """Remove offsets that are present."""
+        self._set(offsets, 0)
+
+    def _set(self, offsets: np.ndarray, bit: int) -> None:
+        """Set (1) or clear (0) the bits of ``offsets``, chunk by chunk."""
         offsets = np.asarray(offsets, dtype=np.int64)
         if not len(offsets):
             return
         cids = offsets >> _SHIFT
         for cid in np.unique(cids).tolist():
-            bits = self._chunks.get(cid)
+            bits = self._chunk(cid) if bit else self._chunks.get(cid)
             if bits is None:
                 continue
             unpacked = np.unpackbits(bits)
             before = int(unpacked.sum())
-            unpacked[offsets[cids == cid] & (CHUNK - 1)] = 0
+            unpacked[offsets[cids == cid] & (CHUNK - 1)] = bit
             after = int(unpacked.sum())
-            self._count -= before - after
+            self._count += after - before
             if after:
                 self._chunks[cid] = np.packbits(unpacked)
             else:

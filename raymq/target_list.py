@@ -40,6 +40,14 @@ class DirectEntry:
         return self.nbytes * self.remaining // max(len(self.offsets), 1)
 
 
+def _messages(entries) -> int:
+    return sum(e.remaining for e in entries)
+
+
+def _bytes(entries) -> int:
+    return sum(e.remaining_bytes for e in entries)
+
+
 class TargetList:
     """Watermark accounting of one consumer (messages and bytes)."""
 
@@ -58,22 +66,22 @@ class TargetList:
     @property
     def watermark(self) -> int:
         """Messages held as direct references, not yet handed to the application."""
-        return sum(e.remaining for e in self.direct)
+        return _messages(self.direct)
 
     @property
     def direct_bytes(self) -> int:
         """Bytes of those messages."""
-        return sum(e.remaining_bytes for e in self.direct)
+        return _bytes(self.direct)
 
     @property
     def pending_messages(self) -> int:
         """Messages in the PendingCache."""
-        return sum(e.remaining for e in self.pending)
+        return _messages(self.pending)
 
     @property
     def pending_bytes(self) -> int:
         """Bytes in the PendingCache."""
-        return sum(e.remaining_bytes for e in self.pending)
+        return _bytes(self.pending)
 
     def room(self) -> int:
         """Messages the eager loader may add below the high watermark (0 when full)."""

@@ -205,7 +205,7 @@ class _Parser:
         if t.kind == "op" and t.text in ("+", "-"):
             self.i += 1
             operand = self.unary()
-            if t.text == "-" and isinstance(operand, Literal) and _is_number(operand.value):
+            if t.text == "-" and isinstance(operand, Literal) and isinstance(operand.value, float):
                 return Literal(-operand.value)
             return Unary(t.text, operand)
         return self.primary()
@@ -246,10 +246,6 @@ class _Parser:
         if t is None:
             raise self.fail(expected)
         return t.text[1:-1].replace("''", "'")
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, float)
 
 
 def parse(text: str) -> Node:
