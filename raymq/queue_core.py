@@ -25,6 +25,7 @@ import pyarrow as pa
 
 from raymq.batch import EMPTY_DELIVERY, MessageBatch, check_sizes
 from raymq.config import BrokerConfig, QueueConfig
+from raymq.errors import AddressFull
 from raymq.head_cache import HeadQueueCache
 from raymq.selector import Selector
 from raymq.storage import RecoveryReport, SegmentLog
@@ -70,6 +71,21 @@ class QueueStats:
     head_cache_misses: int
     read_cache_hits: int
     read_cache_misses: int
+    read_cache_bytes: int
+    #: Bytes of unacknowledged messages, memory and disk (what max_size_bytes bounds).
+    bytes_queued: int
+    #: Bytes of indexes and per-message metadata in memory.
+    index_bytes: int
+    transient_bytes_in_memory: int
+    #: Bytes the MemoryGovernor gave this queue actor's caches (-1: none yet).
+    memory_budget: int
+    #: True while new transient messages flow to disk.
+    flowing_to_disk: bool
+    messages_flowed_to_disk: int
+    messages_dropped: int
+    blocked_producers: int
+    blocked_seconds: float
+    blocked_reason: str
 
     def to_dict(self) -> dict:
         """The snapshot as a plain dict."""
@@ -94,8 +110,16 @@ class QueueCore:
             read_cache_bytes=max(config.page_max_cache_size, 1) * config.page_size_bytes,
         )
         self.area = TargetArea(self.log, config.name)
-        self.head_cache = HeadQueueCache(broker.head_cache_bytes if config.durable else 0)
+        self.head_cache = HeadQueueCache(0)
+        #: Bytes for this actor's caches from the MemoryGovernor; None until it speaks.
+        self.memory_budget: int | None = None
+        self._apply_memory_limits()
         self._pending: list[tuple[MessageBatch, asyncio.Future]] = []
+        self._reserved = 0  # bytes of admitted sends not yet published
+        self._freed: asyncio.Event | None = None
+        self._blocked: dict[int, float] = {}  # id of a blocked send -> monotonic start
+        self._dropped = 0
+        self._active_counters = (0, 0, 0)
         self._ack_waiters: list[asyncio.Future] = []
         self._kick: asyncio.Event | None = None
         self._arrival: asyncio.Event | None = None
@@ -115,6 +139,7 @@ class QueueCore:
         """Start the writer and housekeeping tasks on the running event loop."""
         self._kick = asyncio.Event()
         self._arrival = asyncio.Event()
+        self._freed = asyncio.Event()
         self._writer = asyncio.get_running_loop().create_task(self._write_loop())
         self._ticker = asyncio.get_running_loop().create_task(self._tick_loop())
 
@@ -137,18 +162,88 @@ class QueueCore:
 
     # -- producing -------------------------------------------------------------------
 
-    async def send_batch(self, batch: MessageBatch) -> tuple[int, int]:
-        """Append a batch; returns (first offset, count) once it is durable.
+    async def send_batch(
+        self, batch: MessageBatch, timeout: float | None = None
+    ) -> tuple[int, int]:
+        """Append a batch; returns (first offset, count stored) once it is durable.
 
-        Concurrent calls share one write and one fdatasync (group commit).
+        Concurrent calls share one write and one fdatasync (group commit). At
+        ``max_size_bytes`` the ``address_full_policy`` decides: PAGE stores everything,
+        DROP stores the messages that fit (the count says how many; the rest are counted
+        as dropped), FAIL raises ``AddressFull`` storing nothing, BLOCK waits up to
+        ``timeout`` seconds (None: for ever) for acks to free room, then ``AddressFull``.
         """
         self._check_batch(batch)
         if len(batch) == 0:
             return self.log.next_offset, 0
+        batch = await self._admit(batch, timeout)
+        if len(batch) == 0:
+            return self.log.next_offset, 0
+        cost = _cost(batch)
+        self._reserved += cost
         fut = asyncio.get_running_loop().create_future()
         self._pending.append((batch, fut))
         self._kick.set()
-        return await fut, len(batch)
+        try:
+            return await fut, len(batch)
+        finally:
+            self._reserved -= cost
+
+    def _limited(self) -> bool:
+        return self.config.max_size_bytes > 0 and self.config.address_full_policy != "PAGE"
+
+    def _queued_bytes(self) -> int:
+        """Bytes counted against ``max_size_bytes``: stored unacknowledged messages plus
+        admitted sends not yet written."""
+        return self.log.bytes_queued + self._reserved
+
+    def _full_message(self, need: int) -> str:
+        cfg = self.config
+        return (
+            f"queue {self.name!r} holds {self._queued_bytes():,} of max_size_bytes="
+            f"{cfg.max_size_bytes:,} bytes; a batch of {need:,} bytes does not fit"
+            f" (address_full_policy={cfg.address_full_policy})"
+        )
+
+    async def _admit(self, batch: MessageBatch, timeout: float | None) -> MessageBatch:
+        """Apply ``address_full_policy``; returns what may be stored (maybe nothing)."""
+        if not self._limited():
+            return batch
+        limit, policy = self.config.max_size_bytes, self.config.address_full_policy
+        need = _cost(batch)
+        if self._queued_bytes() + need <= limit:
+            return batch
+        if policy == "FAIL" or (policy == "BLOCK" and need > limit):
+            raise AddressFull(self._full_message(need))
+        if policy == "DROP":
+            room = limit - self._queued_bytes()
+            sizes = np.diff(batch.body_offsets) + np.diff(batch.prop_offsets) + 24
+            fits = int(np.searchsorted(np.cumsum(sizes), room, side="right"))
+            self._dropped += len(batch) - fits
+            return batch.slice(0, fits)
+        # BLOCK: wait for acks to free room; visible in stats while waiting.
+        key, started = id(batch), time.monotonic()
+        deadline = None if timeout is None else started + max(timeout, 0.0)
+        self._blocked[key] = started
+        try:
+            while self._queued_bytes() + need > limit:
+                freed = self._freed
+                wait = None if deadline is None else deadline - time.monotonic()
+                if wait is not None and wait <= 0:
+                    raise AddressFull(
+                        self._full_message(need) + f"; blocked {time.monotonic() - started:.1f} s"
+                    )
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(freed.wait(), wait)
+        finally:
+            del self._blocked[key]
+        return batch
+
+    def _signal_freed(self) -> None:
+        """Wake producers blocked on ``max_size_bytes`` (acks freed room)."""
+        if self._freed is not None:
+            self._freed.set()
+            self._freed = asyncio.Event()
 
     def _check_batch(self, batch: MessageBatch) -> None:
         if not isinstance(batch, MessageBatch):
@@ -173,7 +268,8 @@ class QueueCore:
         prepared = None
         try:
             prepared = self.log.prepare(batches, int(time.time() * 1e6), checkpoint=checkpoint)
-            if self.config.durable:
+            to_disk = any(item[2] for item in prepared.items)  # transient ones may flow
+            if self.config.durable or to_disk:
                 if prepared.write_bytes <= INLINE_WRITE_BYTES:
                     # A small write and its fdatasync take well under a millisecond: doing
                     # them inline saves a thread hand-off, and sends arriving meanwhile
@@ -226,12 +322,60 @@ class QueueCore:
             self.housekeeping()
 
     def housekeeping(self) -> None:
-        """Trim the HeadQueueCache to what is undelivered and refill it from the log."""
+        """Trim the HeadQueueCache to what is undelivered and refill it from the log;
+        flow transient messages to disk while they are over their memory limit."""
         self.area.housekeeping()
+        if self.log.memory_limit is not None and self.log.transient_bytes > self.log.memory_limit:
+            self.log.flow_to_disk(self.log.memory_limit)
         if self.config.durable:
             undelivered = self.area.head() if self.area.selective else self.area.cursor
             self.head_cache.trim(undelivered)
             self.head_cache.refill(self.log.read, undelivered, self.log.next_offset)
+
+    # -- memory budget ---------------------------------------------------------------
+
+    def set_budget(self, queue_bytes: int) -> None:
+        """Take the MemoryGovernor's budget for this actor's caches (bytes): the
+        HeadQueueCache, the read cache and transient messages in memory."""
+        self.memory_budget = max(0, int(queue_bytes))
+        self._apply_memory_limits()
+        self.housekeeping()
+
+    def _apply_memory_limits(self) -> None:
+        """Split the budget: the read cache gets at most a quarter (and at most
+        ``page_max_cache_size`` pages); the HeadQueueCache (durable) or the transient
+        messages (non-durable) get the rest. Without a budget yet, ``head_cache_bytes``
+        stands in. ``max_size_bytes`` caps it all (Artemis: beyond it, PAGE pages)."""
+        cfg = self.config
+        page_cache = max(cfg.page_max_cache_size, 1) * cfg.page_size_bytes
+        if self.memory_budget is None:
+            total = self.broker.head_cache_bytes + page_cache
+        else:
+            total = self.memory_budget
+        if cfg.max_size_bytes > 0:
+            total = min(total, cfg.max_size_bytes)
+        read = min(page_cache, total // 4)
+        self.log.set_read_cache_bytes(read)
+        rest = total - read
+        if cfg.durable:
+            self.head_cache.resize(rest)
+        else:
+            self.log.memory_limit = rest
+
+    def usage(self) -> dict:
+        """What the MemoryGovernor needs of this queue (bytes), and whether it is active
+        (consumers, or messages in, out or acked since the last call)."""
+        counters = (self._counters["in"], self._counters["out"], self._counters["acked"])
+        active = bool(self.area.consumers) or counters != self._active_counters
+        self._active_counters = counters
+        return {
+            "name": self.name,
+            "size_bytes": self.log.bytes_queued,
+            "memory_bytes": self.head_cache.bytes + self.log.bytes_in_memory,
+            "index_bytes": self.log.index_bytes + self.area.index_bytes,
+            "active": active,
+            "max_size_bytes": self.config.max_size_bytes,
+        }
 
     def _wake_consumers(self) -> None:
         self._arrival.set()
@@ -357,6 +501,7 @@ class QueueCore:
         self._counters["acked"] += fresh
         if fresh:
             self._wake_consumers()  # credit came back
+            self._signal_freed()
         if self.config.durable and fresh:
             fut = asyncio.get_running_loop().create_future()
             self._ack_waiters.append(fut)
@@ -458,7 +603,24 @@ class QueueCore:
             head_cache_misses=self.head_cache.misses,
             read_cache_hits=self.log.cache_hits,
             read_cache_misses=self.log.cache_misses,
+            read_cache_bytes=self.log.read_cache_used,
+            bytes_queued=self.log.bytes_queued,
+            index_bytes=self.log.index_bytes + self.area.index_bytes,
+            transient_bytes_in_memory=self.log.transient_bytes,
+            memory_budget=-1 if self.memory_budget is None else self.memory_budget,
+            flowing_to_disk=self.log.flowing,
+            messages_flowed_to_disk=self.log.flowed_messages,
+            messages_dropped=self._dropped,
+            blocked_producers=len(self._blocked),
+            blocked_seconds=max((now - t for t in self._blocked.values()), default=0.0),
+            blocked_reason=self._full_message(0) if self._blocked else "",
         )
+
+
+def _cost(batch: MessageBatch) -> int:
+    """Bytes a batch adds to a queue's size: bodies, properties and per-message
+    metadata (offsets and timestamp, 24 bytes a message)."""
+    return int(batch.body_offsets[-1] + batch.prop_offsets[-1]) + 24 * len(batch)
 
 
 __all__ = ["QueueCore", "QueueStats"]

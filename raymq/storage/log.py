@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -27,9 +28,13 @@ from raymq.storage.format import (
     CHECKPOINT_NAME,
     CHECKPOINT_VERSION,
     RECORD_HEADER,
+    SEGMENT_HEADER,
+    SEGMENT_MAGIC,
     SEGMENT_SUFFIX,
+    SEGMENT_VERSION,
     ack_log_name,
     crc32,
+    segment_name,
 )
 from raymq.storage.segment import CorruptRecord, Segment, encode_record, scan
 
@@ -107,6 +112,12 @@ class SegmentLog:
         self.read_cache_bytes = read_cache_bytes
         self.cache_hits = 0
         self.cache_misses = 0
+        #: Bytes of transient (non-durable) messages allowed in memory; beyond it they
+        #: flow to disk (Qpid). None: no limit. Durable messages are always on disk.
+        self.memory_limit: int | None = None
+        #: True while the last transient write went to disk because memory was full.
+        self.flowing = False
+        self.flowed_messages = 0  # transient messages written to disk, new or existing
 
     # -- opening and recovery --------------------------------------------------------
 
@@ -136,6 +147,8 @@ class SegmentLog:
         report = RecoveryReport(queue=queue)
         if durable:
             self._recover(report)
+        else:
+            self._remove_transient_files()
         report.segments = len(self.segments)
         report.depth = self.depth
         report.next_offset = self.next_offset
@@ -179,6 +192,11 @@ class SegmentLog:
         self._remove_ack_logs_before(self._ack_generation)
         for seg in [s for s in self.segments if s.fully_acked]:
             self._delete_segment(seg)
+
+    def _remove_transient_files(self) -> None:
+        """A non-durable queue starts empty: what flowed to disk last run is garbage."""
+        for base in self._segment_bases():
+            os.unlink(os.path.join(self.directory, segment_name(base)))
 
     def _segment_bases(self) -> list[int]:
         bases = []
@@ -313,14 +331,20 @@ class SegmentLog:
         if self._failed is not None:
             raise self._failed
         prepared = PreparedWrite()
+        in_memory = self.transient_bytes
         for batch in batches:
             prepared.firsts.append(self._planned_next)
             for chunk in self._split(batch):
                 chunk.first_offset = self._planned_next
                 chunk.timestamps = np.full(len(chunk), now_us, dtype=np.int64)
-                bufs = encode_record(chunk) if self.durable else []
-                size = sum(memoryview(b).nbytes for b in bufs) if self.durable else chunk.nbytes
-                seg = self._segment_for(size, chunk.first_offset, prepared)
+                on_disk = self.durable or self._must_flow(in_memory + chunk.nbytes)
+                if on_disk:
+                    bufs = encode_record(chunk)
+                    size = sum(memoryview(b).nbytes for b in bufs)
+                else:
+                    bufs, size = [], chunk.nbytes
+                    in_memory += size
+                seg = self._segment_for(size, chunk.first_offset, prepared, on_disk)
                 prepared.items.append((seg, seg.planned_size, bufs, chunk, size))
                 seg.planned_size += size
                 seg.planned_end = chunk.end_offset
@@ -360,15 +384,24 @@ class SegmentLog:
             start = stop
         return chunks
 
-    def _segment_for(self, size: int, first: int, prepared: PreparedWrite) -> Segment:
+    def _must_flow(self, transient_bytes: int) -> bool:
+        """Should a transient record go to disk, given memory would then hold
+        ``transient_bytes`` (bytes)? Also notes the decision in ``flowing``."""
+        self.flowing = self.memory_limit is not None and transient_bytes > self.memory_limit
+        return self.flowing
+
+    def _segment_for(
+        self, size: int, first: int, prepared: PreparedWrite, on_disk: bool = True
+    ) -> Segment:
         seg = self._active
         if seg is not None and (
             seg.planned_end != first
             or (seg.planned_end > seg.base_offset and seg.planned_size + size > self._page_limit)
+            or (seg.fd is not None) != on_disk  # transient records switch memory <-> disk
         ):
             seg = None
         if seg is None:
-            seg = Segment.create(self.directory, first) if self.durable else Segment(None, first)
+            seg = Segment.create(self.directory, first) if on_disk else Segment(None, first)
             prepared.new_segments.append(seg)
             self.segments.append(seg)
             self._active = seg
@@ -377,21 +410,24 @@ class SegmentLog:
     @property
     def _page_limit(self) -> int:
         """Bytes a segment may reach before the next record goes to a new one."""
-        return self.page_size_bytes + (RECORD_HEADER.size if self.durable else 0)
+        return self.page_size_bytes + RECORD_HEADER.size
 
     def write(self, prepared: PreparedWrite) -> None:
         """Do the I/O of a prepared write: records, fdatasync, ack log, checkpoint.
 
         Safe to run in a worker thread: it touches only file descriptors. On an OS
         error the log refuses every later write with the same ``StorageError``.
+        Transient records that flowed to disk are written but not fsynced: they
+        promise nothing across a crash, and a non-durable queue starts empty.
         """
-        if not self.durable:
-            return
         try:
             touched: dict[int, Segment] = {}
             for seg, pos, bufs, _chunk, _size in prepared.items:
-                _pwritev_all(seg.fd, bufs, pos)
-                touched[id(seg)] = seg
+                if bufs:
+                    _pwritev_all(seg.fd, bufs, pos)
+                    touched[id(seg)] = seg
+            if not self.durable:
+                return
             for seg in touched.values():
                 os.fdatasync(seg.fd)
             if prepared.new_segments:
@@ -410,9 +446,11 @@ class SegmentLog:
         """Make written records readable and delete segments that were fully acknowledged."""
         for seg, pos, _bufs, chunk, size in prepared.items:
             seg.add_record(chunk.first_offset, len(chunk), pos)
-            if not self.durable:
+            if seg.fd is None:
                 seg.batches.append(chunk)
                 seg.memory_bytes += chunk.nbytes
+            elif not self.durable:
+                self.flowed_messages += len(chunk)
             seg.size = pos + size
             self.next_offset = chunk.end_offset
             self.depth += len(chunk)
@@ -541,7 +579,7 @@ class SegmentLog:
         return out
 
     def _record_properties(self, seg: Segment, k: int) -> MessageBatch:
-        if not self.durable:
+        if seg.fd is None:
             return seg.batches[k]
         rec = self._cache.get((seg.base_offset, k))
         return rec if rec is not None else seg.read_properties(k)
@@ -554,7 +592,7 @@ class SegmentLog:
         return seg if seg.base_offset <= offset < seg.end_offset else None
 
     def _record(self, seg: Segment, k: int) -> MessageBatch:
-        if not self.durable:
+        if seg.fd is None:
             return seg.batches[k]
         key = (seg.base_offset, k)
         rec = self._cache.get(key)
@@ -575,17 +613,97 @@ class SegmentLog:
     @property
     def bytes_on_disk(self) -> int:
         """Bytes of live segment files."""
-        return sum(s.size for s in self.segments) if self.durable else 0
+        return sum(s.size for s in self.segments if s.fd is not None)
+
+    @property
+    def transient_bytes(self) -> int:
+        """Bytes of transient messages held in memory (not flowed to disk)."""
+        return sum(s.memory_bytes for s in self.segments)
+
+    @property
+    def read_cache_used(self) -> int:
+        """Bytes of records in the read cache."""
+        return self._cache_bytes
 
     @property
     def bytes_in_memory(self) -> int:
-        """Bytes of messages held in memory (non-durable records and the read cache)."""
-        return sum(s.memory_bytes for s in self.segments) + self._cache_bytes
+        """Bytes of messages held in memory (transient records and the read cache)."""
+        return self.transient_bytes + self._cache_bytes
+
+    @property
+    def bytes_queued(self) -> int:
+        """Bytes of unacknowledged messages, in memory and on disk (estimated per
+        segment from its size and the fraction of its messages still unacknowledged)."""
+        total = 0
+        for s in self.segments:
+            if s.count:
+                stored = s.memory_bytes if s.fd is None else s.size - SEGMENT_HEADER.size
+                total += stored * (s.count - s.acked_n) // s.count
+        return total
+
+    @property
+    def index_bytes(self) -> int:
+        """Bytes of the in-memory index: per-record positions, per-message ack flags,
+        property summaries (per-message metadata counts against the memory budget)."""
+        total = 0
+        for s in self.segments:
+            total += s.index_bytes
+        return total
 
     @property
     def segment_files(self) -> int:
         """Number of live segment files."""
-        return len(self.segments) if self.durable else 0
+        return sum(1 for s in self.segments if s.fd is not None)
+
+    def set_read_cache_bytes(self, limit: int) -> None:
+        """Change the read cache's size (bytes), evicting the least recently used."""
+        self.read_cache_bytes = max(0, limit)
+        while self._cache_bytes > self.read_cache_bytes and self._cache:
+            self._cache_bytes -= self._cache.popitem(last=False)[1].nbytes
+
+    def flow_to_disk(self, limit: int) -> int:
+        """Write transient records to disk, newest segment first, until at most ``limit``
+        bytes of them stay in memory; returns how many messages flowed.
+
+        The newest go first because consumers reach them last. A segment is written
+        whole to a file (not fsynced: transient) and its in-memory batches dropped;
+        its offsets, acks and CacheReferences do not change.
+        """
+        flowed = 0
+        for seg in reversed(self.segments):
+            if self.transient_bytes <= limit:
+                break
+            if seg.fd is not None or seg.planned_size != seg.size or not seg.batches:
+                continue
+            flowed += self._write_out(seg)
+        self.flowed_messages += flowed
+        return flowed
+
+    def _write_out(self, seg: Segment) -> int:
+        """Turn an in-memory segment into a segment file with the same records."""
+        path = os.path.join(self.directory, segment_name(seg.base_offset))
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            bufs: list = [SEGMENT_HEADER.pack(SEGMENT_MAGIC, SEGMENT_VERSION, 0, seg.base_offset)]
+            positions, pos = [], SEGMENT_HEADER.size
+            for batch in seg.batches:
+                rec = encode_record(batch)
+                positions.append(pos)
+                pos += sum(memoryview(b).nbytes for b in rec)
+                bufs.extend(rec)
+            _pwritev_all(fd, bufs, 0)
+        except OSError as exc:
+            os.close(fd)
+            raise StorageError(
+                f"queue {self.queue!r}: flowing transient messages to {path} failed: {exc}"
+            ) from exc
+        messages = sum(len(b) for b in seg.batches)
+        seg.directory, seg.path, seg.fd = self.directory, path, fd
+        seg.positions = array("q", positions)
+        seg.size = seg.planned_size = pos
+        seg.batches = []
+        seg.memory_bytes = 0
+        return messages
 
     def close(self) -> None:
         """Close every file descriptor; files stay."""

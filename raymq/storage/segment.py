@@ -268,6 +268,17 @@ class Segment:
             self._acked = bigger
 
     @property
+    def index_bytes(self) -> int:
+        """Bytes of this segment's in-memory index and per-message metadata."""
+        summary = sum(len(b) + 16 for b in self.summary) if self.summary else 0
+        return (
+            self._acked.nbytes
+            + self.firsts.itemsize * len(self.firsts)
+            + self.positions.itemsize * len(self.positions)
+            + summary
+        )
+
+    @property
     def acked(self) -> np.ndarray:
         """Ack flags of this segment's published messages (a view; True = acked)."""
         return self._acked[: self.count]

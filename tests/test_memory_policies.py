@@ -1,0 +1,199 @@
+"""Address-full policies, memory budgets and flow to disk of one queue, without Ray.
+
+QueueCore is driven directly with asyncio; files are real and fsynced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import numpy as np
+import pytest
+
+from raymq.batch import MessageBatch
+from raymq.config import BrokerConfig, QueueConfig
+from raymq.errors import AddressFull
+from raymq.queue_core import QueueCore
+
+KIB = 1024
+
+
+def batch_of(n: int, size: int = KIB, start: int = 0) -> MessageBatch:
+    bodies = [(start + i).to_bytes(8, "little") + b"x" * (size - 8) for i in range(n)]
+    return MessageBatch.from_bodies(bodies, None, max_message_size=2**20, queue="t")
+
+
+def core(tmp_path, **cfg) -> QueueCore:
+    broker = BrokerConfig(paging_directory=str(tmp_path), head_cache_bytes=2**20)
+    return QueueCore(QueueConfig(cfg.pop("name", "q"), **cfg), broker)
+
+
+def run(coro_fn, q: QueueCore):
+    async def main():
+        q.start()
+        try:
+            return await coro_fn()
+        finally:
+            await q.close()
+
+    return asyncio.run(main())
+
+
+async def drain(q: QueueCore, consumer: str = "c") -> list[int]:
+    """Receive and ack everything; returns the first 8 body bytes of each as ints."""
+    q.register_consumer(consumer, 10_000)
+    seen: list[int] = []
+    while True:
+        got = await q.fetch(consumer, 1000, 0.05, 10_000)
+        if got.num_rows == 0:
+            return seen
+        seen.extend(int.from_bytes(b[:8], "little") for b in got.column("body").to_pylist())
+        await q.ack(consumer, got.column("offset").to_numpy())
+
+
+def test_fail_refuses_the_whole_batch_and_writes_nothing(tmp_path):
+    q = core(tmp_path, max_size_bytes=50 * KIB, address_full_policy="FAIL")
+
+    async def scenario():
+        await q.send_batch(batch_of(40))
+        before = q.stats()
+        with pytest.raises(AddressFull, match=r"queue 'q'.*max_size_bytes=51,200.*FAIL"):
+            await q.send_batch(batch_of(20, start=40))
+        after = q.stats()
+        assert (after.next_offset, after.depth) == (before.next_offset, before.depth) == (40, 40)
+        assert after.bytes_on_disk == before.bytes_on_disk
+        assert await drain(q) == list(range(40))
+        first, count = await q.send_batch(batch_of(20, start=40))  # room again after acks
+        assert count == 20 and first == 40
+
+    run(scenario, q)
+
+
+def test_drop_stores_what_fits_and_counts_the_rest(tmp_path):
+    q = core(tmp_path, max_size_bytes=50 * KIB, address_full_policy="DROP")
+
+    async def scenario():
+        first, count = await q.send_batch(batch_of(100))
+        assert first == 0 and 40 <= count < 50
+        s = q.stats()
+        assert s.messages_dropped == 100 - count and s.depth == count
+        assert s.bytes_queued <= 50 * KIB
+        assert await drain(q) == list(range(count))
+
+    run(scenario, q)
+
+
+def test_block_waits_for_acks_and_shows_why(tmp_path):
+    q = core(tmp_path, max_size_bytes=50 * KIB, address_full_policy="BLOCK")
+
+    async def scenario():
+        await q.send_batch(batch_of(45))
+        blocked = asyncio.create_task(q.send_batch(batch_of(10, start=45)))
+        while q.stats().blocked_producers == 0:
+            assert not blocked.done(), blocked
+            await asyncio.sleep(0)
+        s = q.stats()
+        assert s.blocked_producers == 1 and "address_full_policy=BLOCK" in s.blocked_reason
+        assert not blocked.done()
+        q.register_consumer("c", 100)
+        got = await q.fetch("c", 20, 1.0, 100)
+        await q.ack("c", got.column("offset").to_numpy())
+        assert await asyncio.wait_for(blocked, 5) == (45, 10)
+        assert q.stats().blocked_producers == 0
+        with pytest.raises(AddressFull, match="blocked"):
+            await q.send_batch(batch_of(40, start=55), timeout=0.2)
+        with pytest.raises(AddressFull):  # can never fit: refused at once
+            await q.send_batch(batch_of(60, start=55))
+
+    run(scenario, q)
+
+
+def test_transient_messages_flow_to_disk_above_the_budget(tmp_path):
+    q = core(tmp_path, durable=False, page_size_bytes=64 * KIB)
+
+    async def scenario():
+        q.set_budget(200 * KIB)  # read cache gets a quarter, transient messages the rest
+        limit = q.log.memory_limit
+        assert limit == 150 * KIB
+        for i in range(10):
+            await q.send_batch(batch_of(50, start=50 * i))
+            assert q.log.transient_bytes <= limit
+        s = q.stats()
+        assert s.flowing_to_disk and s.messages_flowed_to_disk > 0
+        assert s.segment_files > 0 and s.bytes_on_disk > 0
+        files = [f for f in os.listdir(q.directory) if f.endswith(".seg")]
+        assert len(files) == s.segment_files
+        # a smaller budget flows existing transient messages too
+        q.set_budget(40 * KIB)
+        assert q.log.transient_bytes <= q.log.memory_limit
+        assert await drain(q) == list(range(500))
+        await q.send_batch(batch_of(1, start=500))  # makes the fully acked files go
+        assert await drain(q) == [500]
+        assert [f for f in os.listdir(q.directory) if f.endswith(".seg")] == []
+
+    run(scenario, q)
+
+
+def test_a_transient_queue_starts_empty_without_old_flowed_files(tmp_path):
+    q = core(tmp_path, durable=False)
+
+    async def fill():
+        q.set_budget(0)
+        await q.send_batch(batch_of(10))
+        assert q.stats().segment_files == 1
+
+    run(fill, q)
+    again = core(tmp_path, durable=False)
+    assert again.stats().depth == 0 and os.listdir(again.directory) == []
+
+
+def test_durable_budget_bounds_head_cache_and_read_cache(tmp_path):
+    q = core(tmp_path, page_size_bytes=64 * KIB)
+
+    async def scenario():
+        for i in range(20):
+            await q.send_batch(batch_of(50, start=50 * i))
+        q.set_budget(100 * KIB)
+        s = q.stats()
+        assert s.head_cache_bytes <= 75 * KIB and s.memory_budget == 100 * KIB
+        assert q.usage()["index_bytes"] >= 1000  # one ack flag a message at least
+        assert await drain(q) == list(range(1000))
+        assert q.log.read_cache_used <= 25 * KIB + 60 * KIB  # at most one record over
+        assert q.usage()["memory_bytes"] <= 100 * KIB + 60 * KIB
+
+    run(scenario, q)
+
+
+def test_usage_reports_size_and_activity(tmp_path):
+    q = core(tmp_path)
+
+    async def scenario():
+        await q.send_batch(batch_of(100))
+        u = q.usage()
+        assert u["active"] and 100 * KIB <= u["size_bytes"] <= 110 * KIB
+        assert not q.usage()["active"]  # nothing happened since
+        await drain(q)
+        assert q.usage()["size_bytes"] == 0
+
+    run(scenario, q)
+
+
+@pytest.mark.parametrize("policy", ["FAIL", "DROP", "BLOCK"])
+def test_policies_count_per_message_metadata(tmp_path, policy):
+    """Tiny messages still fill the queue: 24 bytes of metadata each count."""
+    q = core(tmp_path, max_size_bytes=24 * 100, address_full_policy=policy)
+
+    async def scenario():
+        empty = MessageBatch.from_bodies([b""] * 100, None, max_message_size=10, queue="q")
+        assert (await q.send_batch(empty))[1] == 100
+        assert q.stats().bytes_queued == pytest.approx(2400, rel=0.2)
+        more = MessageBatch.from_bodies([b""] * 10, None, max_message_size=10, queue="q")
+        if policy == "DROP":
+            assert (await q.send_batch(more))[1] < 10
+        else:
+            with pytest.raises(AddressFull):
+                await q.send_batch(more, timeout=0.05)
+        assert np.all(q.log.is_acked(np.arange(100)) == 0)
+
+    run(scenario, q)
