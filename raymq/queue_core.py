@@ -348,15 +348,16 @@ class QueueCore:
         stands in. ``max_size_bytes`` caps it all (Artemis: beyond it, PAGE pages)."""
         cfg = self.config
         page_cache = max(cfg.page_max_cache_size, 1) * cfg.page_size_bytes
+        cap = cfg.max_size_bytes if cfg.max_size_bytes > 0 else None
         if self.memory_budget is None:
-            total = self.broker.head_cache_bytes + page_cache
+            read, rest = page_cache, self.broker.head_cache_bytes
+            if cap is not None:
+                read, rest = min(read, cap // 4), min(rest, cap - min(read, cap // 4))
         else:
-            total = self.memory_budget
-        if cfg.max_size_bytes > 0:
-            total = min(total, cfg.max_size_bytes)
-        read = min(page_cache, total // 4)
+            total = self.memory_budget if cap is None else min(self.memory_budget, cap)
+            read = min(page_cache, total // 4)
+            rest = total - read
         self.log.set_read_cache_bytes(read)
-        rest = total - read
         if cfg.durable:
             self.head_cache.resize(rest)
         else:
