@@ -4,4 +4,6 @@
 - ``target_list_actor.TargetListActor``: one per consumer, near it; direct references
   up to the watermark, eager loading, PendingCache.
 - ``broker_actor.BrokerActor``: the named registry of queues and broker settings.
+- ``governor_actor.MemoryGovernorActor``: one per broker; splits the memory budget
+  between queues, nodes and linked caches every housekeeping period.
 """

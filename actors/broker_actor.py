@@ -51,7 +51,7 @@ class BrokerActor:
         return self.broker_config
 
     def _actor(self, name: str, cfg: QueueConfig, node_id: str):
-        node_id = choose_queue_node(node_id)
+        node_id = choose_queue_node(node_id)  # gone: here, if its files are reachable
         return QueueActor.options(
             name=queue_actor_name(name),
             namespace=self.namespace,
@@ -72,7 +72,10 @@ class BrokerActor:
                     )
                 handle = self._actor(cfg.name, existing[0], existing[1])
             else:
-                node = choose_queue_node(node_id)
+                per_node: dict[str, int] = {}
+                for _cfg, node in self._queues.values():
+                    per_node[node] = per_node.get(node, 0) + 1
+                node = choose_queue_node(node_id, per_node)
                 directory = os.path.join(self.broker_config.paging_directory, cfg.name)
                 os.makedirs(directory, exist_ok=True)
                 tmp = os.path.join(directory, QUEUE_CONFIG_NAME + ".tmp")
@@ -101,6 +104,10 @@ class BrokerActor:
     def list_queues(self) -> list[str]:
         """Names of all queues, sorted."""
         return sorted(self._queues)
+
+    def queue_nodes(self) -> dict[str, str]:
+        """The node each queue was placed on, by queue name."""
+        return {name: node for name, (_cfg, node) in sorted(self._queues.items())}
 
     async def delete_queue(self, name: str) -> None:
         """Stop a queue's actor and delete its files and messages."""

@@ -80,10 +80,13 @@ class QueueActor:
             "lost_messages": r.lost_messages,
         }
 
-    async def send_batch(self, batch: MessageBatch) -> tuple[int, int]:
-        """Append a batch durably; returns (first offset, count)."""
+    async def send_batch(
+        self, batch: MessageBatch, timeout: float | None = None
+    ) -> tuple[int, int]:
+        """Append a batch durably; returns (first offset, count stored). ``timeout``
+        bounds the wait of a BLOCKed send (seconds; None: for ever)."""
         await self._ensure_started()
-        return await self.core.send_batch(batch)
+        return await self.core.send_batch(batch, timeout)
 
     async def fetch_batch(
         self,
@@ -139,6 +142,25 @@ class QueueActor:
         """Remove a consumer; what it held is delivered again."""
         await self._ensure_started()
         return self.core.close_consumer(consumer_id, not_received)
+
+    async def usage(self) -> dict:
+        """For the MemoryGovernor: the queue's usage (bytes), its node and its consumers'
+        TargetList actors as (consumer id, handle)."""
+        await self._ensure_started()
+        return {
+            **self.core.usage(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "consumers": [
+                (t.consumer_id, t.watch)
+                for t in self.core.area.consumers.values()
+                if t.watch is not None
+            ],
+        }
+
+    async def set_budget(self, queue_bytes: int) -> None:
+        """The MemoryGovernor's budget for this actor's caches (bytes)."""
+        await self._ensure_started()
+        self.core.set_budget(queue_bytes)
 
     async def stats(self) -> QueueStats:
         """A QueueStats snapshot."""

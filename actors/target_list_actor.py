@@ -100,11 +100,22 @@ class TargetListActor:
 
     async def set_high_watermark(self, messages: int, max_bytes: int) -> int:
         """Change the high watermark; returns how many messages went back to the queue."""
-        released = self.targets.set_high_watermark(messages, max_bytes)
+        return await self._give_back(self.targets.set_high_watermark(messages, max_bytes))
+
+    async def set_budget(self, direct_bytes: int, pending_bytes: int) -> int:
+        """The MemoryGovernor's budget (bytes of direct references, of PendingCache);
+        returns how many messages went back to the queue (as CacheReferences)."""
+        return await self._give_back(self.targets.set_budget(direct_bytes, pending_bytes))
+
+    async def _give_back(self, released: np.ndarray) -> int:
         if len(released):
             await self.queue_actor.give_back.remote(self.consumer_id, released)
         self._space.set()
         return len(released)
+
+    def usage(self) -> dict:
+        """Bytes held and wanted, for the MemoryGovernor."""
+        return {"consumer_id": self.consumer_id, **self.targets.usage()}
 
     async def stats(self) -> dict:
         """The TargetList's levels and the queue's view of this consumer."""

@@ -16,15 +16,32 @@ def alive_nodes() -> list[dict]:
     return [n for n in ray.nodes() if n.get("Alive")]
 
 
-def choose_queue_node(preferred_node_id: str | None = None) -> str:
+def object_store_by_node() -> dict[str, int]:
+    """Object store memory (bytes) of every alive node, by node id: what the
+    MemoryGovernor budgets against."""
+    return {
+        n["NodeID"]: int(n.get("Resources", {}).get("object_store_memory", 0))
+        for n in alive_nodes()
+    }
+
+
+def choose_queue_node(
+    preferred_node_id: str | None = None, queues_per_node: dict[str, int] | None = None
+) -> str:
     """The node a new queue's files (and so its actor) live on.
 
-    The node named by the caller if it is alive, else the node of the calling process
-    (the broker actor's node for queues it creates).
+    The node named by the caller if it is alive; else, given ``queues_per_node``, the
+    alive node with the fewest queues (spreading queues, and their memory and disk
+    traffic, over the cluster; the caller's node wins ties); else the caller's node.
     """
-    if preferred_node_id and any(n["NodeID"] == preferred_node_id for n in alive_nodes()):
+    alive = [n["NodeID"] for n in alive_nodes()]
+    if preferred_node_id and preferred_node_id in alive:
         return preferred_node_id
-    return current_node_id()
+    here = current_node_id()
+    if queues_per_node is None or not alive:
+        return here
+    counts = queues_per_node
+    return min(alive, key=lambda node: (counts.get(node, 0), node != here))
 
 
 def pinned_to(node_id: str) -> NodeAffinitySchedulingStrategy:

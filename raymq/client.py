@@ -77,6 +77,7 @@ def connect(address: str | None = None, namespace: str = "raymq", **broker_confi
     they apply when this call creates the broker, and must match a running one.
     """
     from raymq.actors.broker_actor import BROKER_ACTOR_NAME, BrokerActor
+    from raymq.actors.governor_actor import GOVERNOR_ACTOR_NAME, MemoryGovernorActor
     from raymq.placement.nodes import current_node_id, pinned_to
 
     config = BrokerConfig.from_kwargs(**broker_config)
@@ -97,14 +98,22 @@ def connect(address: str | None = None, namespace: str = "raymq", **broker_confi
     running: BrokerConfig = _call(actor.config)
     if broker_config and running != config:
         raise InvalidSetting(f"broker in namespace {namespace!r} runs with {running}, not {config}")
-    return Broker(actor, running, namespace)
+    governor = MemoryGovernorActor.options(
+        name=GOVERNOR_ACTOR_NAME,
+        namespace=namespace,
+        lifetime="detached",
+        get_if_exists=True,
+        scheduling_strategy=pinned_to(current_node_id()),
+    ).remote(running, namespace)
+    return Broker(actor, running, namespace, governor)
 
 
 class Broker:
     """Handle of a running broker: create, find, delete and inspect queues."""
 
-    def __init__(self, actor, config: BrokerConfig, namespace: str):
+    def __init__(self, actor, config: BrokerConfig, namespace: str, governor=None):
         self._actor = actor
+        self._governor = governor
         self.config = config
         self.namespace = namespace
         self._shut_down = False
@@ -154,12 +163,24 @@ class Broker:
             for n, s in zip(names, ray.get([h.stats.remote() for h in handles]), strict=True)
         }
 
+    def governor_stats(self) -> dict[str, Any]:
+        """The MemoryGovernor: threshold, per-node thresholds, each queue's budget split
+        into its linked caches, the usage it was computed from, rounds so far."""
+        return _call(self._governor.stats)
+
+    def rebalance(self) -> dict[str, Any]:
+        """Run a MemoryGovernor round now (it also runs every ``housekeeping_period``);
+        returns the plan."""
+        return _call(self._governor.rebalance)
+
     def shutdown(self) -> None:
         """Stop the broker's actors, keeping every queue's files."""
         if self._shut_down:
             return
         self._shut_down = True
         try:
+            if self._governor is not None:
+                ray.kill(self._governor, no_restart=True)
             _call(self._actor.stop_queues, retry=False)
         finally:
             ray.kill(self._actor, no_restart=True)
@@ -171,7 +192,7 @@ class _PendingSend:
 
     body: bytes
     properties: bytes
-    offset: int = -1
+    offset: int | None = None
     error: BaseException | None = None
     done: bool = False
 
@@ -183,13 +204,14 @@ class _Coalescer:
     meanwhile wait and go out together in the next call (client-side group commit).
     """
 
-    def __init__(self, queue: Queue):
+    def __init__(self, queue: Queue, timeout: float | None):
         self._queue = queue
+        self._timeout = timeout
         self._cv = threading.Condition()
         self._waiting: list[_PendingSend] = []
         self._leader = False
 
-    def send(self, body: bytes, props: bytes) -> int:
+    def send(self, body: bytes, props: bytes) -> int | None:
         item = _PendingSend(body, props)
         with self._cv:
             self._waiting.append(item)
@@ -217,8 +239,8 @@ class _Coalescer:
                 [i.body for i in items], [i.properties for i in items]
             )
             try:
-                first, _count = _call(self._queue._actor.send_batch, batch)
-                for k, it in enumerate(items):
+                first, count = _call(self._queue._actor.send_batch, batch, self._timeout)
+                for k, it in enumerate(items[:count]):  # the rest were DROPped
                     it.offset = first + k
             except Exception as exc:  # every waiter of this call gets the error
                 for it in items:
@@ -236,7 +258,8 @@ class Queue:
         self.broker = broker
         self.name = name
         self._actor = actor
-        self._coalescer = _Coalescer(self)
+        self._coalescers: dict[float | None, _Coalescer] = {}
+        self._coalescers_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"Queue({self.name!r})"
@@ -249,16 +272,29 @@ class Queue:
         check_sizes(np.array([len(body)]), self.broker.config.max_message_size, self.name)
         return bytes(body)
 
-    def send(self, body: bytes, properties: Mapping[str, Any] | None = None) -> int:
+    def send(
+        self,
+        body: bytes,
+        properties: Mapping[str, Any] | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> int | None:
         """Send one message; returns its offset once it is durable.
 
-        Concurrent sends from threads of one process share one call and one fsync.
+        Concurrent sends from threads of one process share one call and one fsync. At
+        the queue's ``max_size_bytes``: PAGE stores it anyway, DROP drops it (returns
+        None), FAIL raises ``AddressFull``, BLOCK waits for room up to ``timeout``
+        seconds (None: for ever), then raises ``AddressFull``.
         """
         body = self._check_body(body)
         props = encode_properties(
             validate_properties(properties, where=f"message for queue {self.name!r}")
         )
-        return self._coalescer.send(body, props)
+        with self._coalescers_lock:
+            coalescer = self._coalescers.get(timeout)
+            if coalescer is None:
+                coalescer = self._coalescers[timeout] = _Coalescer(self, timeout)
+        return coalescer.send(body, props)
 
     def _pack(self, bodies, properties) -> MessageBatch:
         if isinstance(bodies, pa.Table | pa.RecordBatch):
@@ -278,27 +314,40 @@ class Queue:
         self,
         bodies: Sequence[bytes] | pa.Table | pa.RecordBatch,
         properties: Sequence[Mapping | None] | Mapping | None = None,
+        *,
+        timeout: float | None = None,
     ) -> list[int]:
         """Send many messages in one write and one fsync; returns their offsets.
 
         ``bodies`` is a list of bytes (``properties`` then one dict for all, or one per
         message) or an Arrow table with a ``body`` column whose other columns are
-        properties.
+        properties. At ``max_size_bytes`` the queue's policy applies as for ``send``:
+        DROP stores the first messages that fit (fewer offsets come back), FAIL stores
+        none, BLOCK waits up to ``timeout`` seconds for room for all of them.
         """
-        first, count = _call(self._actor.send_batch, self._pack(bodies, properties))
+        first, count = _call(self._actor.send_batch, self._pack(bodies, properties), timeout)
         return list(range(first, first + count))
 
-    async def send_async(self, body: bytes, properties: Mapping[str, Any] | None = None) -> int:
+    async def send_async(
+        self,
+        body: bytes,
+        properties: Mapping[str, Any] | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> int | None:
         """``send`` for asyncio code."""
-        return (
-            await self.send_batch_async(
-                [self._check_body(body)], None if properties is None else [properties]
-            )
-        )[0]
+        offsets = await self.send_batch_async(
+            [self._check_body(body)], None if properties is None else [properties], timeout=timeout
+        )
+        return offsets[0] if offsets else None
 
-    async def send_batch_async(self, bodies, properties=None) -> list[int]:
+    async def send_batch_async(
+        self, bodies, properties=None, *, timeout: float | None = None
+    ) -> list[int]:
         """``send_batch`` for asyncio code."""
-        first, count = await _call_async(self._actor.send_batch, self._pack(bodies, properties))
+        first, count = await _call_async(
+            self._actor.send_batch, self._pack(bodies, properties), timeout
+        )
         return list(range(first, first + count))
 
     def consumer(

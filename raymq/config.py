@@ -100,6 +100,11 @@ class BrokerConfig:
     head_cache_bytes: int = 64 * 2**20
     #: Seconds between checkpoints of a queue's index and ack state.
     checkpoint_interval: float = 1.0
+    #: Bytes of messages the whole broker keeps in memory before they flow to disk
+    #: (Qpid's threshold). None: 75 % of each alive node's Ray object store memory.
+    flow_to_disk_threshold: int | None = None
+    #: Seconds between two rounds of the MemoryGovernor (collect usage, push budgets).
+    housekeeping_period: float = 1.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -108,8 +113,12 @@ class BrokerConfig:
         object.__setattr__(self, "paging_directory", os.fspath(self.paging_directory))
         _check_int("max_message_size", self.max_message_size, minimum=1)
         _check_int("head_cache_bytes", self.head_cache_bytes, minimum=0)
-        if not isinstance(self.checkpoint_interval, int | float) or self.checkpoint_interval <= 0:
-            raise InvalidSetting(f"checkpoint_interval={self.checkpoint_interval!r} must be > 0")
+        for name in ("checkpoint_interval", "housekeeping_period"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                raise InvalidSetting(f"{name}={value!r} must be a number of seconds > 0")
+        if self.flow_to_disk_threshold is not None:
+            _check_int("flow_to_disk_threshold", self.flow_to_disk_threshold, minimum=1)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> BrokerConfig:

@@ -53,6 +53,10 @@ class TargetList:
 
     def __init__(self, high_watermark: int, high_watermark_bytes: int, pending_cache_bytes: int):
         self.high_watermark = high_watermark
+        #: The consumer's own caps (bytes); the MemoryGovernor's budget may lower them.
+        self.max_high_watermark_bytes = high_watermark_bytes
+        self.max_pending_cache_bytes = pending_cache_bytes
+        self.budget: tuple[int, int] | None = None  # (direct, pending) from the governor
         self.high_watermark_bytes = high_watermark_bytes
         self.pending_cache_bytes = pending_cache_bytes
         self.direct: deque[DirectEntry] = deque()
@@ -84,8 +88,12 @@ class TargetList:
         return _bytes(self.pending)
 
     def room(self) -> int:
-        """Messages the eager loader may add below the high watermark (0 when full)."""
-        if self.direct_bytes >= self.high_watermark_bytes:
+        """Messages the eager loader may add below the high watermark (0 when full).
+
+        An empty TargetList may always load one batch, however small its byte budget:
+        a consumer is never starved by the governor, only kept shallow.
+        """
+        if self.direct and self.direct_bytes >= self.high_watermark_bytes:
             return 0
         return max(0, self.high_watermark - self.watermark)
 
@@ -130,7 +138,32 @@ class TargetList:
         Direct entries above the new high watermark move (newest first) to the
         PendingCache; what the PendingCache cannot hold is returned.
         """
-        self.high_watermark, self.high_watermark_bytes = messages, max_bytes
+        self.high_watermark, self.max_high_watermark_bytes = messages, max_bytes
+        return self._apply_limits()
+
+    def set_budget(self, direct_bytes: int, pending_bytes: int) -> np.ndarray:
+        """Take the MemoryGovernor's budget (bytes of direct references and of the
+        PendingCache); the consumer's own settings stay upper bounds. Returns offsets to
+        give back to the queue, as ``set_high_watermark``."""
+        self.budget = (max(0, direct_bytes), max(0, pending_bytes))
+        return self._apply_limits()
+
+    def usage(self) -> dict:
+        """What the MemoryGovernor needs of this consumer (bytes)."""
+        return {
+            "direct_bytes": self.direct_bytes,
+            "pending_bytes": self.pending_bytes,
+            "want_direct_bytes": self.max_high_watermark_bytes,
+            "want_pending_bytes": self.max_pending_cache_bytes,
+        }
+
+    def _apply_limits(self) -> np.ndarray:
+        """Set effective byte limits from settings and budget, evicting above them."""
+        direct, pending = self.max_high_watermark_bytes, self.max_pending_cache_bytes
+        if self.budget is not None:
+            direct, pending = min(direct, self.budget[0]), min(pending, self.budget[1])
+        self.high_watermark_bytes, self.pending_cache_bytes = direct, pending
+        messages, max_bytes = self.high_watermark, direct
         while self.direct and (self.watermark > messages or self.direct_bytes > max_bytes):
             self.pending.appendleft(self.direct.pop())
         released = []
@@ -157,6 +190,7 @@ class TargetList:
             "pending_cache_messages": self.pending_messages,
             "pending_cache_bytes": self.pending_bytes,
             "pending_cache_limit_bytes": self.pending_cache_bytes,
+            "governor_budget": None if self.budget is None else list(self.budget),
             "pending_cache_hits": self.pending_hits,
             "pending_cache_misses": self.pending_misses,
             "handed_out": self.handed_out,

@@ -1,0 +1,157 @@
+"""MemoryGovernorActor: one broker-wide memory budget, rebalanced every housekeeping period.
+
+One detached, named actor per broker (``raymq.governor``), restarted if it dies. Each
+round it asks every running queue actor for its usage and its consumers, asks every
+consumer's TargetList actor for its usage, lets ``raymq.budget.BudgetPlanner`` compute
+the shares (Qpid's proportional split, per node, with floors) and the linked-cache split
+(ActiveMQ), and pushes the budgets out. It holds no state that matters: after a restart
+the next round finds queues through the broker's registry and consumers through their
+queues, so nothing has to re-register; meanwhile everyone keeps its last budget.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import ray
+from raymq.actors.broker_actor import BROKER_ACTOR_NAME
+from raymq.actors.queue_actor import queue_actor_name
+from raymq.placement.nodes import object_store_by_node
+
+from raymq.budget import BudgetPlanner, ConsumerUsage, Plan, QueueUsage
+from raymq.config import BrokerConfig
+
+GOVERNOR_ACTOR_NAME = "raymq.governor"
+log = logging.getLogger("raymq.governor")
+
+
+@ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=100)
+class MemoryGovernorActor:
+    """The Ray shell around ``BudgetPlanner``: collect usage, plan, push budgets."""
+
+    def __init__(self, config: BrokerConfig, namespace: str):
+        self.config = config
+        self.namespace = namespace
+        self.planner = BudgetPlanner(config.flow_to_disk_threshold)
+        self.plan: Plan | None = None
+        self.rounds = 0
+        self.round_seconds = 0.0
+        self.errors: list[str] = []
+        self._usage: dict[str, dict] = {}
+        self._lock = asyncio.Lock()
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.rebalance()
+            except Exception as exc:  # keep governing; the error is in stats
+                log.exception("memory governor round failed")
+                self.errors = [*self.errors[-9:], f"{type(exc).__name__}: {exc}"]
+            await asyncio.sleep(self.config.housekeeping_period)
+
+    async def rebalance(self) -> dict:
+        """Run one round now; returns the plan as a dict."""
+        async with self._lock:
+            t0 = time.perf_counter()
+            plan = await self._round()
+            self.plan = plan
+            self.rounds += 1
+            self.round_seconds = time.perf_counter() - t0
+            return plan.to_dict()
+
+    async def _round(self) -> Plan:
+        timeout = max(self.config.housekeeping_period, 1.0)
+        queues = await self._queue_handles()
+        usages = await _gather({name: h.usage.remote() for name, h in queues.items()}, timeout)
+        consumer_handles = {cid: handle for u in usages.values() for cid, handle in u["consumers"]}
+        consumer_usage = await _gather(
+            {cid: h.usage.remote() for cid, h in consumer_handles.items()}, timeout
+        )
+        nodes = object_store_by_node()
+        plan = self.planner.plan(
+            [
+                QueueUsage(
+                    name=name,
+                    node_id=u["node_id"],
+                    size_bytes=u["size_bytes"],
+                    memory_bytes=u["memory_bytes"],
+                    index_bytes=u["index_bytes"],
+                    active=u["active"],
+                    max_size_bytes=u["max_size_bytes"],
+                    consumers=tuple(
+                        ConsumerUsage(
+                            consumer_id=cid,
+                            direct_bytes=consumer_usage[cid]["direct_bytes"],
+                            pending_bytes=consumer_usage[cid]["pending_bytes"],
+                            want_direct_bytes=consumer_usage[cid]["want_direct_bytes"],
+                            want_pending_bytes=consumer_usage[cid]["want_pending_bytes"],
+                        )
+                        for cid, _h in u["consumers"]
+                        if cid in consumer_usage
+                    ),
+                )
+                for name, u in usages.items()
+            ],
+            nodes,
+        )
+        self._usage = {
+            name: {k: v for k, v in u.items() if k != "consumers"} for name, u in usages.items()
+        }
+        pushes = {}
+        for name, budget in plan.queues.items():
+            pushes[f"queue {name}"] = queues[name].set_budget.remote(budget.queue_bytes)
+            for cid, direct in budget.direct.items():
+                pushes[f"consumer {cid}"] = consumer_handles[cid].set_budget.remote(
+                    direct, budget.pending.get(cid, 0)
+                )
+        await _gather(pushes, timeout)
+        return plan
+
+    async def _queue_handles(self) -> dict[str, object]:
+        """Handles of the broker's running queue actors (stopped ones are not started)."""
+        try:
+            broker = ray.get_actor(BROKER_ACTOR_NAME, namespace=self.namespace)
+        except ValueError:
+            return {}
+        names = await broker.list_queues.remote()
+        out = {}
+        for name in names:
+            try:
+                out[name] = ray.get_actor(queue_actor_name(name), namespace=self.namespace)
+            except ValueError:
+                continue
+        return out
+
+    def stats(self) -> dict:
+        """Threshold, per-node thresholds, per-queue budgets and usage, round timing."""
+        return {
+            "rounds": self.rounds,
+            "round_seconds": self.round_seconds,
+            "housekeeping_period": self.config.housekeeping_period,
+            "plan": None if self.plan is None else self.plan.to_dict(),
+            "usage": self._usage,
+            "errors": list(self.errors),
+        }
+
+
+async def _gather(calls: dict, timeout: float) -> dict:
+    """Await each call; those that fail or time out (a dead actor, a dead node, a busy
+    queue) are left out of the result, so one of them never stalls a round."""
+    if not calls:
+        return {}
+    keys = list(calls)
+
+    async def one(ref):
+        return await asyncio.wait_for(ref, timeout)
+
+    results = await asyncio.gather(*(one(calls[k]) for k in keys), return_exceptions=True)
+    out = {}
+    for key, result in zip(keys, results, strict=True):
+        if isinstance(result, BaseException):
+            log.info("memory governor: %s did not answer: %s", key, result)
+            continue
+        out[key] = result
+    return out

@@ -1,0 +1,388 @@
+"""Memory budgets of the MemoryGovernor: one budget across nodes, queues and caches.
+
+Plain arithmetic, no Ray: the governor gathers usage, calls ``BudgetPlanner.plan`` and
+pushes the resulting budgets to the queue actors. All sizes are bytes (ints).
+
+Vocabulary and rules:
+
+* Qpid Broker-J "flow to disk": a broker-wide threshold (by default 75 % of the memory
+  available for messages) is divided between queues in proportion to their current size
+  (``size_bytes``, memory plus disk). Here each alive node has its own threshold, taken
+  from its object store memory, and it is divided between the queues on that node.
+* A guaranteed floor per queue (``floor_fraction`` of the node threshold, split evenly)
+  so one huge queue cannot starve the others; idle queues get only the floor.
+* Artemis ``max_size_bytes`` caps a queue's share; what it cannot use goes to the others.
+* ActiveMQ linked caches: within a queue's share, indexes come first, then the consumers'
+  direct references, then their PendingCaches, and the HeadQueueCache (with the read cache
+  and transient messages) gets what is left, shrinking to zero under consumer demand.
+
+Shares are computed exactly with ``Fraction`` (water-filling) and rounded down with a
+largest-remainder pass, so rounding never pushes a total above its limit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any
+
+from raymq.errors import InvalidSetting
+
+#: Default node threshold: this fraction of each node's object store memory (Qpid's 75 %).
+DEFAULT_THRESHOLD_FRACTION = 0.75
+#: Default part of a node's threshold reserved as guaranteed floors, split evenly between
+#: the queues on that node.
+DEFAULT_FLOOR_FRACTION = 0.25
+
+
+def _is_int(value: object) -> bool:
+    # bool is an int subclass; True bytes is always a caller bug.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_bytes(what: str, value: object, error: type[ValueError] = ValueError) -> None:
+    if not _is_int(value) or value < 0:  # type: ignore[operator]
+        raise error(f"{what}={value!r} must be an int >= 0 (bytes)")
+
+
+def _check_fraction(setting: str, value: object) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or math.isnan(value)
+        or not 0 < value <= 1
+    ):
+        raise InvalidSetting(f"{setting}={value!r} must be a number in (0, 1]")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class ConsumerUsage:
+    """What one consumer of a queue holds now and what its own settings let it hold.
+
+    All fields but ``consumer_id`` are bytes: ``direct_bytes`` held now as direct
+    references, ``pending_bytes`` in its PendingCache now, ``want_direct_bytes`` its
+    ``high_watermark_bytes`` setting and ``want_pending_bytes`` its
+    ``pending_cache_bytes`` setting. Raises ``ValueError`` for negative or non-int sizes
+    (``InvalidSetting`` for the two settings).
+    """
+
+    consumer_id: str
+    direct_bytes: int
+    pending_bytes: int
+    want_direct_bytes: int
+    want_pending_bytes: int
+
+    def __post_init__(self) -> None:
+        _check_bytes("direct_bytes", self.direct_bytes)
+        _check_bytes("pending_bytes", self.pending_bytes)
+        _check_bytes("high_watermark_bytes", self.want_direct_bytes, InvalidSetting)
+        _check_bytes("pending_cache_bytes", self.want_pending_bytes, InvalidSetting)
+
+
+@dataclass(frozen=True)
+class QueueUsage:
+    """Usage of one queue as the governor measured it (all sizes in bytes).
+
+    ``size_bytes`` counts unacknowledged messages in memory and on disk (Qpid's queue
+    size, the weight of the proportional split); ``memory_bytes`` what the queue actor
+    holds now; ``index_bytes`` its indexes and per-message metadata. ``active`` means it
+    has consumers or had traffic in the last period. ``max_size_bytes`` > 0 caps the
+    queue's share (Artemis per-queue limit); -1 (or any value <= 0) means no cap.
+    ``consumers`` may be given as any iterable; it is stored as a tuple.
+    """
+
+    name: str
+    node_id: str
+    size_bytes: int
+    memory_bytes: int
+    index_bytes: int
+    active: bool
+    max_size_bytes: int = -1
+    consumers: tuple[ConsumerUsage, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check_bytes("size_bytes", self.size_bytes)
+        _check_bytes("memory_bytes", self.memory_bytes)
+        _check_bytes("index_bytes", self.index_bytes)
+        if not _is_int(self.max_size_bytes):
+            raise InvalidSetting(f"max_size_bytes={self.max_size_bytes!r} must be an int")
+        # Frozen: normalise a list to a tuple so the usage stays immutable and hashable.
+        object.__setattr__(self, "consumers", tuple(self.consumers))
+        ids = [c.consumer_id for c in self.consumers]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"queue {self.name!r} lists a consumer id twice: {ids!r}")
+
+
+@dataclass(frozen=True)
+class QueueBudget:
+    """Memory one queue may hold, split into its linked caches (all values in bytes).
+
+    ``share`` is the whole budget of the queue: indexes and all caches together.
+    ``index_bytes`` is the part taken by indexes/metadata, ``direct`` and ``pending`` map
+    consumer_id to its direct-reference (high watermark) and PendingCache allowances, and
+    ``queue_bytes`` is what is left for the queue actor (HeadQueueCache, read cache and
+    transient messages). ``index_bytes + sum(direct) + sum(pending) + queue_bytes <= share``.
+    """
+
+    name: str
+    node_id: str
+    share: int
+    index_bytes: int
+    direct: dict[str, int]
+    pending: dict[str, int]
+    queue_bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """This budget as plain dicts, strs and ints (bytes), for stats and JSON."""
+        return {
+            "name": self.name,
+            "node_id": self.node_id,
+            "share": self.share,
+            "index_bytes": self.index_bytes,
+            "direct": dict(self.direct),
+            "pending": dict(self.pending),
+            "queue_bytes": self.queue_bytes,
+        }
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One planning round: node thresholds and per-queue budgets (bytes).
+
+    ``threshold`` is the broker-wide flow-to-disk threshold in effect, the sum of the node
+    thresholds (the configured threshold unless the alive nodes' stores together are
+    smaller); ``node_thresholds`` maps each alive node to its
+    budget; ``queues`` holds a ``QueueBudget`` per queue on an alive node (queues on
+    unknown or dead nodes are absent).
+    """
+
+    threshold: int
+    node_thresholds: dict[str, int]
+    queues: dict[str, QueueBudget] = field(default_factory=dict)
+
+    def node_total(self, node_id: str) -> int:
+        """Sum of the shares (bytes) of the queues on ``node_id``; 0 for an unknown node."""
+        return sum(b.share for b in self.queues.values() if b.node_id == node_id)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as plain dicts, strs and ints (bytes), for stats and JSON."""
+        return {
+            "threshold": self.threshold,
+            "node_thresholds": dict(self.node_thresholds),
+            "node_totals": {n: self.node_total(n) for n in self.node_thresholds},
+            "queues": {name: b.to_dict() for name, b in self.queues.items()},
+        }
+
+
+def _round_down(exact: Sequence[Fraction], total: int, keys: Sequence[str]) -> list[int]:
+    """Round ``exact`` amounts to ints summing to at most ``total`` (bytes).
+
+    Each amount is floored, then the bytes lost to flooring (up to ``total``) go one by
+    one to the largest remainders, ties broken by key so plans are deterministic. An
+    amount with a remainder is below the next int, so an int bound it respected still
+    holds after +1.
+    """
+    ints = [math.floor(x) for x in exact]
+    spare = min(total, math.floor(sum(exact, Fraction(0)))) - sum(ints)
+    if spare > 0:
+        order = sorted(
+            (i for i, x in enumerate(exact) if x != ints[i]),
+            key=lambda i: (-(exact[i] - ints[i]), keys[i]),
+        )
+        for i in order[:spare]:
+            ints[i] += 1
+    return ints
+
+
+def water_fill(
+    total: int,
+    weights: Sequence[int],
+    lows: Sequence[int],
+    highs: Sequence[int | None],
+    keys: Sequence[str],
+) -> list[int]:
+    """Split ``total`` bytes in proportion to ``weights`` within per-item bounds.
+
+    Item ``i`` gets ``clamp(level * weights[i], lows[i], highs[i])`` with the one
+    ``level`` at which the amounts sum to ``total`` (``highs[i]`` None = no cap): items
+    whose proportional part falls below their low are fixed at it, items above their high
+    at it, and the rest is re-split among the others. Items of weight 0 get their low.
+    When even every item at its high cannot use ``total``, the rest stays unallocated;
+    when the lows alone exceed ``total`` they are scaled down. Returns ints whose sum
+    never exceeds ``total``; ``keys`` break rounding ties.
+    """
+    n = len(weights)
+    lows_f = [Fraction(lo) for lo in lows]
+    highs_f = [
+        None if h is None else Fraction(max(h, lo)) for h, lo in zip(highs, lows, strict=True)
+    ]
+    low_sum = sum(lows_f, Fraction(0))
+    if low_sum >= total:
+        # Cannot happen with floor_fraction <= 1, but never give out more than total.
+        scale = Fraction(total) / low_sum if low_sum else Fraction(0)
+        return _round_down([lo * scale for lo in lows_f], total, keys)
+    # Events of the sweep over the level: at lows[i]/w item i starts growing with slope w,
+    # at highs[i]/w it stops. f(level) = const + level * slope between events.
+    events: list[tuple[Fraction, int, int]] = []  # (level, 0=start/1=stop, item)
+    for i in range(n):
+        if weights[i] > 0:
+            events.append((lows_f[i] / weights[i], 0, i))
+            if highs_f[i] is not None:
+                events.append((highs_f[i] / weights[i], 1, i))
+    events.sort()
+    const, slope, level = low_sum, 0, Fraction(0)
+    found: Fraction | None = None
+    for at, kind, i in events:
+        if slope and const + at * slope >= total:
+            found = (total - const) / slope
+            break
+        if kind == 0:
+            const -= lows_f[i]
+            slope += weights[i]
+        else:
+            slope -= weights[i]
+            const += highs_f[i]  # type: ignore[operator]
+        level = at
+    if found is None:
+        found = (total - const) / slope if slope else level
+    exact = []
+    for i in range(n):
+        x = max(lows_f[i], found * weights[i])
+        if highs_f[i] is not None:
+            x = min(x, highs_f[i])
+        exact.append(x)
+    return _round_down(exact, total, keys)
+
+
+def _proportional(total: int, wants: dict[str, int]) -> dict[str, int]:
+    """Split ``min(total, sum(wants))`` bytes in proportion to ``wants``, each <= its want.
+
+    Pure int arithmetic (floor, then largest remainder, ties by key): it runs for every
+    queue in every round, where ``Fraction`` would be needlessly slow.
+    """
+    want_sum = sum(wants.values())
+    if total >= want_sum:
+        return dict(wants)  # every want fits
+    out = {k: total * w // want_sum for k, w in wants.items()}
+    spare = total - sum(out.values())
+    # total < want_sum, so total * w / want_sum < w: +1 on a remainder keeps it <= w.
+    order = sorted(wants, key=lambda k: (-(total * wants[k] % want_sum), k))
+    for k in order[:spare]:
+        out[k] += 1
+    return out
+
+
+def split_share(usage: QueueUsage, share: int) -> QueueBudget:
+    """Split one queue's ``share`` (bytes) into its linked caches, in priority order.
+
+    Indexes/metadata first (they occupy memory whatever the budget says), then the
+    consumers' direct references up to their ``want_direct_bytes``, then their
+    PendingCaches up to ``want_pending_bytes`` (each pool split in proportion to the
+    wants), and the queue actor's HeadQueueCache gets what is left, down to zero.
+    """
+    index = min(usage.index_bytes, share)
+    left = share - index
+    direct = _proportional(left, {c.consumer_id: c.want_direct_bytes for c in usage.consumers})
+    left -= sum(direct.values())
+    pending = _proportional(left, {c.consumer_id: c.want_pending_bytes for c in usage.consumers})
+    left -= sum(pending.values())
+    return QueueBudget(
+        name=usage.name,
+        node_id=usage.node_id,
+        share=share,
+        index_bytes=index,
+        direct=direct,
+        pending=pending,
+        queue_bytes=left,
+    )
+
+
+class BudgetPlanner:
+    """Computes node thresholds and per-queue memory budgets (bytes).
+
+    ``threshold`` is the broker-wide flow-to-disk threshold in bytes, split between alive
+    nodes in proportion to their object store memory (each capped at its own store); when
+    None each node gets ``threshold_fraction`` of its own store. ``floor_fraction`` of
+    each node threshold is reserved as guaranteed floors, split evenly between the queues
+    on the node. Raises ``InvalidSetting`` for a threshold that is not a positive int or
+    a fraction outside (0, 1].
+    """
+
+    def __init__(
+        self,
+        threshold: int | None = None,
+        *,
+        threshold_fraction: float = DEFAULT_THRESHOLD_FRACTION,
+        floor_fraction: float = DEFAULT_FLOOR_FRACTION,
+    ) -> None:
+        if threshold is not None and (not _is_int(threshold) or threshold <= 0):
+            raise InvalidSetting(
+                f"flow_to_disk_threshold={threshold!r} must be a positive int (bytes) or None"
+            )
+        self.threshold = threshold
+        self.threshold_fraction = _check_fraction("threshold_fraction", threshold_fraction)
+        self.floor_fraction = _check_fraction("floor_fraction", floor_fraction)
+
+    def node_thresholds(self, nodes: dict[str, int]) -> dict[str, int]:
+        """Bytes budgeted on each alive node; ``nodes`` maps node_id -> object store bytes.
+
+        With an explicit threshold a node leaving hands its part to the others (up to their
+        own store size) and a node joining takes part of theirs. Raises ``ValueError`` for
+        a negative or non-int store size.
+        """
+        for node_id, store in nodes.items():
+            _check_bytes(f"object store memory of node {node_id!r}", store)
+        if self.threshold is None:
+            # min(): a float product must not round above the store itself.
+            return {n: min(s, int(self.threshold_fraction * s)) for n, s in nodes.items()}
+        keys = sorted(nodes)
+        stores = [nodes[k] for k in keys]
+        amounts = water_fill(self.threshold, stores, [0] * len(keys), stores, keys)
+        return dict(zip(keys, amounts, strict=True))
+
+    def plan(self, queues: Iterable[QueueUsage], nodes: dict[str, int]) -> Plan:
+        """Budget every queue on an alive node; queues on other nodes are left out.
+
+        Per node, the node threshold T is split between its queues in proportion to
+        ``size_bytes``; each queue gets at least ``T * floor_fraction / n`` (n queues on
+        the node) unless its ``max_size_bytes`` is lower; idle queues get only that floor;
+        ``max_size_bytes`` caps a share and the rest goes to the others. A node's shares
+        never sum above T. Raises ``ValueError`` for a queue name given twice.
+        """
+        thresholds = self.node_thresholds(nodes)
+        by_node: dict[str, list[QueueUsage]] = {n: [] for n in thresholds}
+        seen: set[str] = set()
+        for q in queues:
+            if q.name in seen:
+                raise ValueError(f"queue {q.name!r} is listed twice")
+            seen.add(q.name)
+            if q.node_id in by_node:
+                by_node[q.node_id].append(q)
+        budgets: dict[str, QueueBudget] = {}
+        for node_id, node_queues in by_node.items():
+            if not node_queues:
+                continue
+            node_queues.sort(key=lambda q: q.name)  # deterministic rounding
+            total = thresholds[node_id]
+            # Exact floor, rounded down, so the floors together stay within the threshold.
+            floor = math.floor(Fraction(self.floor_fraction) * total) // len(node_queues)
+            weights, lows, highs = [], [], []
+            for q in node_queues:
+                cap = q.max_size_bytes if q.max_size_bytes > 0 else None
+                low = floor if cap is None else min(floor, cap)
+                weights.append(q.size_bytes if q.active else 0)
+                lows.append(low)
+                # An idle queue is held at its floor: the rest is reclaimed for active ones.
+                highs.append(cap if q.active else low)
+            shares = water_fill(total, weights, lows, highs, [q.name for q in node_queues])
+            for q, share in zip(node_queues, shares, strict=True):
+                budgets[q.name] = split_share(q, share)
+        return Plan(
+            # The threshold in effect: the configured one unless the alive stores are smaller.
+            threshold=sum(thresholds.values()),
+            node_thresholds=thresholds,
+            queues=dict(sorted(budgets.items())),
+        )
