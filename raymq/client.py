@@ -154,6 +154,10 @@ class Broker:
         """Names of the broker's queues."""
         return _call(self._actor.list_queues)
 
+    def queue_nodes(self) -> dict[str, str]:
+        """The node id each queue (its actor and files) lives on, by queue name."""
+        return _call(self._actor.queue_nodes)
+
     def stats(self) -> dict[str, dict]:
         """Each queue's statistics as a dict, by queue name."""
         names = self.list_queues()

@@ -1,0 +1,92 @@
+"""A broker on a real three-node Ray cluster on one machine (``ray.cluster_utils.Cluster``).
+
+Run by ``tests/test_multinode.py`` in its own process (one Ray per process, and the rest
+of the suite shares another). Prints one JSON object of observations on stdout; the
+test makes the assertions.
+
+Usage: python tests/multinode_scenario.py PAGING_DIR RAY_TEMP_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import ray
+from ray.cluster_utils import Cluster
+
+import raymq
+from raymq.placement.nodes import alive_nodes
+
+MIB = 2**20
+STORE = 100 * MIB
+THRESHOLD = 60 * MIB
+
+
+def main(paging_dir: str, temp_dir: str) -> dict:
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 2,
+            "object_store_memory": STORE,
+            "include_dashboard": False,
+            "temp_dir": temp_dir,
+            # notice a dead node in about a second, not fifteen
+            "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 3},
+        },
+    )
+    workers = [cluster.add_node(num_cpus=1, object_store_memory=STORE) for _ in range(2)]
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
+    out: dict = {}
+    try:
+        broker = raymq.connect(
+            namespace="multinode",
+            paging_directory=paging_dir,
+            flow_to_disk_threshold=THRESHOLD,
+            housekeeping_period=0.5,
+        )
+        head = ray.get_runtime_context().get_node_id()
+        out["head"] = head
+        queues = {name: broker.create_queue(name) for name in ("q0", "q1", "q2")}
+        out["queue_nodes"] = broker.queue_nodes()
+        for i, q in enumerate(queues.values()):
+            q.send_batch([b"m" * 1024] * (1000 * (i + 1)))
+        # a consumer on the head node reading a queue that lives on another node
+        remote_name = next(n for n, node in out["queue_nodes"].items() if node != head)
+        with queues[remote_name].consumer(prefetch=500, node_id=head) as c:
+            got = 0
+            while got < 1000:
+                batch = c.receive_batch(500, timeout=10)
+                if batch.num_rows == 0:
+                    break
+                c.ack(batch)
+                got += batch.num_rows
+            out["remote_read"] = {
+                "queue": remote_name,
+                "queue_node": out["queue_nodes"][remote_name],
+                "consumer_node": c.stats()["node_id"],
+                "received": got,
+            }
+        out["before"] = broker.rebalance()
+        # remove a worker node holding a queue: its budget goes to the others
+        victim = next(n for n in out["queue_nodes"].values() if n != head)
+        worker = next(w for w in workers if w.node_id == victim)
+        cluster.remove_node(worker)
+        deadline = time.monotonic() + 30
+        while any(n["NodeID"] == victim for n in alive_nodes()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"node {victim} still alive after 30 s")
+            time.sleep(0.1)
+        out["removed"] = victim
+        out["after"] = broker.rebalance()
+        broker.shutdown()
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(sys.argv[1], sys.argv[2])))
