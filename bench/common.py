@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import time
@@ -41,3 +42,58 @@ def print_table(title: str, columns: list[str], rows: list[list[str]]) -> None:
     for r in rows:
         table.add_row(*r)
     console.print(table)
+
+
+def plasma_bytes() -> int:
+    """Bytes in use in the object stores of the cluster (from Ray's memory summary)."""
+    import re
+
+    import ray
+    from ray._private.internal_api import memory_summary
+
+    text = memory_summary(address=ray.get_runtime_context().gcs_address, stats_only=True)
+    m = re.search(r"Plasma memory usage (\d+) MiB", text)
+    return int(m.group(1)) * 2**20 if m else 0
+
+
+class Sampler:
+    """Samples, every ``interval`` seconds in a thread, whatever ``sample()`` returns
+    (a dict of figures); ``samples`` keeps them all with their time."""
+
+    def __init__(self, sample: Callable[[], dict], interval: float = 1.0):
+        import threading
+
+        self._sample = sample
+        self.interval = interval
+        self.samples: list[dict] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        t0 = time.monotonic()
+        while True:
+            try:
+                self.samples.append({"t": time.monotonic() - t0, **self._sample()})
+            except Exception as exc:  # a sample failing must not end the run
+                self.samples.append({"t": time.monotonic() - t0, "error": repr(exc)})
+            if self._stop.wait(self.interval):
+                return
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def rss_of(pids: list[int]) -> int:
+    """Total resident set size of the processes ``pids`` (bytes); gone ones count 0."""
+    import psutil
+
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            total += psutil.Process(pid).memory_info().rss
+    return total

@@ -63,6 +63,7 @@ class TargetList:
         self.pending: deque[DirectEntry] = deque()  # the PendingCache
         self.pending_hits = 0
         self.pending_misses = 0  # loads from the QueueArea
+        self.message_bytes = 0.0  # running average size of a delivered message (bytes)
         self.handed_out = 0
 
     # -- levels ------------------------------------------------------------------------
@@ -112,6 +113,10 @@ class TargetList:
         if len(entry.offsets):
             self.direct.append(entry)
             self.pending_misses += 1
+            size = entry.nbytes / len(entry.offsets)
+            self.message_bytes = (
+                size if not self.message_bytes else 0.9 * self.message_bytes + 0.1 * size
+            )
 
     # -- handing out -------------------------------------------------------------------
 
@@ -149,11 +154,17 @@ class TargetList:
         return self._apply_limits()
 
     def usage(self) -> dict:
-        """What the MemoryGovernor needs of this consumer (bytes)."""
+        """What the MemoryGovernor needs of this consumer (bytes). It wants direct
+        references for ``high_watermark`` messages of the size seen so far, at most its
+        ``high_watermark_bytes``: asking for the cap alone would starve the
+        HeadQueueCache of memory the consumer never fills."""
+        want = self.max_high_watermark_bytes
+        if self.message_bytes:
+            want = min(want, int(self.high_watermark * self.message_bytes * 1.25) + 1)
         return {
             "direct_bytes": self.direct_bytes,
             "pending_bytes": self.pending_bytes,
-            "want_direct_bytes": self.max_high_watermark_bytes,
+            "want_direct_bytes": want,
             "want_pending_bytes": self.max_pending_cache_bytes,
         }
 

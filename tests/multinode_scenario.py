@@ -15,9 +15,9 @@ import time
 
 import ray
 from ray.cluster_utils import Cluster
+from raymq.placement.nodes import alive_nodes
 
 import raymq
-from raymq.placement.nodes import alive_nodes
 
 MIB = 2**20
 STORE = 100 * MIB

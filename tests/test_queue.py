@@ -260,5 +260,5 @@ def test_actor_layout(broker):
         for a in ray.util.list_named_actors(all_namespaces=True)
         if a["namespace"] == broker.namespace
     }
-    assert names == {"raymq.broker", "raymq.queue.layout"}
+    assert names == {"raymq.broker", "raymq.governor", "raymq.queue.layout"}
     assert np.int64(q.send(b"x")) == 0

@@ -1,0 +1,146 @@
+"""Deep backlog under a small budget: 5,000,000 x 1 KiB durable messages sent with no
+consumer, then consumed, with ``flow_to_disk_threshold`` 64 MiB.
+
+Every second it samples the RSS of every broker actor process (broker, governor, queue,
+TargetList), the object store bytes in use and the message memory the broker accounts
+for (HeadQueueCache, read cache, transient messages, indexes, direct references,
+PendingCache). Baseline measured in the same run: the produce rate while the backlog
+still fits in memory (its first 50,000 messages).
+
+    python bench/deep_backlog.py [--messages 5000000] [--threshold-mib 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+import time
+
+import ray
+from raymq.actors.broker_actor import BROKER_ACTOR_NAME
+from raymq.actors.governor_actor import GOVERNOR_ACTOR_NAME
+
+import raymq
+from bench.common import Sampler, console, plasma_bytes, print_table, rss_of
+
+MIB = 2**20
+BATCH = 1000
+IN_MEMORY_PART = 50_000
+
+
+def actor_pid(name: str, namespace: str) -> int:
+    actor = ray.get_actor(name, namespace=namespace)
+    return ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--messages", type=int, default=5_000_000)
+    parser.add_argument("--threshold-mib", type=int, default=64)
+    args = parser.parse_args()
+    threshold = args.threshold_mib * MIB
+    n = args.messages
+
+    ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+    paging = tempfile.mkdtemp(prefix="raymq-bench-", dir=os.environ.get("RAYMQ_BENCH_DIR"))
+    ns = "raymq-bench-deep"
+    broker = raymq.connect(
+        namespace=ns,
+        paging_directory=paging,
+        flow_to_disk_threshold=threshold,
+        housekeeping_period=1.0,
+    )
+    try:
+        q = broker.create_queue("deep")
+        pids = [
+            actor_pid(BROKER_ACTOR_NAME, ns),
+            actor_pid(GOVERNOR_ACTOR_NAME, ns),
+            ray.get(q._actor.pid.remote()),
+        ]
+        consumer_stats: list = [None]
+
+        def sample() -> dict:
+            s = q.stats()
+            c = consumer_stats[0]() if consumer_stats[0] else {}
+            accounted = (
+                s["head_cache_bytes"]
+                + s["read_cache_bytes"]
+                + s["transient_bytes_in_memory"]
+                + s["index_bytes"]
+                + c.get("direct_bytes", 0)
+                + c.get("pending_cache_bytes", 0)
+            )
+            return {
+                "depth": s["depth"],
+                "rss": rss_of(pids),
+                "plasma": plasma_bytes(),
+                "accounted": accounted,
+                "budget": s["memory_budget"],
+            }
+
+        body = b"x" * 1024
+        with Sampler(sample) as sampler:
+            console.print(f"sending {n:,} x 1 KiB durable messages, no consumer ...")
+            marks: dict[int, float] = {}
+            t0 = time.perf_counter()
+            for i in range(0, n, BATCH):
+                q.send_batch([body] * min(BATCH, n - i))
+                sent = i + BATCH
+                if sent in (IN_MEMORY_PART, 1_000_000, n) or sent >= n:
+                    marks[min(sent, n)] = time.perf_counter() - t0
+                if sent % 500_000 == 0:
+                    console.print(f"  {sent:,} sent, {sent / (time.perf_counter() - t0):,.0f}/s")
+            produce_seconds = time.perf_counter() - t0
+            produced_samples = len(sampler.samples)
+
+            console.print("consuming from disk ...")
+            c = q.consumer(prefetch=4 * BATCH)
+            consumer_stats[0] = c.stats
+            pids.append(ray.get(c.target_list.__ray_call__.remote(lambda self: os.getpid())))
+            got = 0
+            t1 = time.perf_counter()
+            while got < n:
+                batch = c.receive_batch(4 * BATCH, timeout=30)
+                if batch.num_rows == 0:
+                    break
+                c.ack(batch)
+                got += batch.num_rows
+            consume_seconds = time.perf_counter() - t1
+            c.close()
+        samples = [s for s in sampler.samples if "error" not in s]
+        errors = [s for s in sampler.samples if "error" in s]
+    finally:
+        broker.shutdown()
+        ray.shutdown()
+        shutil.rmtree(paging, ignore_errors=True)
+
+    base_rate = IN_MEMORY_PART / marks[IN_MEMORY_PART]
+    start_1m = marks.get(1_000_000, produce_seconds)
+    paging_rate = (n - 1_000_000) / (produce_seconds - start_1m) if n > 1_000_000 else 0.0
+    consume_rate = got / consume_seconds
+    during = samples[:produced_samples]
+    rss_1m = next((s["rss"] for s in during if s["depth"] >= min(1_000_000, n)), during[-1]["rss"])
+    rss_end = during[-1]["rss"]
+    message_memory = max(s["accounted"] for s in samples)
+    store_peak = max(s["plasma"] for s in samples)
+    rows = [
+        ["flow_to_disk_threshold (MiB)", f"{threshold / MIB:.0f}", "-"],
+        ["peak message memory accounted (MiB)", f"{message_memory / MIB:.1f}", "<= 70.4"],
+        ["  ratio to threshold", f"{message_memory / threshold:.2f}", "<= 1.10"],
+        ["peak object store in use (MiB)", f"{store_peak / MIB:.1f}", "-"],
+        ["broker RSS at 1M backlog (MiB)", f"{rss_1m / MIB:.0f}", "-"],
+        [f"broker RSS at {n:,} backlog (MiB)", f"{rss_end / MIB:.0f}", "-"],
+        ["  RSS growth 1M -> end", f"{(rss_end - rss_1m) / rss_1m:+.1%}", "< 5 %"],
+        ["produce, backlog in memory (msg/s, baseline)", f"{base_rate:,.0f}", "-"],
+        ["produce, backlog > 1M paged (msg/s)", f"{paging_rate:,.0f}", ">= half baseline"],
+        ["  ratio paging / baseline", f"{paging_rate / base_rate:.2f}", ">= 0.50"],
+        [f"consume {got:,} from disk (msg/s)", f"{consume_rate:,.0f}", ">= 150,000"],
+        ["samples (errors)", f"{len(samples)} ({len(errors)})", "-"],
+    ]
+    print_table(f"deep backlog, {time.strftime('%Y-%m-%d')}", ["measure", "RayMQ", "target"], rows)
+
+
+if __name__ == "__main__":
+    main()
