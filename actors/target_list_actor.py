@@ -30,7 +30,27 @@ LOADER_POLL_SECONDS = 1.0
 class TargetListActor:
     """The Ray shell of one consumer's TargetList."""
 
-    def __init__(
+    def __init__(self):
+        # Created blank, as a warm spare (``raymq.placement.spares``): starting a
+        # worker process takes most of a second, so a consumer takes a spare already
+        # running and ``start`` gives it its queue and settings.
+        self.queue_actor = None
+        self.queue = ""
+        self.consumer_id = ""
+        self.prefetch = 0
+        self.selector: str | None = None
+        self.targets = TargetList(0, 0, 0)
+        self._filled = asyncio.Event()
+        self._space = asyncio.Event()
+        self._loader: asyncio.Task | None = None
+        self._closed = False
+        self.loader_error: str | None = None
+
+    def ready(self) -> bool:
+        """True once the process is up (a spare is warm)."""
+        return True
+
+    async def start(
         self,
         queue_actor,
         queue: str,
@@ -40,21 +60,15 @@ class TargetListActor:
         high_watermark: int,
         high_watermark_bytes: int,
         pending_cache_bytes: int,
-    ):
+    ) -> None:
+        """Become the TargetList of ``consumer_id``: register with the queue (it may
+        check our liveness) and start eager loading."""
         self.queue_actor = queue_actor
         self.queue = queue
         self.consumer_id = consumer_id
         self.prefetch = prefetch
         self.selector = selector
         self.targets = TargetList(high_watermark, high_watermark_bytes, pending_cache_bytes)
-        self._filled = asyncio.Event()
-        self._space = asyncio.Event()
-        self._loader: asyncio.Task | None = None
-        self._closed = False
-        self.loader_error: str | None = None
-
-    async def start(self) -> None:
-        """Register with the queue (it may check our liveness) and start eager loading."""
         me = ray.get_runtime_context().current_actor
         await self.queue_actor.register_consumer.remote(
             self.consumer_id, self.prefetch, self.selector, me

@@ -78,6 +78,7 @@ def connect(address: str | None = None, namespace: str = "raymq", **broker_confi
     """
     from raymq.actors.broker_actor import BROKER_ACTOR_NAME, BrokerActor
     from raymq.actors.governor_actor import GOVERNOR_ACTOR_NAME, MemoryGovernorActor
+    from raymq.placement import spares
     from raymq.placement.nodes import current_node_id, pinned_to
 
     config = BrokerConfig.from_kwargs(**broker_config)
@@ -98,6 +99,7 @@ def connect(address: str | None = None, namespace: str = "raymq", **broker_confi
     running: BrokerConfig = _call(actor.config)
     if broker_config and running != config:
         raise InvalidSetting(f"broker in namespace {namespace!r} runs with {running}, not {config}")
+    spares.warm(current_node_id())  # the first consumer need not wait for a process
     governor = MemoryGovernorActor.options(
         name=GOVERNOR_ACTOR_NAME,
         namespace=namespace,
@@ -438,7 +440,7 @@ class Consumer:
         pending_cache_bytes: int = 16 * 2**20,
         node_id: str | None = None,
     ):
-        from raymq.actors.target_list_actor import TargetListActor
+        from raymq.placement import spares
         from raymq.placement.nodes import near
 
         self.queue = queue
@@ -448,11 +450,10 @@ class Consumer:
         self._actor = queue._actor
         self._buffer: pa.RecordBatch | None = None  # taken from the TargetList, not yet handed out
         self._closed = False
-        self.target_list = TargetListActor.options(
-            name=f"raymq.consumer.{queue.name}.{self.consumer_id}",
-            namespace=queue.broker.namespace,
-            scheduling_strategy=near(node_id),
-        ).remote(
+        node = near(node_id).node_id
+        self.target_list = spares.take(node)
+        _call(
+            self.target_list.start,
             queue._actor,
             queue.name,
             self.consumer_id,
@@ -461,8 +462,8 @@ class Consumer:
             prefetch if high_watermark is None else high_watermark,
             high_watermark_bytes,
             pending_cache_bytes,
+            retry=False,
         )
-        _call(self.target_list.start)
 
     def __enter__(self) -> Consumer:
         return self

@@ -1,0 +1,45 @@
+"""Warm spare TargetList actors, one per node, kept by each client process.
+
+Creating an actor starts a Ray worker process and imports RayMQ in it: most of a
+second on these machines, which a consumer would otherwise pay before its first
+message. Each process keeps one blank TargetList actor started ahead per node it uses;
+a new consumer takes it (and a new spare starts in the background). The spare is owned
+by this process, like the consumers it becomes, so it dies with it.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import ray
+
+_lock = threading.Lock()
+_spares: dict[tuple[str, str], object] = {}
+
+
+def _key(node_id: str) -> tuple[str, str]:
+    # The job id changes when this process joins Ray again: old spares are gone then.
+    return ray.get_runtime_context().get_job_id(), node_id
+
+
+def _new(node_id: str):
+    from raymq.actors.target_list_actor import TargetListActor
+    from raymq.placement.nodes import near
+
+    return TargetListActor.options(scheduling_strategy=near(node_id)).remote()
+
+
+def warm(node_id: str) -> None:
+    """Start a spare on ``node_id`` unless one is there already (returns at once)."""
+    with _lock:
+        if _key(node_id) not in _spares:
+            _spares[_key(node_id)] = _new(node_id)
+
+
+def take(node_id: str):
+    """A TargetList actor on ``node_id``: the warm spare if there is one, else a new
+    one; either way a fresh spare is started for the next consumer."""
+    with _lock:
+        actor = _spares.pop(_key(node_id), None)
+        _spares[_key(node_id)] = _new(node_id)
+    return actor if actor is not None else _new(node_id)
