@@ -11,7 +11,10 @@ from collections.abc import Callable
 from rich.console import Console
 from rich.table import Table
 
+from raymq.config import apply_ray_env_defaults
+
 console = Console()
+apply_ray_env_defaults()  # the benchmarks start Ray themselves, as RayMQ would
 
 
 def timed(fn: Callable[[], int]) -> tuple[float, float]:

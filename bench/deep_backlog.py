@@ -124,12 +124,14 @@ def main() -> None:
     rss_1m = next((s["rss"] for s in during if s["depth"] >= min(1_000_000, n)), during[-1]["rss"])
     rss_end = during[-1]["rss"]
     message_memory = max(s["accounted"] for s in samples)
-    store_peak = max(s["plasma"] for s in samples)
+    store_produce = max(s["plasma"] for s in samples[:produced_samples])
+    store_consume = max((s["plasma"] for s in samples[produced_samples:]), default=0)
     rows = [
         ["flow_to_disk_threshold (MiB)", f"{threshold / MIB:.0f}", "-"],
         ["peak message memory accounted (MiB)", f"{message_memory / MIB:.1f}", "<= 70.4"],
         ["  ratio to threshold", f"{message_memory / threshold:.2f}", "<= 1.10"],
-        ["peak object store in use (MiB)", f"{store_peak / MIB:.1f}", "-"],
+        ["peak object store in use, producing (MiB)", f"{store_produce / MIB:.1f}", "-"],
+        ["peak object store in use, consuming (MiB)", f"{store_consume / MIB:.1f}", "-"],
         ["broker RSS at 1M backlog (MiB)", f"{rss_1m / MIB:.0f}", "-"],
         [f"broker RSS at {n:,} backlog (MiB)", f"{rss_end / MIB:.0f}", "-"],
         ["  RSS growth 1M -> end", f"{(rss_end - rss_1m) / rss_1m:+.1%}", "< 5 %"],

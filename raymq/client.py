@@ -20,7 +20,12 @@ import pyarrow as pa
 import ray
 
 from raymq.batch import EMPTY_DELIVERY, MessageBatch, check_sizes
-from raymq.config import BrokerConfig, QueueConfig, validate_queue_name
+from raymq.config import (
+    BrokerConfig,
+    QueueConfig,
+    apply_ray_env_defaults,
+    validate_queue_name,
+)
 from raymq.errors import (
     BrokerUnavailable,
     ConsumerClosed,
@@ -83,6 +88,7 @@ def connect(address: str | None = None, namespace: str = "raymq", **broker_confi
 
     config = BrokerConfig.from_kwargs(**broker_config)
     if not ray.is_initialized():
+        apply_ray_env_defaults()
         try:
             ray.init(
                 address=address, namespace=namespace, log_to_driver=False, configure_logging=False

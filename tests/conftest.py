@@ -12,6 +12,8 @@ import pytest
 
 # Quiet and quick: no dashboard, no usage stats, short metrics interval.
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+for _key, _value in {"RAY_free_objects_period_milliseconds": "100"}.items():
+    os.environ.setdefault(_key, _value)  # as raymq.config.RAY_ENV_DEFAULTS
 
 
 @pytest.fixture(scope="session")
