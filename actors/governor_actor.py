@@ -38,6 +38,8 @@ class MemoryGovernorActor:
         self.plan: Plan | None = None
         self.rounds = 0
         self.round_seconds = 0.0
+        self.round_started = 0.0  # wall-clock seconds of the last round's start and end
+        self.round_finished = 0.0
         self.errors: list[str] = []
         self._usage: dict[str, dict] = {}
         self._lock = asyncio.Lock()
@@ -55,11 +57,12 @@ class MemoryGovernorActor:
     async def rebalance(self) -> dict:
         """Run one round now; returns the plan as a dict."""
         async with self._lock:
-            t0 = time.perf_counter()
+            t0, started = time.perf_counter(), time.time()
             plan = await self._round()
             self.plan = plan
             self.rounds += 1
             self.round_seconds = time.perf_counter() - t0
+            self.round_started, self.round_finished = started, time.time()
             return plan.to_dict()
 
     async def _round(self) -> Plan:
@@ -130,6 +133,8 @@ class MemoryGovernorActor:
         return {
             "rounds": self.rounds,
             "round_seconds": self.round_seconds,
+            "round_started": self.round_started,
+            "round_finished": self.round_finished,
             "housekeeping_period": self.config.housekeeping_period,
             "plan": None if self.plan is None else self.plan.to_dict(),
             "usage": self._usage,

@@ -10,10 +10,11 @@ import uuid
 
 import pytest
 
+from raymq.config import apply_ray_env_defaults
+
 # Quiet and quick: no dashboard, no usage stats, short metrics interval.
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-for _key, _value in {"RAY_free_objects_period_milliseconds": "100"}.items():
-    os.environ.setdefault(_key, _value)  # as raymq.config.RAY_ENV_DEFAULTS
+apply_ray_env_defaults()  # the suite starts Ray itself, as RayMQ would
 
 
 @pytest.fixture(scope="session")
