@@ -84,6 +84,7 @@ class MemoryGovernorActor:
                     index_bytes=u["index_bytes"],
                     active=u["active"],
                     max_size_bytes=u["max_size_bytes"],
+                    transient_bytes=u["transient_bytes"],
                     consumers=tuple(
                         ConsumerUsage(
                             consumer_id=cid,

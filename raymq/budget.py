@@ -92,6 +92,9 @@ class QueueUsage:
     has consumers or had traffic in the last period. ``max_size_bytes`` > 0 caps the
     queue's share (Artemis per-queue limit); -1 (or any value <= 0) means no cap.
     ``consumers`` may be given as any iterable; it is stored as a tuple.
+    ``transient_bytes`` is the most a non-durable queue held of its own messages over
+    the last period: they are the queue's store, not a cache, and are budgeted before
+    the caches (what does not fit flows to disk).
     """
 
     name: str
@@ -102,11 +105,13 @@ class QueueUsage:
     active: bool
     max_size_bytes: int = -1
     consumers: tuple[ConsumerUsage, ...] = ()
+    transient_bytes: int = 0
 
     def __post_init__(self) -> None:
         _check_bytes("size_bytes", self.size_bytes)
         _check_bytes("memory_bytes", self.memory_bytes)
         _check_bytes("index_bytes", self.index_bytes)
+        _check_bytes("transient_bytes", self.transient_bytes)
         if not _is_int(self.max_size_bytes):
             raise InvalidSetting(f"max_size_bytes={self.max_size_bytes!r} must be an int")
         # Frozen: normalise a list to a tuple so the usage stays immutable and hashable.
@@ -275,19 +280,49 @@ def _proportional(total: int, wants: dict[str, int]) -> dict[str, int]:
     return out
 
 
+#: Head-room on a working set: arrivals between two rounds, and the read cache's part.
+WORKING_SET_SLACK = 2.0
+
+
+def working_set(usage: QueueUsage) -> int:
+    """Bytes a queue needs to serve from memory now, with ``WORKING_SET_SLACK``: its
+    messages, indexes, its consumers' direct references at their high watermark and
+    their PendingCaches."""
+    need = (
+        max(usage.size_bytes, usage.transient_bytes)
+        + usage.index_bytes
+        + sum(c.want_direct_bytes + c.pending_bytes for c in usage.consumers)
+    )
+    return int(need * WORKING_SET_SLACK)
+
+
 def split_share(usage: QueueUsage, share: int) -> QueueBudget:
     """Split one queue's ``share`` (bytes) into its linked caches, in priority order.
 
-    Indexes/metadata first (they occupy memory whatever the budget says), then the
+    Indexes/metadata first (they occupy memory whatever the budget says), then a
+    non-durable queue's own messages (``transient_bytes``, with head-room), then the
     consumers' direct references up to their ``want_direct_bytes``, then their
-    PendingCaches up to ``want_pending_bytes`` (each pool split in proportion to the
-    wants), and the queue actor's HeadQueueCache gets what is left, down to zero.
+    PendingCaches (each pool split in proportion to the wants), and the queue actor's
+    HeadQueueCache gets what is left, down to zero.
+
+    A PendingCache is linked to the HeadQueueCache as in ActiveMQ: it takes memory as
+    it *grows*, so it is budgeted what it holds plus room for one more eviction of its
+    direct references, at most ``want_pending_bytes``; its cap alone would take memory
+    the queue needs for its own messages.
     """
     index = min(usage.index_bytes, share)
     left = share - index
+    transient = min(left, int(usage.transient_bytes * WORKING_SET_SLACK))
+    left -= transient
     direct = _proportional(left, {c.consumer_id: c.want_direct_bytes for c in usage.consumers})
     left -= sum(direct.values())
-    pending = _proportional(left, {c.consumer_id: c.want_pending_bytes for c in usage.consumers})
+    pending = _proportional(
+        left,
+        {
+            c.consumer_id: min(c.want_pending_bytes, c.pending_bytes + direct[c.consumer_id])
+            for c in usage.consumers
+        },
+    )
     left -= sum(pending.values())
     return QueueBudget(
         name=usage.name,
@@ -296,7 +331,7 @@ def split_share(usage: QueueUsage, share: int) -> QueueBudget:
         index_bytes=index,
         direct=direct,
         pending=pending,
-        queue_bytes=left,
+        queue_bytes=transient + left,
     )
 
 
@@ -348,7 +383,8 @@ class BudgetPlanner:
 
         Per node, the node threshold T is split between its queues in proportion to
         ``size_bytes``; each queue gets at least ``T * floor_fraction / n`` (n queues on
-        the node) unless its ``max_size_bytes`` is lower; idle queues get only that floor;
+        the node) and an active one at least its ``working_set`` up to ``T / n``, unless
+        its ``max_size_bytes`` is lower; idle queues get only the floor;
         ``max_size_bytes`` caps a share and the rest goes to the others. A node's shares
         never sum above T. Raises ``ValueError`` for a queue name given twice.
         """
@@ -369,10 +405,18 @@ class BudgetPlanner:
             total = thresholds[node_id]
             # Exact floor, rounded down, so the floors together stay within the threshold.
             floor = math.floor(Fraction(self.floor_fraction) * total) // len(node_queues)
+            fair = total // len(node_queues)
             weights, lows, highs = [], [], []
             for q in node_queues:
                 cap = q.max_size_bytes if q.max_size_bytes > 0 else None
-                low = floor if cap is None else min(floor, cap)
+                low = floor
+                if q.active:
+                    # An active queue is also guaranteed its working set, up to an equal
+                    # split: a queue whose consumers keep up holds little, and must keep
+                    # it in memory however large a stopped neighbour grows (Artemis's
+                    # slow-subscriber problem); proportional-to-size alone starves it.
+                    low = max(floor, min(working_set(q), fair))
+                low = low if cap is None else min(low, cap)
                 weights.append(q.size_bytes if q.active else 0)
                 lows.append(low)
                 # An idle queue is held at its floor: the rest is reclaimed for active ones.

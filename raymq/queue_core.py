@@ -120,6 +120,7 @@ class QueueCore:
         self._blocked: dict[int, float] = {}  # id of a blocked send -> monotonic start
         self._dropped = 0
         self._active_counters = (0, 0, 0)
+        self._peak_transient = 0  # most bytes of messages held since the governor asked
         self._ack_waiters: list[asyncio.Future] = []
         self._kick: asyncio.Event | None = None
         self._arrival: asyncio.Event | None = None
@@ -303,6 +304,8 @@ class QueueCore:
             if not fut.done():
                 fut.set_result(first)
         self._counters["in"] += prepared.message_count
+        if not self.config.durable:
+            self._peak_transient = max(self._peak_transient, self.log.bytes_queued)
         for fut in waiters:
             if not fut.done():
                 fut.set_result(None)
@@ -342,7 +345,8 @@ class QueueCore:
         self.housekeeping()
 
     def _apply_memory_limits(self) -> None:
-        """Split the budget: the read cache gets at most a quarter (and at most
+        """Split the budget: the read cache gets at most a quarter (an eighth for a
+        non-durable queue), and at most
         ``page_max_cache_size`` pages); the HeadQueueCache (durable) or the transient
         messages (non-durable) get the rest. Without a budget yet, ``head_cache_bytes``
         stands in. ``max_size_bytes`` caps it all (Artemis: beyond it, PAGE pages)."""
@@ -355,7 +359,9 @@ class QueueCore:
                 read, rest = min(read, cap // 4), min(rest, cap - min(read, cap // 4))
         else:
             total = self.memory_budget if cap is None else min(self.memory_budget, cap)
-            read = min(page_cache, total // 4)
+            # A transient queue reads from files only what flowed: its messages in
+            # memory matter more than its read cache.
+            read = min(page_cache, total // (4 if cfg.durable else 8))
             rest = total - read
         self.log.set_read_cache_bytes(read)
         if cfg.durable:
@@ -369,7 +375,12 @@ class QueueCore:
         counters = (self._counters["in"], self._counters["out"], self._counters["acked"])
         active = bool(self.area.consumers) or counters != self._active_counters
         self._active_counters = counters
+        transient = 0
+        if not self.config.durable:
+            transient = max(self._peak_transient, self.log.bytes_queued)
+            self._peak_transient = self.log.bytes_queued
         return {
+            "transient_bytes": transient,
             "name": self.name,
             "size_bytes": self.log.bytes_queued,
             "memory_bytes": self.head_cache.bytes + self.log.bytes_in_memory,

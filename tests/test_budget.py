@@ -365,3 +365,21 @@ def test_property_active_uncapped_shares_fill_the_node(sizes: list[int], store: 
     ordered = sorted(range(len(sizes)), key=lambda i: sizes[i])
     got = [plan.queues[f"q{i}"].share for i in ordered]
     assert all(a <= b + 1 for a, b in zip(got, got[1:], strict=False))
+
+
+def test_queues_that_keep_up_keep_their_working_set_beside_a_huge_slow_one():
+    """Artemis's slow-subscriber problem: one stopped consumer's queue grows without
+    bound; the queues whose consumers keep up still get what they hold in flight."""
+    mib = 2**20
+    consumer = ConsumerUsage("c", 0, 0, want_direct_bytes=2 * mib, want_pending_bytes=16 * mib)
+    fast = [
+        QueueUsage(f"fast{k}", "n", 2 * mib, 2 * mib, 0, True, consumers=(consumer,))
+        for k in range(3)
+    ]
+    slow = QueueUsage("slow", "n", 900 * mib, 30 * mib, 0, True)
+    plan = BudgetPlanner(32 * mib).plan([*fast, slow], {"n": 10**9})
+    for q in fast:
+        assert plan.queues[q.name].share >= 6 * mib  # (2 + 2) MiB with head-room
+        assert plan.queues[q.name].queue_bytes >= 2 * mib  # its messages stay in memory
+    assert plan.queues["slow"].share >= 8 * mib  # the floor, and the rest
+    assert plan.node_total("n") <= 32 * mib

@@ -113,9 +113,9 @@ def test_transient_messages_flow_to_disk_above_the_budget(tmp_path):
     q = core(tmp_path, durable=False, page_size_bytes=64 * KIB)
 
     async def scenario():
-        q.set_budget(200 * KIB)  # read cache gets a quarter, transient messages the rest
+        q.set_budget(200 * KIB)  # read cache gets an eighth, transient messages the rest
         limit = q.log.memory_limit
-        assert limit == 150 * KIB
+        assert limit == 175 * KIB
         for i in range(10):
             await q.send_batch(batch_of(50, start=50 * i))
             assert q.log.transient_bytes <= limit
@@ -195,5 +195,23 @@ def test_policies_count_per_message_metadata(tmp_path, policy):
             with pytest.raises(AddressFull):
                 await q.send_batch(more, timeout=0.05)
         assert np.all(q.log.is_acked(np.arange(100)) == 0)
+
+    run(scenario, q)
+
+
+def test_acknowledged_transient_records_free_their_memory(tmp_path):
+    q = core(tmp_path, durable=False)
+
+    async def scenario():
+        for i in range(5):
+            await q.send_batch(batch_of(100, start=100 * i))
+        full = q.log.transient_bytes
+        q.register_consumer("c", 1000)
+        got = await q.fetch("c", 300, 1.0, 1000)
+        await q.ack("c", got.column("offset").to_numpy())
+        assert q.log.transient_bytes == pytest.approx(full * 2 / 5, rel=0.05)
+        q.set_budget(0)  # the rest flows to disk; freed records are not written
+        assert q.log.transient_bytes == 0 and q.log.segment_files == 1
+        assert await drain(q) == list(range(300, 500))
 
     run(scenario, q)

@@ -494,6 +494,8 @@ class SegmentLog:
             mine = mine[mine < seg.end_offset]
             if len(mine):
                 fresh += seg.ack(mine)
+                if seg.fd is None:
+                    seg.free_acked_records(int(mine.min()), int(mine.max()))
         self.depth -= fresh
         if log_it and self.durable and len(offsets):
             self._pending_acks.append(offsets)
@@ -572,13 +574,16 @@ class SegmentLog:
             k = max(0, seg.record_index(start))
             while k < len(seg.firsts) and seg.firsts[k] < end:
                 rec = reader(seg, k)
+                if rec is None:  # a transient record freed once all of it was acked
+                    k += 1
+                    continue
                 lo, hi = max(start, rec.first_offset), min(end, rec.end_offset)
                 if hi > lo:
                     out.append(rec.slice(lo - rec.first_offset, hi - rec.first_offset))
                 k += 1
         return out
 
-    def _record_properties(self, seg: Segment, k: int) -> MessageBatch:
+    def _record_properties(self, seg: Segment, k: int) -> MessageBatch | None:
         if seg.fd is None:
             return seg.batches[k]
         rec = self._cache.get((seg.base_offset, k))
@@ -591,7 +596,7 @@ class SegmentLog:
         seg = self.segments[self._segment_at(offset)]
         return seg if seg.base_offset <= offset < seg.end_offset else None
 
-    def _record(self, seg: Segment, k: int) -> MessageBatch:
+    def _record(self, seg: Segment, k: int) -> MessageBatch | None:
         if seg.fd is None:
             return seg.batches[k]
         key = (seg.base_offset, k)
@@ -602,6 +607,8 @@ class SegmentLog:
             return rec
         self.cache_misses += 1
         rec = seg.read_record(k)
+        if rec is None:
+            return None
         self._cache[key] = rec
         self._cache_bytes += rec.nbytes
         while self._cache_bytes > self.read_cache_bytes and len(self._cache) > 1:
@@ -673,7 +680,7 @@ class SegmentLog:
         for seg in reversed(self.segments):
             if self.transient_bytes <= limit:
                 break
-            if seg.fd is not None or seg.planned_size != seg.size or not seg.batches:
+            if seg.fd is not None or seg.planned_size != seg.size or not seg.memory_bytes:
                 continue
             flowed += self._write_out(seg)
         self.flowed_messages += flowed
@@ -687,6 +694,9 @@ class SegmentLog:
             bufs: list = [SEGMENT_HEADER.pack(SEGMENT_MAGIC, SEGMENT_VERSION, 0, seg.base_offset)]
             positions, pos = [], SEGMENT_HEADER.size
             for batch in seg.batches:
+                if batch is None:  # freed (all acked): nothing to write, never read
+                    positions.append(-1)
+                    continue
                 rec = encode_record(batch)
                 positions.append(pos)
                 pos += sum(memoryview(b).nbytes for b in rec)
@@ -697,7 +707,7 @@ class SegmentLog:
             raise StorageError(
                 f"queue {self.queue!r}: flowing transient messages to {path} failed: {exc}"
             ) from exc
-        messages = sum(len(b) for b in seg.batches)
+        messages = sum(len(b) for b in seg.batches if b is not None)
         seg.directory, seg.path, seg.fd = self.directory, path, fd
         seg.positions = array("q", positions)
         seg.size = seg.planned_size = pos

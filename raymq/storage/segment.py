@@ -184,7 +184,7 @@ class Segment:
         self.fd = fd
         self.firsts = array("q")
         self.positions = array("q")
-        self.batches: list[MessageBatch] = []  # non-durable only
+        self.batches: list[MessageBatch | None] = []  # in memory (transient) only
         self.count = 0  # messages published
         self.size = SEGMENT_HEADER.size if directory else 0
         self.planned_size = self.size
@@ -307,11 +307,14 @@ class Segment:
         """Index of the record holding ``offset``."""
         return bisect_right(self.firsts, offset) - 1
 
-    def read_record(self, k: int, *, verify: bool = True) -> MessageBatch:
-        """Read record ``k`` back (from memory for a non-durable segment)."""
+    def read_record(self, k: int, *, verify: bool = True) -> MessageBatch | None:
+        """Read record ``k`` back (from memory for a non-durable segment); None for a
+        transient record freed because all of it was acknowledged."""
         if self.fd is None:
             return self.batches[k]
         pos = self.positions[k]
+        if pos < 0:
+            return None
         header = os.pread(self.fd, RECORD_HEADER.size, pos)
         hdr = parse_header(header, 0)
         if hdr is None:
@@ -322,7 +325,21 @@ class Segment:
             raise CorruptRecord(f"{self.path}: record at byte {pos} fails its checksum")
         return decode_payload(payload, first, count)
 
-    def read_properties(self, k: int) -> MessageBatch:
+    def free_acked_records(self, lo: int, hi: int) -> None:
+        """Drop in-memory records within offsets [lo, hi] whose messages are all
+        acknowledged: a transient segment holds memory only for what is still queued."""
+        if self.fd is not None:
+            return
+        for k in range(max(0, self.record_index(lo)), self.record_index(hi) + 1):
+            rec = self.batches[k]
+            if rec is None:
+                continue
+            start = rec.first_offset - self.base_offset
+            if self._acked[start : start + len(rec)].all():
+                self.batches[k] = None
+                self.memory_bytes -= rec.nbytes
+
+    def read_properties(self, k: int) -> MessageBatch | None:
         """Record ``k``'s timestamps and properties only, as a batch with empty bodies.
 
         Two preads skip the bodies. The payload CRC covers the whole payload, so these
@@ -332,6 +349,8 @@ class Segment:
         if self.fd is None:
             return self.batches[k]
         pos = self.positions[k]
+        if pos < 0:
+            return None
         _magic, _h, _p, _length, first, n, _flags = RECORD_HEADER.unpack(
             os.pread(self.fd, RECORD_HEADER.size, pos)
         )
