@@ -73,13 +73,20 @@ async def _call_async(method, *args, **kwargs) -> Any:
         raise BrokerUnavailable(f"actor unavailable: {exc}") from exc
 
 
-def connect(address: str | None = None, namespace: str = "raymq", **broker_config: Any) -> Broker:
+def connect(
+    address: str | None = None,
+    namespace: str = "raymq",
+    *,
+    create: bool = True,
+    **broker_config: Any,
+) -> Broker:
     """Join (or start) Ray and the broker of ``namespace``; returns a ``Broker``.
 
     ``address`` None joins a running cluster if one is found, else starts an embedded
     local Ray; ``"auto"`` requires a running cluster. ``broker_config`` are the settings
     of ``raymq.config.BrokerConfig`` (``paging_directory``, ``max_message_size``, ...);
     they apply when this call creates the broker, and must match a running one.
+    ``create=False`` only joins a running broker (``BrokerUnavailable`` if none).
     """
     from raymq.actors.broker_actor import BROKER_ACTOR_NAME, BrokerActor
     from raymq.actors.governor_actor import GOVERNOR_ACTOR_NAME, MemoryGovernorActor
@@ -95,6 +102,14 @@ def connect(address: str | None = None, namespace: str = "raymq", **broker_confi
             )
         except ConnectionError as exc:
             raise BrokerUnavailable(f"cannot reach Ray at {address!r}: {exc}") from exc
+    if not create:
+        try:
+            ray.get_actor(BROKER_ACTOR_NAME, namespace=namespace)
+        except ValueError:
+            raise BrokerUnavailable(
+                f"no RayMQ broker in namespace {namespace!r} on this Ray cluster;"
+                " start one with `raymq start`"
+            ) from None
     actor = BrokerActor.options(
         name=BROKER_ACTOR_NAME,
         namespace=namespace,
