@@ -20,6 +20,7 @@ from raymq.actors.broker_actor import BROKER_ACTOR_NAME
 from raymq.actors.queue_actor import queue_actor_name
 from raymq.placement.nodes import object_store_by_node
 
+from raymq import metrics
 from raymq.budget import BudgetPlanner, ConsumerUsage, Plan, QueueUsage
 from raymq.config import BrokerConfig
 
@@ -44,6 +45,16 @@ class MemoryGovernorActor:
         self._usage: dict[str, dict] = {}
         self._lock = asyncio.Lock()
         self._task = asyncio.get_running_loop().create_task(self._run())
+        self._metrics = asyncio.get_running_loop().create_task(self._export_metrics())
+
+    async def _export_metrics(self) -> None:
+        """Every ``metrics.EXPORT_PERIOD_SECONDS``, set the threshold and the last plan's
+        budgets (``raymq.metrics``). A loop of its own, not the end of a round: Ray forgets
+        a series not set for about 20 s, and rounds may be further apart than that."""
+        while True:
+            with metrics.guard("governor"):
+                metrics.export_governor(self.stats(), self.namespace)
+            await asyncio.sleep(metrics.EXPORT_PERIOD_SECONDS)
 
     async def _run(self) -> None:
         while True:

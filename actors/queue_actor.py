@@ -16,6 +16,7 @@ import numpy as np
 import pyarrow as pa
 import ray
 
+from raymq import metrics
 from raymq.batch import MessageBatch
 from raymq.config import BrokerConfig, QueueConfig
 from raymq.queue_core import QueueCore, QueueStats
@@ -41,12 +42,31 @@ class QueueActor:
     def __init__(self, config: QueueConfig, broker: BrokerConfig):
         self.core = QueueCore(config, broker)
         self._started = False
+        self._metrics_task: asyncio.Task | None = None
 
     async def _ensure_started(self) -> None:
         if not self._started:
             self.core.start()
             self._started = True
-            asyncio.get_running_loop().create_task(self._watch_consumers())
+            loop = asyncio.get_running_loop()
+            loop.create_task(self._watch_consumers())
+            self._metrics_task = loop.create_task(self._export_metrics())
+
+    async def _export_metrics(self) -> None:
+        """Every ``metrics.EXPORT_PERIOD_SECONDS``, set this queue's metrics and its
+        consumers' lag from local snapshots (``raymq.metrics``). Lag is exported here,
+        not by the TargetList actors, because here it costs no remote call."""
+        ctx = ray.get_runtime_context()
+        node_id, broker, me = ctx.get_node_id(), ctx.namespace, ctx.get_actor_id()
+        with metrics.guard(f"queue {self.core.name!r}"):
+            name = queue_actor_name(self.core.name)
+            broker = await asyncio.to_thread(metrics.broker_of, name, me)
+        while True:
+            with metrics.guard(f"queue {self.core.name!r}"):
+                metrics.export_queue(self.core.stats(), node_id, broker)
+                consumers = {cid: self.core.consumer_stats(cid) for cid in self.core.area.consumers}
+                metrics.export_queue_consumers(self.core.name, consumers, node_id, broker)
+            await asyncio.sleep(metrics.EXPORT_PERIOD_SECONDS)
 
     async def _watch_consumers(self) -> None:
         """Deliver again what dead consumers held: every second, ping each consumer not
@@ -178,6 +198,8 @@ class QueueActor:
     async def shutdown(self, delete_files: bool = False) -> None:
         """Flush, close files and optionally delete the queue's directory."""
         await self._ensure_started()
+        if self._metrics_task is not None:
+            self._metrics_task.cancel()  # a closed core has nothing left to report
         await self.core.close()
         if delete_files:
             import shutil

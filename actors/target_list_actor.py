@@ -17,7 +17,9 @@ import logging
 
 import numpy as np
 import ray
+from raymq.actors.queue_actor import queue_actor_name
 
+from raymq import metrics
 from raymq.target_list import DirectEntry, TargetList
 
 log = logging.getLogger("raymq.consumer")
@@ -43,6 +45,7 @@ class TargetListActor:
         self._filled = asyncio.Event()
         self._space = asyncio.Event()
         self._loader: asyncio.Task | None = None
+        self._metrics: asyncio.Task | None = None
         self._closed = False
         self.loader_error: str | None = None
 
@@ -74,6 +77,22 @@ class TargetListActor:
             self.consumer_id, self.prefetch, self.selector, me
         )
         self._loader = asyncio.get_running_loop().create_task(self._eager_load())
+        self._metrics = asyncio.get_running_loop().create_task(self._export_metrics())
+
+    async def _export_metrics(self) -> None:
+        """Every ``metrics.EXPORT_PERIOD_SECONDS`` until closed, set this consumer's
+        levels (``raymq.metrics``); its lag is exported by the queue actor."""
+        node_id = ray.get_runtime_context().get_node_id()
+        broker = ray.get_runtime_context().namespace
+        with metrics.guard(f"consumer {self.consumer_id}"):
+            queue_id = self.queue_actor._actor_id.hex()
+            name = queue_actor_name(self.queue)
+            broker = await asyncio.to_thread(metrics.broker_of, name, queue_id)
+        while not self._closed:
+            with metrics.guard(f"consumer {self.consumer_id}"):
+                stats = self.targets.stats()
+                metrics.export_consumer(self.consumer_id, self.queue, stats, node_id, broker)
+            await asyncio.sleep(metrics.EXPORT_PERIOD_SECONDS)
 
     async def _eager_load(self) -> None:
         """Raise the watermark toward the high watermark, forever."""

@@ -58,6 +58,9 @@ class QueueStats:
     messages_out: int
     messages_acked: int
     messages_redelivered: int
+    #: Bytes of messages stored (bodies, properties, offsets and timestamps) and delivered.
+    bytes_in: int
+    bytes_out: int
     in_rate: float
     out_rate: float
     ack_rate: float
@@ -128,7 +131,7 @@ class QueueCore:
         self._ticker: asyncio.Task | None = None
         self._dirty_since_checkpoint = False
         self._last_checkpoint = time.monotonic()
-        self._counters = {"in": 0, "out": 0, "acked": 0}
+        self._counters = {"in": 0, "out": 0, "acked": 0, "bytes_in": 0, "bytes_out": 0}
         self._samples: list[tuple[float, dict[str, int]]] = [
             (time.monotonic(), dict(self._counters))
         ]
@@ -304,6 +307,7 @@ class QueueCore:
             if not fut.done():
                 fut.set_result(first)
         self._counters["in"] += prepared.message_count
+        self._counters["bytes_in"] += sum(item[3].nbytes for item in prepared.items)
         if not self.config.durable:
             self._peak_transient = max(self._peak_transient, self.log.bytes_queued)
         for fut in waiters:
@@ -432,7 +436,9 @@ class QueueCore:
             offsets, counts = self.area.take(consumer_id, max_messages)
             if len(offsets):
                 self._counters["out"] += len(offsets)
-                return self._materialize(offsets, counts)
+                batch = self._materialize(offsets, counts)
+                self._counters["bytes_out"] += batch.nbytes
+                return batch
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return EMPTY_DELIVERY
@@ -602,6 +608,8 @@ class QueueCore:
             messages_out=c["out"],
             messages_acked=c["acked"],
             messages_redelivered=self.area.redelivered_total,
+            bytes_in=c["bytes_in"],
+            bytes_out=c["bytes_out"],
             in_rate=(c["in"] - c0["in"]) / span,
             out_rate=(c["out"] - c0["out"]) / span,
             ack_rate=(c["acked"] - c0["acked"]) / span,
