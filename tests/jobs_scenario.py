@@ -49,10 +49,15 @@ def submit(client: JobSubmissionClient, entrypoint: str, runtime_env: dict) -> s
 
 
 def auth_token() -> str:
-    """The cluster's token, as ``ray get-auth-token`` prints it."""
+    """The token in ~/.ray/auth_token, made first if there is none: `ray start` uses it,
+    and Ray's docs ask for one before a cluster is started other than by ``ray.init``."""
     ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
     done = subprocess.run(
-        [ray_cli, "get-auth-token"], capture_output=True, text=True, timeout=60, check=True
+        [ray_cli, "get-auth-token", "--generate"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
     )
     return done.stdout.strip().splitlines()[-1]
 
@@ -111,6 +116,7 @@ def stop_head(temp_dir: str) -> int:
 
 def main(temp_dir: str, examples: list[str]) -> dict:
     out: dict = {"auth_mode": os.environ.get("RAY_AUTH_MODE", "(default)"), "jobs": {}}
+    token = auth_token()
     try:
         address, dashboard = start_head(temp_dir)
         paging = os.path.join(temp_dir, "paging")
@@ -122,7 +128,7 @@ def main(temp_dir: str, examples: list[str]) -> dict:
             out["status"]["json"] = json.loads(status.stdout)
         # The job server's HTTP API needs the cluster's token (`ray start` keeps it in
         # ~/.ray/auth_token); Ray drivers (the raymq command, the jobs) need nothing.
-        client = JobSubmissionClient(dashboard, headers={"Authorization": f"Bearer {auth_token()}"})
+        client = JobSubmissionClient(dashboard, headers={"Authorization": f"Bearer {token}"})
         runtime_env = {"working_dir": ROOT, "excludes": EXCLUDES}
         for name in examples:
             t0 = time.monotonic()
