@@ -36,6 +36,8 @@ from raymq.errors import (
 from raymq.properties import decode_properties, encode_properties, validate_properties
 from raymq.selector import Selector
 
+#: Pipelined acks (``ack(wait=False)``) a consumer lets run before it waits for some.
+MAX_PIPELINED_ACKS = 8
 #: How long a call keeps retrying while an actor restarts (seconds).
 RESTART_GRACE_SECONDS = 60.0
 _RETRYABLE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
@@ -471,6 +473,7 @@ class Consumer:
         self._actor = queue._actor
         self._buffer: pa.RecordBatch | None = None  # taken from the TargetList, not yet handed out
         self._closed = False
+        self._acks: list = []  # pipelined acks in flight (ObjectRefs)
         node = near(node_id).node_id
         self.target_list = spares.take(node)
         _call(
@@ -542,10 +545,51 @@ class Consumer:
         batch = self._take(max_messages, timeout)
         return batch if batch is not None else EMPTY_DELIVERY
 
-    def ack(self, messages: Message | int | Iterable | pa.RecordBatch | pa.Table) -> int:
-        """Acknowledge messages; returns how many were newly acknowledged (durably)."""
+    def ack(
+        self,
+        messages: Message | int | Iterable | pa.RecordBatch | pa.Table,
+        *,
+        wait: bool = True,
+    ) -> int | None:
+        """Acknowledge messages; returns how many were newly acknowledged (durably).
+
+        ``wait=False`` pipelines the ack: it returns None at once, so receiving the next
+        batch overlaps the ack's fsync. Its outcome is checked by the next ``ack`` or by
+        ``flush``/``close``, which raise the first error of an earlier one. (Delivery is
+        at-least-once either way: an ack lost with a crash means one more delivery.)
+        """
         self._check_open()
-        return _call(self._actor.ack, self.consumer_id, _offsets_of(messages))
+        offsets = _offsets_of(messages)
+        if wait:
+            self._check_acks(block=False)
+            return _call(self._actor.ack, self.consumer_id, offsets)
+        self._acks.append(self._actor.ack.remote(self.consumer_id, offsets))
+        self._check_acks(block=len(self._acks) > MAX_PIPELINED_ACKS)
+        return None
+
+    def flush(self) -> None:
+        """Wait for every pipelined ack (``ack(wait=False)``); raise the first error."""
+        self._check_acks(block=True)
+
+    def _check_acks(self, block: bool) -> None:
+        """Collect finished pipelined acks (all of them when ``block``), raising the
+        first failure as its typed error."""
+        if not self._acks:
+            return
+        keep = MAX_PIPELINED_ACKS // 2 if block and len(self._acks) > MAX_PIPELINED_ACKS else 0
+        want = len(self._acks) - keep if block else len(self._acks)
+        done, _ = ray.wait(
+            self._acks, num_returns=want if block else len(self._acks), timeout=None if block else 0
+        )
+        finished = set(done)
+        self._acks = [r for r in self._acks if r not in finished]
+        for ref in done:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayTaskError as exc:
+                raise _unwrap(exc) from None
+            except _RETRYABLE as exc:
+                raise BrokerUnavailable(f"queue {self.queue.name!r} unavailable: {exc}") from exc
 
     def nack(self, messages: Message | int | Iterable | pa.RecordBatch | pa.Table) -> int:
         """Give messages back: they are delivered again with ``delivery_count`` + 1."""
@@ -561,6 +605,11 @@ class Consumer:
         """Close; unacknowledged messages are delivered again (to any consumer)."""
         if self._closed:
             return
+        ack_error: RayMQError | None = None
+        try:
+            self._check_acks(block=True)
+        except RayMQError as exc:  # close anyway; then report the failed ack
+            ack_error = exc
         self._closed = True
         not_received = None if self._buffer is None else self._buffer.column("offset").to_numpy()
         self._buffer = None
@@ -570,6 +619,8 @@ class Consumer:
             _call(self._actor.close_consumer, self.consumer_id, not_received)
         finally:
             ray.kill(self.target_list, no_restart=True)
+        if ack_error is not None:
+            raise ack_error
 
 
 def _get_batches(refs: list) -> list[pa.RecordBatch | None]:

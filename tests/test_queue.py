@@ -262,3 +262,20 @@ def test_actor_layout(broker):
     }
     assert names == {"raymq.broker", "raymq.governor", "raymq.queue.layout"}
     assert np.int64(q.send(b"x")) == 0
+
+
+def test_pipelined_acks_are_durable_after_flush_and_report_errors(broker):
+    q = broker.create_queue("pipelined")
+    q.send_batch([b"x" * 100] * 5000)
+    with q.consumer(prefetch=2000) as c:
+        got = 0
+        while got < 5000:
+            batch = c.receive_batch(500, timeout=5)
+            assert batch.num_rows
+            assert c.ack(batch, wait=False) is None
+            got += batch.num_rows
+        c.flush()
+        assert q.stats()["depth"] == 0 and q.stats()["messages_acked"] == 5000
+        c.ack([10**9], wait=False)  # never sent: the error comes with the next check
+        with pytest.raises(raymq.errors.InvalidAck, match="never sent"):
+            c.flush()
