@@ -15,7 +15,7 @@ import sys
 import pytest
 
 SCENARIO = os.path.join(os.path.dirname(__file__), "jobs_scenario.py")
-EXAMPLES = ["quickstart", "message_selectors", "deep_backlog"]
+EXAMPLES = ["quickstart", "message_selectors", "deep_backlog", "spark_pipeline"]
 
 
 @pytest.fixture(scope="module")
