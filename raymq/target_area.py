@@ -249,13 +249,17 @@ class TargetArea:
         picked = self._pop_redeliverable(want)
         fresh: list[int] = []
         holder = self._holder
+        # Only selector consumers take offsets beyond the shared cursor; without them
+        # nothing there is held and the per-offset check is skipped.
+        ahead_may_be_held = bool(self.selective)
         while len(picked) + len(fresh) < want and self.cursor < self.log.next_offset:
             need = want - len(picked) - len(fresh)
             got = self.log.unacked(self.cursor, need)
             self.cursor = int(got[-1]) + 1 if len(got) == need else self.log.next_offset
             # Selector consumers may hold offsets beyond the cursor: skip those (they come
             # back through the redelivery heap if released).
-            fresh.extend(o for o in got.tolist() if o not in holder)
+            listed = got.tolist()
+            fresh.extend([o for o in listed if o not in holder] if ahead_may_be_held else listed)
         if picked and fresh:  # a released offset can be ahead of the cursor as well
             again = set(picked)
             fresh = [o for o in fresh if o not in again]
@@ -312,8 +316,12 @@ class TargetArea:
         bad = offsets[(offsets < 0) | (offsets >= self.log.next_offset)]
         if len(bad):
             raise InvalidAck(f"queue {self.queue!r}: offsets {bad[:5].tolist()} were never sent")
+        target = self.consumers.get(consumer_id)
+        listed = offsets.tolist()
+        if target is not None and target.held.issuperset(listed):
+            return  # the common case, checked in C: it holds them all
         holder = self._holder
-        others = [o for o in offsets.tolist() if holder.get(o, consumer_id) != consumer_id]
+        others = [o for o in listed if holder.get(o, consumer_id) != consumer_id]
         if others:
             raise InvalidAck(
                 f"queue {self.queue!r}: offsets {others[:5]} are held by another consumer"
@@ -324,10 +332,15 @@ class TargetArea:
         target = self.consumers.get(consumer_id)
         if target is not None:
             target.last_seen = time.monotonic()
-        for o in offsets.tolist():
-            if self._holder.pop(o, None) is not None and target is not None:
-                target.held.discard(o)
-            self._previous.pop(o, None)
+        listed = offsets.tolist()
+        pop = self._holder.pop
+        released = [o for o in listed if pop(o, None) is not None]
+        if target is not None:
+            target.held.difference_update(released)
+        if self._previous:  # usually empty: only redelivered messages are in it
+            forget = self._previous.pop
+            for o in listed:
+                forget(o, None)
         fresh = self.log.ack(offsets)
         if target is not None:
             target.acked += fresh
