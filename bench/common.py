@@ -100,3 +100,28 @@ def rss_of(pids: list[int]) -> int:
         with contextlib.suppress(psutil.Error):
             total += psutil.Process(pid).memory_info().rss
     return total
+
+
+def start_broker(namespace: str, **settings):
+    """Start an embedded Ray and a broker with its own temporary paging directory
+    (under ``$RAYMQ_BENCH_DIR`` if set); returns the ``Broker``. ``stop_broker`` undoes it."""
+    import ray
+
+    import raymq
+
+    ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+    paging = tempfile.mkdtemp(prefix="raymq-bench-", dir=os.environ.get("RAYMQ_BENCH_DIR"))
+    return raymq.connect(namespace=namespace, paging_directory=paging, **settings)
+
+
+def stop_broker(broker) -> None:
+    """Stop the broker and Ray, and delete the paging directory ``start_broker`` made."""
+    import shutil
+
+    import ray
+
+    try:
+        broker.shutdown()
+    finally:
+        ray.shutdown()
+        shutil.rmtree(broker.config.paging_directory, ignore_errors=True)

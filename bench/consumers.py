@@ -11,18 +11,13 @@ latencies.
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
-import tempfile
 import threading
 import time
 
 import psutil
-import ray
 from ray.util.queue import Queue as RayQueue
 
-import raymq
-from bench.common import console, print_table
+from bench.common import console, print_table, start_broker, stop_broker
 from raymq.offset_set import OffsetSet
 
 BODY = b"x" * 100
@@ -128,9 +123,7 @@ def main() -> None:
     parser.add_argument("--rate-messages", type=int, default=200_000)
     args = parser.parse_args()
 
-    ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
-    paging = tempfile.mkdtemp(prefix="raymq-bench-", dir=os.environ.get("RAYMQ_BENCH_DIR"))
-    broker = raymq.connect(namespace="raymq-bench-consumers", paging_directory=paging)
+    broker = start_broker(namespace="raymq-bench-consumers")
     rows = []
     try:
         console.print(f"red behind {args.messages:,} blue ...")
@@ -178,9 +171,7 @@ def main() -> None:
         )
         broker.delete_queue("bench-tl")
     finally:
-        broker.shutdown()
-        ray.shutdown()
-        shutil.rmtree(paging, ignore_errors=True)
+        stop_broker(broker)
     print_table(
         f"consumers and selectors, {time.strftime('%Y-%m-%d')}",
         ["measure", "RayMQ", "target"],

@@ -14,16 +14,21 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
-import tempfile
 import time
 
 import ray
 from raymq.actors.broker_actor import BROKER_ACTOR_NAME
 from raymq.actors.governor_actor import GOVERNOR_ACTOR_NAME
 
-import raymq
-from bench.common import Sampler, console, plasma_bytes, print_table, rss_of
+from bench.common import (
+    Sampler,
+    console,
+    plasma_bytes,
+    print_table,
+    rss_of,
+    start_broker,
+    stop_broker,
+)
 
 MIB = 2**20
 BATCH = 1000
@@ -43,12 +48,9 @@ def main() -> None:
     threshold = args.threshold_mib * MIB
     n = args.messages
 
-    ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
-    paging = tempfile.mkdtemp(prefix="raymq-bench-", dir=os.environ.get("RAYMQ_BENCH_DIR"))
     ns = "raymq-bench-deep"
-    broker = raymq.connect(
+    broker = start_broker(
         namespace=ns,
-        paging_directory=paging,
         flow_to_disk_threshold=threshold,
         housekeeping_period=1.0,
     )
@@ -112,9 +114,7 @@ def main() -> None:
         samples = [s for s in sampler.samples if "error" not in s]
         errors = [s for s in sampler.samples if "error" in s]
     finally:
-        broker.shutdown()
-        ray.shutdown()
-        shutil.rmtree(paging, ignore_errors=True)
+        stop_broker(broker)
 
     base_rate = IN_MEMORY_PART / marks[IN_MEMORY_PART]
     start_1m = marks.get(1_000_000, produce_seconds)

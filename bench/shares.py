@@ -10,15 +10,9 @@ Baseline: the housekeeping period itself.
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
-import tempfile
 import time
 
-import ray
-
-import raymq
-from bench.common import console, print_table
+from bench.common import console, print_table, start_broker, stop_broker
 
 MIB = 2**20
 BATCH = 1000
@@ -45,11 +39,8 @@ def main() -> None:
     parser.add_argument("--period", type=float, default=1.0)
     args = parser.parse_args()
 
-    ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
-    paging = tempfile.mkdtemp(prefix="raymq-bench-", dir=os.environ.get("RAYMQ_BENCH_DIR"))
-    broker = raymq.connect(
+    broker = start_broker(
         namespace="raymq-bench-shares",
-        paging_directory=paging,
         flow_to_disk_threshold=args.threshold_mib * MIB,
         housekeeping_period=args.period,
     )
@@ -107,9 +98,7 @@ def main() -> None:
         for c in consumers.values():
             c.close()
     finally:
-        broker.shutdown()
-        ray.shutdown()
-        shutil.rmtree(paging, ignore_errors=True)
+        stop_broker(broker)
     print_table(
         f"proportional shares, {time.strftime('%Y-%m-%d')}", ["measure", "RayMQ", "target"], rows
     )

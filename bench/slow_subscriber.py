@@ -13,16 +13,10 @@ into paging and slows everyone).
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
-import tempfile
 import threading
 import time
 
-import ray
-
-import raymq
-from bench.common import console, print_table
+from bench.common import console, print_table, start_broker, stop_broker
 
 MIB = 2**20
 BATCH = 1000
@@ -77,11 +71,8 @@ def main() -> None:
     parser.add_argument("--threshold-mib", type=int, default=32)
     args = parser.parse_args()
 
-    ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
-    paging = tempfile.mkdtemp(prefix="raymq-bench-", dir=os.environ.get("RAYMQ_BENCH_DIR"))
-    broker = raymq.connect(
+    broker = start_broker(
         namespace="raymq-bench-slow",
-        paging_directory=paging,
         flow_to_disk_threshold=args.threshold_mib * MIB,
         housekeeping_period=1.0,
     )
@@ -91,9 +82,7 @@ def main() -> None:
         console.print(f"run B: the fourth consumer stopped, {args.seconds:.0f} s ...")
         b = run(broker, "b", args.seconds, slow=True)
     finally:
-        broker.shutdown()
-        ray.shutdown()
-        shutil.rmtree(paging, ignore_errors=True)
+        stop_broker(broker)
     rows = [
         ["3 consumers, all keep up (msg/s, baseline)", f"{a['fast_rate']:,.0f}", "-"],
         ["3 consumers, fourth stopped (msg/s)", f"{b['fast_rate']:,.0f}", "-"],

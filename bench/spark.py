@@ -22,8 +22,6 @@ pays for that. The bridge should cost little beyond RayDP itself.
 from __future__ import annotations
 
 import argparse
-import shutil
-import tempfile
 import time
 from typing import TYPE_CHECKING
 
@@ -33,7 +31,7 @@ import ray
 import raymq
 import raymq.data
 import raymq.spark
-from bench.common import console, print_table
+from bench.common import console, print_table, start_broker, stop_broker
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -117,9 +115,7 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
-    paging = tempfile.mkdtemp(prefix="raymq-bench-spark-")
-    broker = raymq.connect(namespace="raymq-bench-spark", paging_directory=paging)
+    broker = start_broker(namespace="raymq-bench-spark")
     try:
         console.print("starting Spark on Ray ...")
         spark = raymq.spark.init_spark(app_name="raymq-bench")
@@ -202,9 +198,7 @@ def main() -> None:
         broker.delete_queue("bench-spark")
     finally:
         raymq.spark.stop_spark()
-        broker.shutdown()
-        ray.shutdown()
-        shutil.rmtree(paging, ignore_errors=True)
+        stop_broker(broker)
 
 
 if __name__ == "__main__":

@@ -11,16 +11,12 @@ of this disk's sequential fdatasync bandwidth, measured first.
 from __future__ import annotations
 
 import argparse
-import shutil
-import tempfile
 import threading
 import time
 
-import ray
 from ray.util.queue import Queue as RayQueue
 
-import raymq
-from bench.common import console, fdatasync_bandwidth, print_table, timed
+from bench.common import console, fdatasync_bandwidth, print_table, start_broker, stop_broker, timed
 
 BODY = b"x" * 1024
 BATCH = 1000
@@ -108,9 +104,7 @@ def main() -> None:
     disk = fdatasync_bandwidth()
     console.print(f"disk: {disk / 2**20:.0f} MiB/s sequential with fdatasync per MiB")
 
-    ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
-    paging = tempfile.mkdtemp(prefix="raymq-bench-")
-    broker = raymq.connect(namespace="raymq-bench", paging_directory=paging)
+    broker = start_broker(namespace="raymq-bench")
     try:
         console.print("ray.util.queue baseline ...")
         base = ray_queue_rates(args.messages, args.single)
@@ -136,9 +130,7 @@ def main() -> None:
             rows,
         )
     finally:
-        broker.shutdown()
-        ray.shutdown()
-        shutil.rmtree(paging, ignore_errors=True)
+        stop_broker(broker)
 
 
 if __name__ == "__main__":

@@ -577,10 +577,8 @@ class Consumer:
         if not self._acks:
             return
         keep = MAX_PIPELINED_ACKS // 2 if block and len(self._acks) > MAX_PIPELINED_ACKS else 0
-        want = len(self._acks) - keep if block else len(self._acks)
-        done, _ = ray.wait(
-            self._acks, num_returns=want if block else len(self._acks), timeout=None if block else 0
-        )
+        want = len(self._acks) - keep
+        done, _ = ray.wait(self._acks, num_returns=want, timeout=None if block else 0)
         finished = set(done)
         self._acks = [r for r in self._acks if r not in finished]
         for ref in done:

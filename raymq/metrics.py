@@ -149,14 +149,6 @@ QUEUE_METRICS: list[MetricSpec] = _specs(
         ("head_cache_misses", "head_cache_misses", "Deliveries not in it (reads)"),
         ("read_cache_hits", "read_cache_hits", "Segment reads from the read cache (reads)"),
         ("read_cache_misses", "read_cache_misses", "Segment reads from files (reads)"),
-    ],
-)
-
-#: Exported only when ``QueueStats`` has the field (bytes counters, cumulative).
-QUEUE_OPTIONAL_METRICS: list[MetricSpec] = _specs(
-    "raymq_queue_",
-    QUEUE,
-    [
         ("bytes_in", "bytes_in", "Bytes of messages stored since the actor started (bytes)"),
         ("bytes_out", "bytes_out", "Bytes of messages delivered since the actor started (bytes)"),
     ],
@@ -275,7 +267,6 @@ GOVERNOR_METRICS: list[MetricSpec] = [
 
 ALL_METRICS: list[MetricSpec] = [
     *QUEUE_METRICS,
-    *QUEUE_OPTIONAL_METRICS,
     *CONSUMER_QUEUE_SIDE_METRICS,
     *CONSUMER_METRICS,
     *GOVERNOR_METRICS,
@@ -330,10 +321,9 @@ def _export(specs: list[MetricSpec], source: object, tags: dict[str, str]) -> No
 
 def export_queue(stats: object, node_id: str, broker: str) -> None:
     """Set the ``raymq_queue_*`` gauges of one queue from a ``QueueStats`` snapshot (or its
-    ``to_dict()``); ``bytes_in``/``bytes_out`` only if the snapshot has them."""
+    ``to_dict()``)."""
     tags = {"broker": broker, "queue": str(_field(stats, "name")), "node": node_id}
     _export(QUEUE_METRICS, stats, tags)
-    _export(QUEUE_OPTIONAL_METRICS, stats, tags)
 
 
 def export_queue_consumers(

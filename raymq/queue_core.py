@@ -360,7 +360,8 @@ class QueueCore:
         if self.memory_budget is None:
             read, rest = page_cache, self.broker.head_cache_bytes
             if cap is not None:
-                read, rest = min(read, cap // 4), min(rest, cap - min(read, cap // 4))
+                read = min(read, cap // 4)
+                rest = min(rest, cap - read)
         else:
             total = self.memory_budget if cap is None else min(self.memory_budget, cap)
             # A transient queue reads from files only what flowed: its messages in

@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import pytest
 
-from raymq.metrics import METRIC_NAMES, QUEUE_OPTIONAL_METRICS, guard
+from raymq.metrics import METRIC_NAMES, guard
 
 MIB = 2**20
 BROKER = "metrics-test"
@@ -262,9 +262,8 @@ def test_blocked_producers_and_drops(observed):
 
 def test_every_metric_is_exported_with_its_tags(observed):
     s = observed["samples"]
-    optional = {m.name for m in QUEUE_OPTIONAL_METRICS}
     seen = {x["name"] for x in s}
-    missing = {"ray_" + n for n in METRIC_NAMES if n not in optional} - seen
+    missing = {"ray_" + n for n in METRIC_NAMES} - seen
     assert not missing
     for x in s:
         labels = x["labels"]
@@ -366,7 +365,7 @@ def test_export_governor_tags_each_level(recorded):
     ]
 
 
-def test_export_queue_reads_optional_bytes_counters(recorded):
+def test_export_queue_sets_what_a_snapshot_has(recorded):
     from raymq.metrics import export_queue
 
     export_queue({"name": "q", "depth": 7, "flowing_to_disk": True, "bytes_in": 70}, "n", "b")
