@@ -17,6 +17,7 @@ with floats become float64, other mixtures strings (``true``/``false`` for bools
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +46,9 @@ DEFAULT_BATCH_ROWS = 50_000
 #: A consumer that should hold everything it reads until the final acknowledgement
 #: (its prefetch is a credit count, nothing is allocated from it).
 _UNBOUNDED_PREFETCH = 2**31 - 1
+#: Seconds a drain waits on a backlog that neither shrinks nor grows (a safety net: the
+#: queue reports (0, 0) once it has nothing more for the reader).
+STALL_SECONDS = 5.0
 
 
 def resolve_queue(queue: Queue | str, broker: Broker | None = None) -> Queue:
@@ -430,6 +434,23 @@ def _expected(queue: Queue, selector: str | None, max_messages: int | None) -> i
     return max_messages
 
 
+def _backlog(consumer: Consumer, received: int) -> tuple[int, int]:
+    """What the queue still has for a drain's ``consumer`` after ``received`` messages:
+    (stored messages its late scan has still to match, messages matched or loaded for it
+    that it has not received yet).
+
+    A drain stops on an empty receive only when this is (0, 0), or when it has not moved
+    for ``STALL_SECONDS`` (or the timeout, if longer). An empty receive alone is not
+    enough: a selector consumer arriving at a deep queue first scans stored properties,
+    and its TargetList then loads what matched, which can outlast a short timeout on a
+    busy machine. (A drain acknowledges nothing until the end, so every message it
+    received is still among those the queue counts as held by it.)
+    """
+    stats = consumer.stats()
+    waiting = int(stats.get("cache_references", 0)) + int(stats.get("held", 0)) - received
+    return int(stats.get("scan_remaining", 0)), max(waiting, 0)
+
+
 @contextlib.contextmanager
 def drain(
     queue: Queue,
@@ -444,9 +465,10 @@ def drain(
 ) -> Iterator[Drained]:
     """Consume into object-store blocks (tables of ``batch_rows`` messages, one schema).
 
-    Reading stops after ``max_messages`` or when nothing arrives for ``timeout``
-    seconds. Yields a ``Drained``: the caller calls ``ack()`` once what it built from
-    the blocks is safe; the consumer is closed on exit, so whatever is not acknowledged
+    Reading stops after ``max_messages``, or when nothing arrives for ``timeout``
+    seconds and the queue has nothing more for this consumer (its late scan is done).
+    Yields a ``Drained``: the caller calls ``ack()`` once what it built from the blocks
+    is safe; the consumer is closed on exit, so whatever is not acknowledged
     then is delivered again.
     """
     if max_messages is not None and (
@@ -469,6 +491,7 @@ def drain(
         with progress_bar(f"{description} {queue.name}", total, progress) as bar:
             pending: list[pa.RecordBatch] = []
             pending_rows = 0
+            backlog, since = None, time.monotonic()
 
             def flush() -> None:
                 nonlocal pending, pending_rows
@@ -488,7 +511,14 @@ def drain(
                     want = min(want, max_messages - out.rows - pending_rows)
                 got = consumer.receive_batch(want, timeout=timeout)
                 if got.num_rows == 0:
-                    break
+                    now = _backlog(consumer, out.rows + pending_rows)
+                    if now == (0, 0):
+                        break
+                    if now != backlog:
+                        backlog, since = now, time.monotonic()
+                    elif time.monotonic() - since > max(timeout, STALL_SECONDS):
+                        break  # a backlog that does not move is not ours to wait for
+                    continue
                 pending.append(got)
                 pending_rows += got.num_rows
                 bar.advance(got.num_rows)
@@ -524,11 +554,12 @@ def read_queue(
     """Consume (and acknowledge) a queue into a Ray Dataset, showing progress.
 
     ``queue`` is a ``Queue`` handle, or a name with ``broker=``. ``selector`` is a JMS
-    selector over the properties; reading stops after ``max_messages`` messages or when
-    none arrives for ``timeout`` seconds. Each block holds up to ``batch_rows`` messages:
-    columns ``offset``, ``timestamp`` (when stored, µs UTC), ``body``, then one per
-    property (``headers=False`` leaves out offset and timestamp). Messages are
-    acknowledged once every block is in the object store.
+    selector over the properties; reading stops after ``max_messages`` messages, or when
+    none arrives for ``timeout`` seconds and the queue has nothing more for the reader.
+    Each block holds up to ``batch_rows`` messages: columns ``offset``, ``timestamp``
+    (when stored, µs UTC), ``body``, then one per property (``headers=False`` leaves
+    out offset and timestamp). Messages are acknowledged once every block is in the
+    object store.
     """
     q = resolve_queue(queue, broker)
     with drain(

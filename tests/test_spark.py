@@ -228,6 +228,21 @@ def test_property_types_are_unified_across_blocks(broker):
     ]
 
 
+def test_a_late_selector_reader_waits_for_its_scan_not_for_the_timeout(broker):
+    # 40 pages of blue with a few reds at the end: a reader arriving now has to scan the
+    # stored properties before anything can come, which takes longer than timeout=0.
+    q = broker.create_queue("late-reds", page_size_bytes=64 * 2**10)
+    blue = [{"color": "blue"}] * 2_000
+    for _ in range(20):
+        q.send_batch([b"x" * 64] * len(blue), blue)
+    reds = q.send_batch([b"red"] * 7, [{"color": "red"}] * 7)
+    assert q.stats()["segment_files"] >= 20
+
+    ds = raymq.data.read_queue(q, selector="color = 'red'", timeout=0, progress=False)
+    assert sorted(r["offset"] for r in ds.take_all()) == reds
+    assert q.stats()["depth"] == 40_000  # the blue ones are still there, unconsumed
+
+
 def test_spark_configs_put_the_java_options_under_both_keys():
     merged = raymq.spark.spark_configs(
         {"spark.driver.extraJavaOptions": "-Dmine=1", "spark.ui.showConsoleProgress": "true"}
