@@ -49,7 +49,9 @@ def fraud_check(events, alerts) -> int:
         while True:
             batch = c.receive(max_messages=1000, timeout=1)
             if not batch:
-                break
+                if c.backlog() == 0:  # nothing more for this selector in the queue
+                    break
+                continue
             alerts.send_batch(
                 [m.body for m in batch],
                 [{k: m.properties[k] for k in ("user", "region", "amount")} for m in batch],

@@ -594,6 +594,28 @@ class Consumer:
         self._check_open()
         return _call(self._actor.nack, self.consumer_id, _offsets_of(messages))
 
+    def backlog(self) -> int:
+        """Messages the queue has for this consumer that it has not received yet.
+
+        Counts what its TargetList holds or is loading, what the queue would deliver to
+        it next (matching its selector, not held by another consumer), and, while a
+        consumer that arrived at a deep queue still scans stored properties, the stored
+        messages left to examine (an upper bound then). Zero means a receive finds
+        nothing until new messages arrive: "drain until empty" is
+        ``while (got := c.receive(...)) or c.backlog(): ...``, which a short receive
+        timeout alone gets wrong on a busy machine.
+        """
+        self._check_open()
+        s = self.stats()
+        loading = s.get("delivered", 0) - s.get("handed_out", 0) - s.get("given_back", 0)
+        buffered = 0 if self._buffer is None else self._buffer.num_rows
+        return (
+            max(loading, 0)
+            + s.get("cache_references", 0)
+            + s.get("scan_remaining", 0)
+            + buffered
+        )
+
     def stats(self) -> dict[str, Any]:
         """The TargetList: watermark, high watermark, direct and CacheReference counts and
         bytes, PendingCache bytes, hits and misses, and what the consumer holds."""

@@ -47,7 +47,7 @@ DEFAULT_BATCH_ROWS = 50_000
 #: (its prefetch is a credit count, nothing is allocated from it).
 _UNBOUNDED_PREFETCH = 2**31 - 1
 #: Seconds a drain waits on a backlog that neither shrinks nor grows (a safety net: the
-#: queue reports (0, 0) once it has nothing more for the reader).
+#: backlog is 0 once the queue has nothing more for the reader).
 STALL_SECONDS = 5.0
 
 
@@ -434,23 +434,6 @@ def _expected(queue: Queue, selector: str | None, max_messages: int | None) -> i
     return max_messages
 
 
-def _backlog(consumer: Consumer, received: int) -> tuple[int, int]:
-    """What the queue still has for a drain's ``consumer`` after ``received`` messages:
-    (stored messages its late scan has still to match, messages matched or loaded for it
-    that it has not received yet).
-
-    A drain stops on an empty receive only when this is (0, 0), or when it has not moved
-    for ``STALL_SECONDS`` (or the timeout, if longer). An empty receive alone is not
-    enough: a selector consumer arriving at a deep queue first scans stored properties,
-    and its TargetList then loads what matched, which can outlast a short timeout on a
-    busy machine. (A drain acknowledges nothing until the end, so every message it
-    received is still among those the queue counts as held by it.)
-    """
-    stats = consumer.stats()
-    waiting = int(stats.get("cache_references", 0)) + int(stats.get("held", 0)) - received
-    return int(stats.get("scan_remaining", 0)), max(waiting, 0)
-
-
 @contextlib.contextmanager
 def drain(
     queue: Queue,
@@ -511,8 +494,12 @@ def drain(
                     want = min(want, max_messages - out.rows - pending_rows)
                 got = consumer.receive_batch(want, timeout=timeout)
                 if got.num_rows == 0:
-                    now = _backlog(consumer, out.rows + pending_rows)
-                    if now == (0, 0):
+                    # An empty receive alone does not mean the end: a selector consumer
+                    # arriving at a deep queue scans stored properties first, and its
+                    # TargetList then loads what matched, which can outlast a short
+                    # timeout on a busy machine. The backlog says when nothing is left.
+                    now = consumer.backlog()
+                    if now == 0:
                         break
                     if now != backlog:
                         backlog, since = now, time.monotonic()

@@ -565,6 +565,7 @@ class QueueCore:
             "held": len(t.held),
             "delivered": t.delivered,
             "acked": t.acked,
+            "given_back": t.given_back,
             "cache_references": self.area.deliverable_estimate(consumer_id),
             "cache_reference_bytes": 0 if t.candidates is None else t.candidates.nbytes,
             "scan_remaining": max(0, t.scan_end - t.scan_pos),

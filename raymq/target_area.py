@@ -46,6 +46,8 @@ class ConsumerTarget:
     held: set[int] = field(default_factory=set)
     delivered: int = 0
     acked: int = 0
+    #: Delivered messages it gave back unseen by the application (budget cuts, close).
+    given_back: int = 0
     #: Matching offsets not yet delivered to this consumer (selector consumers only).
     candidates: OffsetSet | None = None
     #: Stored messages in [scan_pos, scan_end) still to be matched (a late arrival).
@@ -370,6 +372,8 @@ class TargetArea:
                 self._previous[o] = self._previous.get(o, 0) + 1
         if count_delivery:
             self.redelivered_total += len(chosen)
+        else:
+            target.given_back += len(chosen)
         if chosen:
             self._offer_to_selectors(np.array(chosen, dtype=np.int64))
         return len(chosen)

@@ -29,6 +29,24 @@ def test_late_consumer_on_a_deep_queue_starts_from_the_head(broker):
         assert stats["cache_references"] >= 20_000 - 500
 
 
+def test_backlog_counts_what_a_consumer_has_not_received_yet(broker):
+    q = broker.create_queue("backlog", page_size_bytes=PAGE)
+    fill(q, 5_000, props={"color": "blue"})
+    reds = q.send_batch([b"r"] * 30, [{"color": "red"}] * 30)
+    with q.consumer(selector="color = 'red'", prefetch=100) as red, q.consumer() as plain:
+        # Before any receive: scanned or not, loaded or not, all 30 reds are ahead of it.
+        assert red.backlog() >= 30
+        got = red.receive(max_messages=10, timeout=30)
+        assert [m.offset for m in got] == reds[:10] and red.backlog() >= 20
+        while red.backlog():
+            got += red.receive(max_messages=100, timeout=30)
+        assert [m.offset for m in got] == reds  # backlog 0 came only after the last red
+        assert red.receive(timeout=0.2) == []
+        assert plain.backlog() == 5_000  # the reds another consumer holds are not for it
+        red.nack(got[:5])  # given back: ahead of it again
+        assert red.backlog() == 5
+
+
 def test_red_behind_paged_blue_for_early_and_late_consumers(broker):
     q = broker.create_queue("colors", page_size_bytes=PAGE, page_max_cache_size=1)
     with q.consumer(selector="color = 'red'", prefetch=10) as early:
