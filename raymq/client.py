@@ -7,6 +7,7 @@ typed errors of ``raymq.errors`` and retries while a restarting actor comes back
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 import time
 import uuid
@@ -473,7 +474,7 @@ class Consumer:
         self._actor = queue._actor
         self._buffer: pa.RecordBatch | None = None  # taken from the TargetList, not yet handed out
         self._closed = False
-        self._acks: list = []  # pipelined acks in flight (ObjectRefs)
+        self._acks: list[concurrent.futures.Future] = []  # pipelined acks in flight
         node = near(node_id).node_id
         self.target_list = spares.take(node)
         _call(
@@ -563,7 +564,7 @@ class Consumer:
         if wait:
             self._check_acks(block=False)
             return _call(self._actor.ack, self.consumer_id, offsets)
-        self._acks.append(self._actor.ack.remote(self.consumer_id, offsets))
+        self._acks.append(self._actor.ack.remote(self.consumer_id, offsets).future())
         self._check_acks(block=len(self._acks) > MAX_PIPELINED_ACKS)
         return None
 
@@ -573,17 +574,24 @@ class Consumer:
 
     def _check_acks(self, block: bool) -> None:
         """Collect finished pipelined acks (all of them when ``block``), raising the
-        first failure as its typed error."""
+        first failure as its typed error.
+
+        Pipelined acks are tracked as futures: asking a future whether it is done is
+        free, where ``ray.wait(..., timeout=0)`` costs about 2 ms a call here, as much
+        as the rest of a 1,000-message receive and ack.
+        """
         if not self._acks:
             return
-        keep = MAX_PIPELINED_ACKS // 2 if block and len(self._acks) > MAX_PIPELINED_ACKS else 0
-        want = len(self._acks) - keep
-        done, _ = ray.wait(self._acks, num_returns=want, timeout=None if block else 0)
-        finished = set(done)
-        self._acks = [r for r in self._acks if r not in finished]
-        for ref in done:
+        if block:
+            keep = MAX_PIPELINED_ACKS // 2 if len(self._acks) > MAX_PIPELINED_ACKS else 0
+            concurrent.futures.wait(self._acks[: len(self._acks) - keep])
+        done, still = [], []
+        for fut in self._acks:
+            (done if fut.done() else still).append(fut)
+        self._acks = still
+        for fut in done:
             try:
-                ray.get(ref)
+                fut.result()
             except ray.exceptions.RayTaskError as exc:
                 raise _unwrap(exc) from None
             except _RETRYABLE as exc:
