@@ -94,6 +94,7 @@ class MemoryGovernorActor:
                     memory_bytes=u["memory_bytes"],
                     index_bytes=u["index_bytes"],
                     active=u["active"],
+                    delivering=u["delivering"],
                     max_size_bytes=u["max_size_bytes"],
                     transient_bytes=u["transient_bytes"],
                     consumers=tuple(

@@ -76,9 +76,10 @@ def consume_rate(q, n_consumers: int, total: int, selector: str | None = None) -
             batch = c.receive_batch(BATCH, timeout=0.05)
             if batch.num_rows == 0:
                 continue
-            c.ack(batch)
+            c.ack(batch, wait=False)  # pipelined, as a consumer after throughput acks
             with lock:
                 count[0] += batch.num_rows
+        c.flush()  # every ack durable before the clock stops
 
     threads = [threading.Thread(target=work, args=(c,)) for c in consumers]
     t0 = time.perf_counter()

@@ -90,6 +90,9 @@ def main() -> None:
         ["stopped queue: backlog (messages)", f"{b['fourth_depth']:,}", "-"],
         ["stopped queue: flowed to disk (messages)", f"{b['fourth_flowed']:,}", "> 0"],
         ["other queues: flowed to disk (messages)", f"{b['fast_flowed']:,}", "0"],
+        ["  same, all four keep up (baseline)", f"{a['fast_flowed']:,}", "-"],
+        ["other queues: backlog at the end (messages)", f"{b['fast_depth']:,}", "-"],
+        ["  same, all four keep up (baseline)", f"{a['fast_depth']:,}", "-"],
     ]
     print_table(
         f"slow subscriber, {time.strftime('%Y-%m-%d')}", ["measure", "RayMQ", "target"], rows

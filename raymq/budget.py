@@ -89,7 +89,8 @@ class QueueUsage:
     ``size_bytes`` counts unacknowledged messages in memory and on disk (Qpid's queue
     size, the weight of the proportional split); ``memory_bytes`` what the queue actor
     holds now; ``index_bytes`` its indexes and per-message metadata. ``active`` means it
-    has consumers or had traffic in the last period. ``max_size_bytes`` > 0 caps the
+    has consumers or had traffic in the last period; ``delivering`` that it delivered
+    messages in the last period (its consumers keep taking). ``max_size_bytes`` > 0 caps the
     queue's share (Artemis per-queue limit); -1 (or any value <= 0) means no cap.
     ``consumers`` may be given as any iterable; it is stored as a tuple.
     ``transient_bytes`` is the most a non-durable queue held of its own messages over
@@ -106,6 +107,7 @@ class QueueUsage:
     max_size_bytes: int = -1
     consumers: tuple[ConsumerUsage, ...] = ()
     transient_bytes: int = 0
+    delivering: bool = False
 
     def __post_init__(self) -> None:
         _check_bytes("size_bytes", self.size_bytes)
@@ -383,8 +385,8 @@ class BudgetPlanner:
 
         Per node, the node threshold T is split between its queues in proportion to
         ``size_bytes``; each queue gets at least ``T * floor_fraction / n`` (n queues on
-        the node) and an active one at least its ``working_set`` up to ``T / n``, unless
-        its ``max_size_bytes`` is lower; idle queues get only the floor;
+        the node) and one that is delivering at least its ``working_set`` up to ``T / n``,
+        unless its ``max_size_bytes`` is lower; idle queues get only the floor;
         ``max_size_bytes`` caps a share and the rest goes to the others. A node's shares
         never sum above T. Raises ``ValueError`` for a queue name given twice.
         """
@@ -410,11 +412,12 @@ class BudgetPlanner:
             for q in node_queues:
                 cap = q.max_size_bytes if q.max_size_bytes > 0 else None
                 low = floor
-                if q.active:
-                    # An active queue is also guaranteed its working set, up to an equal
-                    # split: a queue whose consumers keep up holds little, and must keep
-                    # it in memory however large a stopped neighbour grows (Artemis's
+                if q.active and q.delivering:
+                    # A queue whose consumers keep taking is also guaranteed its working
+                    # set, up to an equal split: it holds little, and must keep it in
+                    # memory however large a stopped neighbour grows (Artemis's
                     # slow-subscriber problem); proportional-to-size alone starves it.
+                    # Queues nobody takes from now follow their size alone (Qpid).
                     low = max(floor, min(working_set(q), fair))
                 low = low if cap is None else min(low, cap)
                 weights.append(q.size_bytes if q.active else 0)

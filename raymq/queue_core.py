@@ -379,6 +379,7 @@ class QueueCore:
         (consumers, or messages in, out or acked since the last call)."""
         counters = (self._counters["in"], self._counters["out"], self._counters["acked"])
         active = bool(self.area.consumers) or counters != self._active_counters
+        delivering = counters[1] != self._active_counters[1]
         self._active_counters = counters
         transient = 0
         if not self.config.durable:
@@ -391,6 +392,7 @@ class QueueCore:
             "memory_bytes": self.head_cache.bytes + self.log.bytes_in_memory,
             "index_bytes": self.log.index_bytes + self.area.index_bytes,
             "active": active,
+            "delivering": delivering,
             "max_size_bytes": self.config.max_size_bytes,
         }
 

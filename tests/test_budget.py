@@ -29,6 +29,7 @@ def q(
     *,
     node: str = "n1",
     active: bool = True,
+    delivering: bool = False,
     index: int = 0,
     max_size: int = -1,
     consumers: tuple[ConsumerUsage, ...] = (),
@@ -41,6 +42,7 @@ def q(
         memory_bytes=0,
         index_bytes=index,
         active=active,
+        delivering=delivering,
         max_size_bytes=max_size,
         consumers=consumers,
     )
@@ -57,6 +59,22 @@ def shares(plan: Plan) -> dict[str, int]:
 
 def floor_of(threshold: int, n_queues: int) -> int:
     return int(threshold * DEFAULT_FLOOR_FRACTION) // n_queues
+
+
+def test_queues_nobody_takes_from_follow_their_size_however_large() -> None:
+    # Three queues, each beyond an equal split of the threshold, with consumers that
+    # stopped taking: no working set to protect, so Qpid's proportional split decides.
+    mib = 2**20
+    consumer = ConsumerUsage("c", 0, 0, want_direct_bytes=mib, want_pending_bytes=mib)
+    sizes = {"q1": 20 * mib, "q2": 40 * mib, "q4": 80 * mib}
+    usages = [q(n, s, consumers=(consumer,)) for n, s in sizes.items()]
+    plan = BudgetPlanner(64 * mib).plan(usages, {"n1": 10**9})
+    share = {n: plan.queues[n].share for n in sizes}
+    assert abs(share["q2"] / share["q1"] - 2) < 0.01 and abs(share["q4"] / share["q1"] - 4) < 0.01
+    # The same queues while their consumers take: each keeps up to an equal split.
+    usages = [q(n, s, consumers=(consumer,), delivering=True) for n, s in sizes.items()]
+    plan = BudgetPlanner(64 * mib).plan(usages, {"n1": 10**9})
+    assert all(abs(plan.queues[n].share - 64 * mib / 3) <= 1 for n in sizes)
 
 
 def test_defaults() -> None:
@@ -373,7 +391,9 @@ def test_queues_that_keep_up_keep_their_working_set_beside_a_huge_slow_one():
     mib = 2**20
     consumer = ConsumerUsage("c", 0, 0, want_direct_bytes=2 * mib, want_pending_bytes=16 * mib)
     fast = [
-        QueueUsage(f"fast{k}", "n", 2 * mib, 2 * mib, 0, True, consumers=(consumer,))
+        QueueUsage(
+            f"fast{k}", "n", 2 * mib, 2 * mib, 0, True, consumers=(consumer,), delivering=True
+        )
         for k in range(3)
     ]
     slow = QueueUsage("slow", "n", 900 * mib, 30 * mib, 0, True)
