@@ -11,6 +11,9 @@ Vocabulary and rules:
   from its object store memory, and it is divided between the queues on that node.
 * A guaranteed floor per queue (``floor_fraction`` of the node threshold, split evenly)
   so one huge queue cannot starve the others; idle queues get only the floor.
+* A queue that delivered in the last period is also guaranteed its working set, up to an
+  equal split (``working_set``): the slow-subscriber fix. Queues nobody takes from follow
+  their size alone.
 * Artemis ``max_size_bytes`` caps a queue's share; what it cannot use goes to the others.
 * ActiveMQ linked caches: within a queue's share, indexes come first, then the consumers'
   direct references, then their PendingCaches, and the HeadQueueCache (with the read cache
