@@ -20,6 +20,7 @@ from raymq import metrics
 from raymq.batch import MessageBatch
 from raymq.config import BrokerConfig, QueueConfig
 from raymq.queue_core import QueueCore, QueueStats
+from raymq.send_channel import SendChannelServer
 
 QUEUE_ACTOR_PREFIX = "raymq.queue."
 #: A consumer not heard from for this long is pinged (seconds).
@@ -43,6 +44,10 @@ class QueueActor:
         self.core = QueueCore(config, broker)
         self._started = False
         self._metrics_task: asyncio.Task | None = None
+        self._channel = SendChannelServer(
+            self.core.send_batch, config.name, broker.max_message_size
+        )
+        self._endpoint: tuple[str, int, str] | None = None
 
     async def _ensure_started(self) -> None:
         if not self._started:
@@ -51,6 +56,10 @@ class QueueActor:
             loop = asyncio.get_running_loop()
             loop.create_task(self._watch_consumers())
             self._metrics_task = loop.create_task(self._export_metrics())
+            try:
+                self._endpoint = await self._channel.start(ray.util.get_node_ip_address())
+            except OSError as exc:  # single sends then go through Ray calls
+                log.warning("queue %r: no send channel: %s", self.core.name, exc)
 
     async def _export_metrics(self) -> None:
         """Every ``metrics.EXPORT_PERIOD_SECONDS``, set this queue's metrics and its
@@ -107,6 +116,11 @@ class QueueActor:
         bounds the wait of a BLOCKed send (seconds; None: for ever)."""
         await self._ensure_started()
         return await self.core.send_batch(batch, timeout)
+
+    async def send_endpoint(self) -> tuple[str, int, str] | None:
+        """(host, port, secret) of this queue's SendChannel, None if it has none."""
+        await self._ensure_started()
+        return self._endpoint
 
     async def fetch_batch(
         self,
@@ -200,6 +214,7 @@ class QueueActor:
         await self._ensure_started()
         if self._metrics_task is not None:
             self._metrics_task.cancel()  # a closed core has nothing left to report
+        self._channel.close()
         await self.core.close()
         if delete_files:
             import shutil

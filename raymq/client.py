@@ -36,6 +36,7 @@ from raymq.errors import (
 )
 from raymq.properties import decode_properties, encode_properties, validate_properties
 from raymq.selector import Selector
+from raymq.send_channel import ChannelBroken, SendChannel
 
 #: Pipelined acks (``ack(wait=False)``) a consumer lets run before it waits for some.
 MAX_PIPELINED_ACKS = 8
@@ -281,6 +282,39 @@ class _Coalescer:
                 self._cv.notify_all()
 
 
+#: Seconds before a process tries again to open a queue's SendChannel after it failed
+#: to connect (a channel that broke after working is opened again at once).
+CHANNEL_RETRY_SECONDS = 30.0
+_channels_lock = threading.Lock()
+#: (job id, queue actor id) -> this process's SendChannel, the monotonic time to try
+#: connecting again, or None while a thread is connecting.
+_channels: dict[tuple[str, str], SendChannel | float | None] = {}
+
+
+def _send_channel(queue: Queue) -> SendChannel | None:
+    """This process's SendChannel to ``queue``'s actor, opened on first use; None when
+    the queue has none, it is being opened, or opening it failed lately (single sends
+    then go through Ray calls)."""
+    key = (ray.get_runtime_context().get_job_id(), queue._actor._actor_id.hex())
+    with _channels_lock:
+        got = _channels.get(key, 0.0)
+        if isinstance(got, SendChannel) and got.broken is None:
+            return got
+        if got is None or (isinstance(got, float) and time.monotonic() < got):
+            return None
+        _channels[key] = None  # this thread connects; the others use Ray meanwhile
+    channel: SendChannel | None = None
+    try:
+        endpoint = _call(queue._actor.send_endpoint)
+        if endpoint is not None:
+            channel = SendChannel(*endpoint, queue=queue.name)
+    except (OSError, RayMQError):  # unreachable port, refused, or the actor is gone
+        channel = None
+    with _channels_lock:
+        _channels[key] = channel or time.monotonic() + CHANNEL_RETRY_SECONDS
+    return channel
+
+
 class Queue:
     """Handle of one queue: send, consume, inspect."""
 
@@ -311,7 +345,9 @@ class Queue:
     ) -> int | None:
         """Send one message; returns its offset once it is durable.
 
-        Concurrent sends from threads of one process share one call and one fsync. At
+        It goes over this process's SendChannel to the queue actor (a socket, see
+        ``raymq.send_channel``), else through a Ray call; concurrent sends from threads
+        of one process share one write and one fsync. At
         the queue's ``max_size_bytes``: PAGE stores it anyway, DROP drops it (returns
         None), FAIL raises ``AddressFull``, BLOCK waits for room up to ``timeout``
         seconds (None: for ever), then raises ``AddressFull``.
@@ -320,6 +356,12 @@ class Queue:
         props = encode_properties(
             validate_properties(properties, where=f"message for queue {self.name!r}")
         )
+        channel = _send_channel(self)
+        if channel is not None:
+            try:
+                return channel.send(body, props, timeout)
+            except ChannelBroken:
+                pass  # the actor restarted or the network failed: Ray calls wait it out
         with self._coalescers_lock:
             coalescer = self._coalescers.get(timeout)
             if coalescer is None:
@@ -618,10 +660,7 @@ class Consumer:
         loading = s.get("delivered", 0) - s.get("handed_out", 0) - s.get("given_back", 0)
         buffered = 0 if self._buffer is None else self._buffer.num_rows
         return (
-            max(loading, 0)
-            + s.get("cache_references", 0)
-            + s.get("scan_remaining", 0)
-            + buffered
+            max(loading, 0) + s.get("cache_references", 0) + s.get("scan_remaining", 0) + buffered
         )
 
     def stats(self) -> dict[str, Any]:

@@ -214,6 +214,60 @@ def test_sigkill_of_the_queue_actor_loses_no_acknowledged_send(broker):
     assert all(got[o] == body for o, body in sent.items())
 
 
+def test_single_sends_go_over_the_send_channel_and_survive_a_sigkill(broker):
+    from raymq import client
+    from raymq.send_channel import SendChannel
+
+    q = broker.create_queue("crash-single")
+
+    def channel() -> SendChannel | None:
+        found = [
+            c for c in client._channels.values() if isinstance(c, SendChannel) and c.queue == q.name
+        ]
+        return found[-1] if found else None
+
+    assert q.send(b"first") == 0
+    first_channel = channel()
+    assert first_channel is not None and first_channel.broken is None
+    sent: dict[int, bytes] = {0: b"first"}
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def produce(k: int) -> None:
+        i = 0
+        while not stop.is_set():
+            body = f"single-{k}-{i}".encode()
+            i += 1
+            try:
+                offset = q.send(body)
+            except Exception:  # a send cut by the crash: not acknowledged, may be stored
+                continue
+            with lock:
+                sent[offset] = body
+
+    threads = [threading.Thread(target=produce, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    while len(sent) < 500:
+        stop.wait(0.01)
+    pid = _call(q._actor.pid)
+    os.kill(pid, signal.SIGKILL)
+    before_kill = len(sent)
+    while len(sent) < before_kill + 500:  # the restarted actor takes sends again
+        stop.wait(0.01)
+    stop.set()
+    for t in threads:
+        t.join()
+    assert _call(q._actor.pid) != pid
+    assert first_channel.broken is not None  # the old connection died with the actor
+    q.send(b"after")  # opens a channel to the restarted actor (or waits out the retry)
+    with q.consumer(prefetch=5000) as c:
+        got = {m.offset: m.body for m in drain(c, q.stats()["depth"])}
+    missing = [o for o in sent if o not in got]
+    assert not missing, f"{len(missing)} acknowledged sends lost, e.g. {missing[:5]}"
+    assert all(got[o] == body for o, body in sent.items())
+
+
 def test_delete_queue_removes_files(broker, paging_dir):
     q = broker.create_queue("gone")
     q.send(b"x")

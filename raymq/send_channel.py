@@ -1,0 +1,253 @@
+"""SendChannel: single-message sends over a socket to the queue actor, not a Ray call each.
+
+A Ray actor call costs 1-2 ms of round trip here (ARCHITECTURE.md). A producer that
+sends one message at a time and waits for each is bound by that round trip, however
+well the actor's group commit shares fsyncs: 8 such producers top out near 8 / 1.7 ms.
+So a queue actor also listens on a TCP socket on its node's address; each client process
+keeps one connection per queue and sends single messages over it, many in flight at
+once. Batches, consumers and everything else still go through Ray.
+
+Security: the socket answers only a client that first presents the queue actor's secret,
+which a client gets through an (authenticated) Ray call. Frames are limited in size, and
+before the secret is shown to 1 KiB.
+
+Frames: a 4-byte big-endian length, then msgpack. The client's first frame is
+``[secret]``, answered ``[true]``. Then requests ``[id, body, properties, timeout]``
+(properties msgpack-encoded as in a MessageBatch, timeout seconds or nil) are answered,
+in any order, ``[id, offset, nil, nil]`` (offset nil: DROPped) or
+``[id, nil, error class name, message]``.
+
+The server gathers the requests that arrive together into one ``MessageBatch`` (one
+record on disk, one group commit), as the client's coalescer does for threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import secrets
+import socket
+import struct
+import threading
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Future
+
+import msgpack
+
+from raymq import errors
+from raymq.batch import MessageBatch
+
+_LENGTH = struct.Struct(">I")
+#: Longest first frame (the secret) a server reads from an unknown peer (bytes).
+HELLO_LIMIT = 1024
+#: Room for a request's framing beside its body and properties (bytes).
+FRAME_OVERHEAD = 64 * 1024
+#: Seconds a client waits to connect and for the server's answer to its secret.
+CONNECT_TIMEOUT_SECONDS = 5.0
+
+
+class ChannelBroken(ConnectionError):
+    """The connection failed; the send may or may not have been stored (retry it)."""
+
+
+def frame(obj: object) -> bytes:
+    """``obj`` as one frame: length, then msgpack."""
+    payload = msgpack.packb(obj, use_bin_type=True)
+    return _LENGTH.pack(len(payload)) + payload
+
+
+def error_of(name: str, message: str) -> Exception:
+    """The typed error a server named (RayMQ's, TypeError or ValueError)."""
+    cls = getattr(errors, name, None)
+    if isinstance(cls, type) and issubclass(cls, errors.RayMQError):
+        return cls(message)
+    if name in ("TypeError", "ValueError"):
+        return {"TypeError": TypeError, "ValueError": ValueError}[name](message)
+    return errors.RayMQError(f"{name}: {message}")
+
+
+# -- the queue actor's side -------------------------------------------------------------
+
+SendBatch = Callable[[MessageBatch, "float | None"], Awaitable[tuple[int, int]]]
+
+
+class SendChannelServer:
+    """Serves single sends for one queue: ``send_batch(batch, timeout)`` stores a batch
+    and returns (first offset, count stored), as ``QueueCore.send_batch`` does."""
+
+    def __init__(self, send_batch: SendBatch, queue: str, max_message_size: int):
+        self._send_batch = send_batch
+        self._queue = queue
+        self._frame_limit = max_message_size + FRAME_OVERHEAD
+        self.secret = secrets.token_hex(16)
+        self._server: asyncio.AbstractServer | None = None
+        # Requests gathered since the last flush: (body, properties, timeout, reply).
+        self._gathered: list[tuple[bytes, bytes, float | None, Callable]] = []
+        self._tasks: set[asyncio.Task] = set()
+
+    async def start(self, host: str) -> tuple[str, int, str]:
+        """Listen on ``host`` (a free port); returns (host, port, secret)."""
+        self._server = await asyncio.start_server(self._serve, host, 0)
+        port = self._server.sockets[0].getsockname()[1]
+        return host, port, self.secret
+
+    def close(self) -> None:
+        """Stop listening (open connections end with the actor)."""
+        if self._server is not None:
+            self._server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            if await _read_frame(reader, HELLO_LIMIT) != [self.secret]:
+                return  # not a client of this queue
+            writer.write(frame([True]))
+            while True:
+                req = await _read_frame(reader, self._frame_limit)
+                self._gather(req, writer)
+        except (asyncio.IncompleteReadError, ConnectionError, ValueError, TypeError):
+            pass  # the client went away, or spoke nonsense: drop the connection
+        finally:
+            writer.close()
+
+    def _gather(self, req: list, writer: asyncio.StreamWriter) -> None:
+        req_id, body, props, timeout = req
+
+        def reply(offset: int | None, error: Exception | None = None) -> None:
+            if writer.is_closing():
+                return
+            if error is None:
+                writer.write(frame([req_id, offset, None, None]))
+            else:
+                writer.write(frame([req_id, None, type(error).__name__, str(error)]))
+
+        if not isinstance(body, bytes) or not isinstance(props, bytes):
+            reply(None, TypeError(f"send to queue {self._queue!r}: body and properties as bytes"))
+            return
+        if not self._gathered:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._gathered.append((body, props, timeout, reply))
+
+    def _flush(self) -> None:
+        gathered, self._gathered = self._gathered, []
+        by_timeout: dict[float | None, list] = {}
+        for item in gathered:
+            by_timeout.setdefault(item[2], []).append(item)
+        for timeout, items in by_timeout.items():
+            task = asyncio.get_running_loop().create_task(self._store(items, timeout))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _store(self, items: list, timeout: float | None) -> None:
+        try:
+            batch = MessageBatch.from_encoded([i[0] for i in items], [i[1] for i in items])
+            first, count = await self._send_batch(batch, timeout)
+        except Exception as exc:  # every request of the batch gets the error
+            for *_, reply in items:
+                reply(None, exc)
+            return
+        for k, (*_, reply) in enumerate(items):
+            reply(first + k if k < count else None)  # beyond count: DROPped
+
+
+async def _read_frame(reader: asyncio.StreamReader, limit: int) -> object:
+    (n,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
+    if n > limit:
+        raise ValueError(f"frame of {n} bytes over the limit of {limit}")
+    return msgpack.unpackb(await reader.readexactly(n), raw=False)
+
+
+# -- the client's side -------------------------------------------------------------------
+
+
+class SendChannel:
+    """One connection of this process to one queue actor, shared by its threads.
+
+    ``send`` may be called from many threads at once; a reader thread hands each answer
+    to the sender waiting for it. Once broken (the actor restarted, the network failed)
+    it stays broken: every waiting and later ``send`` raises ``ChannelBroken``.
+    """
+
+    def __init__(self, host: str, port: int, secret: str, queue: str):
+        self.queue = queue
+        sock = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_SECONDS)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.sendall(frame([secret]))
+            self._file = sock.makefile("rb")
+            if self._read() != [True]:
+                raise ChannelBroken(f"queue {queue!r} refused the send channel")
+            sock.settimeout(None)
+        except BaseException:
+            sock.close()
+            raise
+        self._sock = sock
+        self._lock = threading.Lock()
+        self._waiting: dict[int, Future] = {}
+        self._ids = itertools.count()
+        self.broken: BaseException | None = None
+        self._reader = threading.Thread(
+            target=self._read_loop, name=f"raymq-send-{queue}", daemon=True
+        )
+        self._reader.start()
+
+    def send(self, body: bytes, properties: bytes, timeout: float | None) -> int | None:
+        """Store one message; returns its offset once durable (None: DROPped).
+
+        Raises the queue's typed error, or ``ChannelBroken`` if the connection failed
+        (the message may have been stored: at-least-once, as any retried send)."""
+        fut: Future = Future()
+        with self._lock:
+            if self.broken is not None:
+                raise ChannelBroken(f"send channel of queue {self.queue!r}: {self.broken}")
+            req_id = next(self._ids)
+            self._waiting[req_id] = fut
+            try:
+                self._sock.sendall(frame([req_id, body, properties, timeout]))
+            except OSError as exc:
+                self._waiting.pop(req_id, None)
+                self._break(exc)
+                raise ChannelBroken(f"send channel of queue {self.queue!r}: {exc}") from exc
+        return fut.result()
+
+    def close(self) -> None:
+        """Close the connection; waiting sends raise ``ChannelBroken``."""
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+
+    def _read(self) -> object:
+        head = self._file.read(_LENGTH.size)
+        if len(head) < _LENGTH.size:
+            raise ChannelBroken("connection closed")
+        (n,) = _LENGTH.unpack(head)
+        payload = self._file.read(n)
+        if len(payload) < n:
+            raise ChannelBroken("connection closed")
+        return msgpack.unpackb(payload, raw=False)
+
+    def _read_loop(self) -> None:
+        try:
+            while True:
+                req_id, offset, error, message = self._read()
+                with self._lock:
+                    fut = self._waiting.pop(req_id, None)
+                if fut is None:
+                    continue
+                if error is None:
+                    fut.set_result(offset)
+                else:
+                    fut.set_exception(error_of(error, message))
+        except Exception as exc:  # whatever ends the reader breaks the channel
+            with self._lock:
+                self._break(exc)
+
+    def _break(self, exc: BaseException) -> None:
+        """Mark broken and fail every waiting send (call with the lock held)."""
+        if self.broken is None:
+            self.broken = exc
+        waiting, self._waiting = self._waiting, {}
+        for fut in waiting.values():
+            fut.set_exception(ChannelBroken(f"send channel of queue {self.queue!r}: {exc}"))
+        with contextlib.suppress(OSError):
+            self._sock.close()

@@ -1,0 +1,147 @@
+"""SendChannel without Ray: a real socket between a client and a server whose event loop
+runs in a thread; the server stores into a list instead of a QueueCore."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+
+import pytest
+
+from raymq.batch import MessageBatch
+from raymq.errors import AddressFull
+from raymq.send_channel import ChannelBroken, SendChannel, SendChannelServer, frame
+
+MAX_MESSAGE = 1024
+
+
+class Store:
+    """A queue stand-in: offsets in order, one list entry per stored batch; a body of
+    b"full" is refused with AddressFull, b"drop" is dropped."""
+
+    def __init__(self):
+        self.bodies: list[bytes] = []
+        self.batches: list[int] = []
+        self.release = asyncio.Event()
+        self.hold = False
+
+    async def send_batch(self, batch: MessageBatch, timeout: float | None) -> tuple[int, int]:
+        if self.hold:
+            await self.release.wait()
+        bodies = [batch.body(i) for i in range(len(batch))]
+        if b"full" in bodies:
+            raise AddressFull(f"queue 'q' is full (timeout {timeout})")
+        kept = [b for b in bodies if b != b"drop"]
+        first = len(self.bodies)
+        self.bodies.extend(kept)
+        self.batches.append(len(bodies))
+        await asyncio.sleep(0.001)  # a group commit takes a while: others gather meanwhile
+        return first, len(kept)
+
+
+@pytest.fixture
+def served():
+    """(store, server, (host, port, secret), loop) with the loop running in a thread."""
+    store = Store()
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+    out = {}
+
+    def run():
+        asyncio.set_event_loop(loop)
+        server = SendChannelServer(store.send_batch, "q", MAX_MESSAGE)
+        out["server"] = server
+        out["endpoint"] = loop.run_until_complete(server.start("127.0.0.1"))
+        ready.set()
+        loop.run_forever()
+        pending = asyncio.all_tasks(loop)  # connections still served: end them cleanly
+        for task in pending:
+            task.cancel()
+        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        loop.close()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    ready.wait(10)
+    yield store, out["server"], out["endpoint"], loop
+    loop.call_soon_threadsafe(out["server"].close)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+
+
+def test_sends_from_many_threads_come_back_with_their_offsets(served):
+    store, _, (host, port, secret), _ = served
+    channel = SendChannel(host, port, secret, "q")
+    got: dict[bytes, int] = {}
+    lock = threading.Lock()
+
+    def produce(k: int) -> None:
+        for i in range(50):
+            body = f"{k}-{i}".encode()
+            offset = channel.send(body, b"", None)
+            with lock:
+                got[body] = offset
+
+    threads = [threading.Thread(target=produce, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    channel.close()
+    assert sorted(got.values()) == list(range(400))
+    assert all(store.bodies[offset] == body for body, offset in got.items())
+    assert len(store.batches) < 400  # requests arriving together share a batch
+
+
+def test_errors_come_back_typed_and_drops_as_none(served):
+    _, _, (host, port, secret), _ = served
+    channel = SendChannel(host, port, secret, "q")
+    with pytest.raises(AddressFull, match="full"):
+        channel.send(b"full", b"", 0.5)
+    assert channel.send(b"drop", b"", None) is None
+    assert channel.send(b"kept", b"", None) == 0
+    channel.close()
+
+
+def test_a_wrong_secret_gets_no_channel(served):
+    store, _, (host, port, _secret), _ = served
+    with pytest.raises(ChannelBroken):
+        SendChannel(host, port, "not the secret", "q")
+    assert store.bodies == []
+
+
+def test_an_oversize_frame_ends_the_connection_and_stores_nothing(served):
+    store, _, (host, port, secret), _ = served
+    channel = SendChannel(host, port, secret, "q")
+    with pytest.raises(ChannelBroken):
+        channel.send(b"x" * (MAX_MESSAGE + 100_000), b"", None)
+    with pytest.raises(ChannelBroken):  # broken stays broken
+        channel.send(b"small", b"", None)
+    assert store.bodies == []
+
+
+def test_sends_waiting_when_the_server_goes_away_raise_channel_broken(served):
+    store, _, (host, port, secret), loop = served
+    store.hold = True  # the "queue" does not answer yet
+    channel = SendChannel(host, port, secret, "q")
+    errors: list[BaseException] = []
+
+    def send() -> None:
+        try:
+            channel.send(b"waiting", b"", None)
+        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+            errors.append(exc)
+
+    t = threading.Thread(target=send)
+    t.start()
+    # Cut the connection under the waiting (or about to write) send: the reader sees
+    # EOF and fails what waits, or the write itself fails; either way ChannelBroken.
+    channel._sock.shutdown(socket.SHUT_RDWR)
+    t.join(10)
+    assert len(errors) == 1 and isinstance(errors[0], ChannelBroken)
+    loop.call_soon_threadsafe(store.release.set)
+
+
+def test_frames_are_length_then_msgpack():
+    assert frame([True]) == b"\x00\x00\x00\x02\x91\xc3"
