@@ -44,6 +44,17 @@ class ByteSize(click.ParamType):
 
 BYTES = ByteSize()
 console = Console()
+#: Columns of a table printed to a pipe or a file: wide enough that rows are whole
+#: (Rich would fit them into 80 and cut queue names short).
+PIPE_WIDTH = 200
+
+
+def _print_table(table: Table) -> None:
+    """Print a table: as wide as the terminal, or ``PIPE_WIDTH`` when not a terminal."""
+    if console.is_terminal:
+        _print_table(table)
+    else:
+        Console(width=PIPE_WIDTH).print(table)
 
 
 def _connect(ctx: click.Context, create: bool = False, **settings: Any):
@@ -166,7 +177,7 @@ def status(ctx: click.Context, as_json: bool) -> None:
             _human(plan["node_totals"].get(node, 0)),
             ", ".join(on_node),
         )
-    console.print(gov)
+    _print_table(gov)
     console.print(
         f"{g['rounds']} rounds, every {g['housekeeping_period']} s,"
         f" last took {g['round_seconds'] * 1e3:.0f} ms"
