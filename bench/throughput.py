@@ -5,7 +5,7 @@ producers and batches of 1,000. Each RayMQ figure is printed with its ratio to
 ray.util.queue doing the same work in memory, and durable figures also as a fraction
 of this disk's sequential fdatasync bandwidth, measured first.
 
-    python bench/throughput.py [--messages 200000] [--single 4000]
+    python bench/throughput.py [--messages 200000] [--single 16000]
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def ray_queue_rates(messages: int, single: int) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--messages", type=int, default=200_000, help="messages per batched run")
-    parser.add_argument("--single", type=int, default=4_000, help="messages per single-send run")
+    parser.add_argument("--single", type=int, default=16_000, help="messages per single-send run")
     args = parser.parse_args()
 
     console.print("measuring sequential fdatasync bandwidth ...")
