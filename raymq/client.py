@@ -30,6 +30,7 @@ from raymq.config import (
 from raymq.errors import (
     BrokerUnavailable,
     ConsumerClosed,
+    InvalidAck,
     InvalidSetting,
     RayMQError,
     SelectorError,
@@ -516,7 +517,11 @@ class Consumer:
         self._actor = queue._actor
         self._buffer: pa.RecordBatch | None = None  # taken from the TargetList, not yet handed out
         self._closed = False
-        self._acks: list[concurrent.futures.Future] = []  # pipelined acks in flight
+        # Pipelined acks in flight: each call's future and the ack() offsets it carries.
+        self._acks: list[tuple[concurrent.futures.Future, list[np.ndarray]]] = []
+        # Pipelined acks not sent yet: they go out together (one call, one fsync).
+        self._unsent_acks: list[np.ndarray] = []
+        self._unsent_count = 0
         node = near(node_id).node_id
         self.target_list = spares.take(node)
         _call(
@@ -545,6 +550,7 @@ class Consumer:
             )
 
     def _fill(self, timeout: float | None) -> None:
+        self._send_acks()  # the credit they return lets the TargetList load more
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             wait = 1.0 if deadline is None else max(0.0, deadline - time.monotonic())
@@ -597,21 +603,37 @@ class Consumer:
         """Acknowledge messages; returns how many were newly acknowledged (durably).
 
         ``wait=False`` pipelines the ack: it returns None at once, so receiving the next
-        batch overlaps the ack's fsync. Its outcome is checked by the next ``ack`` or by
-        ``flush``/``close``, which raise the first error of an earlier one. (Delivery is
-        at-least-once either way: an ack lost with a crash means one more delivery.)
+        batch overlaps the ack's fsync. Pipelined acks are gathered and go out as one
+        call when they reach half the prefetch, before the consumer asks its TargetList
+        for more, and on ``flush``, ``nack``, a waiting ``ack`` and ``close``. Their
+        outcome is checked by the next ``ack`` or by ``flush``/``close``, which raise the
+        first error of an earlier one. (Delivery is at-least-once either way: an ack
+        lost with a crash means one more delivery.)
         """
         self._check_open()
         offsets = _offsets_of(messages)
         if wait:
+            self._send_acks()
             self._check_acks(block=False)
             return _call(self._actor.ack, self.consumer_id, offsets)
-        self._acks.append(self._actor.ack.remote(self.consumer_id, offsets).future())
+        self._unsent_acks.append(offsets)
+        self._unsent_count += len(offsets)
+        if self._unsent_count >= max(self.prefetch // 2, 1):
+            self._send_acks()
         self._check_acks(block=len(self._acks) > MAX_PIPELINED_ACKS)
         return None
 
+    def _send_acks(self) -> None:
+        """Send the gathered pipelined acks as one call (not waiting for it)."""
+        if not self._unsent_acks:
+            return
+        parts, self._unsent_acks, self._unsent_count = self._unsent_acks, [], 0
+        offsets = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        self._acks.append((self._actor.ack.remote(self.consumer_id, offsets).future(), parts))
+
     def flush(self) -> None:
         """Wait for every pipelined ack (``ack(wait=False)``); raise the first error."""
+        self._send_acks()
         self._check_acks(block=True)
 
     def _check_acks(self, block: bool) -> None:
@@ -626,22 +648,38 @@ class Consumer:
             return
         if block:
             keep = MAX_PIPELINED_ACKS // 2 if len(self._acks) > MAX_PIPELINED_ACKS else 0
-            concurrent.futures.wait(self._acks[: len(self._acks) - keep])
+            concurrent.futures.wait([fut for fut, _ in self._acks[: len(self._acks) - keep]])
         done, still = [], []
-        for fut in self._acks:
-            (done if fut.done() else still).append(fut)
+        for item in self._acks:
+            (done if item[0].done() else still).append(item)
         self._acks = still
-        for fut in done:
+        for fut, parts in done:
             try:
                 fut.result()
             except ray.exceptions.RayTaskError as exc:
-                raise _unwrap(exc) from None
+                error = _unwrap(exc)
+                if isinstance(error, InvalidAck) and len(parts) > 1:
+                    # The queue refused the whole gathered call for one ack() whose
+                    # offsets it does not know: apply the others, report that one.
+                    error = self._ack_one_by_one(parts) or error
+                raise error from None
             except _RETRYABLE as exc:
                 raise BrokerUnavailable(f"queue {self.queue.name!r} unavailable: {exc}") from exc
+
+    def _ack_one_by_one(self, parts: list[np.ndarray]) -> InvalidAck | None:
+        """Send each ``ack()``'s offsets alone; returns the first refusal."""
+        first: InvalidAck | None = None
+        for offsets in parts:
+            try:
+                _call(self._actor.ack, self.consumer_id, offsets)
+            except InvalidAck as exc:
+                first = first or exc
+        return first
 
     def nack(self, messages: Message | int | Iterable | pa.RecordBatch | pa.Table) -> int:
         """Give messages back: they are delivered again with ``delivery_count`` + 1."""
         self._check_open()
+        self._send_acks()  # in order: what was acked before is not given back
         return _call(self._actor.nack, self.consumer_id, _offsets_of(messages))
 
     def backlog(self) -> int:
@@ -674,6 +712,7 @@ class Consumer:
             return
         ack_error: RayMQError | None = None
         try:
+            self._send_acks()
             self._check_acks(block=True)
         except RayMQError as exc:  # close anyway; then report the failed ack
             ack_error = exc

@@ -334,3 +334,21 @@ def test_pipelined_acks_are_durable_after_flush_and_report_errors(broker):
         c.ack([10**9], wait=False)  # never sent: the error comes with the next check
         with pytest.raises(raymq.errors.InvalidAck, match="never sent"):
             c.flush()
+
+
+def test_a_refused_pipelined_ack_does_not_take_the_gathered_ones_with_it(broker):
+    q = broker.create_queue("gathered")
+    q.send_batch([b"m"] * 100)
+    with q.consumer(prefetch=1000) as c:  # pipelined acks gather until 500 or a flush
+        batches = []
+        while sum(b.num_rows for b in batches) < 100:
+            batches.append(c.receive_batch(100, timeout=5))
+            assert batches[-1].num_rows
+        c.ack(batches[0], wait=False)
+        c.ack([10**9], wait=False)  # never delivered: refused
+        for b in batches[1:]:
+            c.ack(b, wait=False)
+        with pytest.raises(raymq.errors.InvalidAck, match="never sent"):
+            c.flush()
+        stats = q.stats()
+        assert stats["messages_acked"] == 100 and stats["depth"] == 0
