@@ -165,6 +165,25 @@ def test_queue_survives_broker_restart(broker_factory, paging_dir):
     assert [m.body for m in got] == [f"m{i}".encode() for i in range(30, 100)]
 
 
+def kill_mid_stream(q, producers, sent: dict, stop, *, before: int, after: int) -> None:
+    """Start ``producers``; once ``before`` sends were acknowledged (in ``sent``),
+    SIGKILL the queue actor's process; once ``after`` more were acknowledged by its
+    restarted actor, stop the producers (``stop``) and wait for them."""
+    for t in producers:
+        t.start()
+    while len(sent) < before:
+        stop.wait(0.01)
+    pid = _call(q._actor.pid)
+    os.kill(pid, signal.SIGKILL)
+    before_kill = len(sent)
+    while len(sent) < before_kill + after:  # the restarted actor takes sends again
+        stop.wait(0.01)
+    stop.set()
+    for t in producers:
+        t.join()
+    assert _call(q._actor.pid) != pid
+
+
 def test_sigkill_of_the_queue_actor_loses_no_acknowledged_send(broker):
     q = broker.create_queue("crash", page_size_bytes=256 * 1024)
     sent: dict[int, bytes] = {}
@@ -183,18 +202,7 @@ def test_sigkill_of_the_queue_actor_loses_no_acknowledged_send(broker):
             sent.update(zip(offsets, bodies, strict=True))
             i += 1
 
-    t = threading.Thread(target=produce)
-    t.start()
-    while len(sent) < 5000:
-        stop.wait(0.01)
-    pid = _call(q._actor.pid)
-    os.kill(pid, signal.SIGKILL)
-    before_kill = len(sent)
-    while len(sent) < before_kill + 3000:  # the restarted actor takes sends again
-        stop.wait(0.01)
-    stop.set()
-    t.join()
-    assert _call(q._actor.pid) != pid
+    kill_mid_stream(q, [threading.Thread(target=produce)], sent, stop, before=5000, after=3000)
     with q.consumer(prefetch=5000) as c:
         got = {}
         while True:
@@ -246,19 +254,7 @@ def test_single_sends_go_over_the_send_channel_and_survive_a_sigkill(broker):
                 sent[offset] = body
 
     threads = [threading.Thread(target=produce, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    while len(sent) < 500:
-        stop.wait(0.01)
-    pid = _call(q._actor.pid)
-    os.kill(pid, signal.SIGKILL)
-    before_kill = len(sent)
-    while len(sent) < before_kill + 500:  # the restarted actor takes sends again
-        stop.wait(0.01)
-    stop.set()
-    for t in threads:
-        t.join()
-    assert _call(q._actor.pid) != pid
+    kill_mid_stream(q, threads, sent, stop, before=500, after=500)
     assert first_channel.broken is not None  # the old connection died with the actor
     q.send(b"after")  # opens a channel to the restarted actor (or waits out the retry)
     with q.consumer(prefetch=5000) as c:
