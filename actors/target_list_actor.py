@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 
 import numpy as np
 import ray
@@ -177,3 +178,7 @@ class TargetListActor:
     def ping(self) -> bool:
         """Liveness check by the queue actor."""
         return True
+
+    def pid(self) -> int:
+        """This actor's process id (benchmarks sample its memory)."""
+        return os.getpid()

@@ -16,6 +16,7 @@ import time
 
 import psutil
 from ray.util.queue import Queue as RayQueue
+from rich.progress import track
 
 from bench.common import console, print_table, start_broker, stop_broker
 from raymq.offset_set import OffsetSet
@@ -99,6 +100,53 @@ def consume_rate(q, n_consumers: int, total: int, selector: str | None = None, c
     return count[0] / dt
 
 
+def rss(pid: int) -> int:
+    """Resident set size of a process (bytes)."""
+    return psutil.Process(pid).memory_info().rss
+
+
+def target_list_memory(broker, n: int) -> list[list[str]]:
+    """RSS of a real TargetList actor (and its queue actor) before and after ``n``
+    matching messages pile up beyond its watermark (1,000): rows for the table."""
+    from raymq.client import _call
+
+    console.print(f"a TargetList with {n:,} matching messages beyond its watermark ...")
+    q = broker.create_queue("bench-tl")
+    with q.consumer(selector="color = 'red'", prefetch=1000) as c:
+        tl_pid, q_pid = _call(c.target_list.pid), _call(q._actor.pid)
+        c.stats()  # the consumer is registered and idle: its memory as a baseline
+        tl_empty, q_empty = rss(tl_pid), rss(q_pid)
+        bodies, props = [b"r" * 10] * 10_000, {"color": "red"}
+        for _ in track(range(n // 10_000), description="  sending"):
+            q.send_batch(bodies, props)
+        while (stats := c.stats())["watermark"] < 1000:  # loaded up to its watermark
+            time.sleep(0.05)
+        tl_full, q_full = rss(tl_pid), rss(q_pid)
+        qs = q.stats()
+    broker.delete_queue("bench-tl")
+    mib = 2**20
+    return [
+        [
+            f"TargetList actor RSS, empty -> {stats['cache_references']:,} beyond watermark (MiB)",
+            f"{tl_empty / mib:.0f} -> {tl_full / mib:.0f}",
+            "-",
+        ],
+        ["  TargetList actor RSS growth (MiB)", f"{(tl_full - tl_empty) / mib:.1f}", "50"],
+        [
+            "  their CacheReferences: bitmap in the queue actor (KiB)",
+            f"{stats['cache_reference_bytes'] / 1024:.0f}",
+            "-",
+        ],
+        ["  queue actor RSS growth (MiB)", f"{(q_full - q_empty) / mib:.1f}", "-"],
+        [
+            "    of which HeadQueueCache + read cache / indexes (MiB, its budget)",
+            f"{(qs['head_cache_bytes'] + qs['read_cache_bytes']) / mib:.1f}"
+            f" / {qs['index_bytes'] / mib:.1f} ({qs['memory_budget'] / mib:.0f})",
+            "-",
+        ],
+    ]
+
+
 def ray_queue_rate(total: int) -> float:
     rq = RayQueue(maxsize=0)
     for _ in range(total // BATCH):
@@ -128,6 +176,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--messages", type=int, default=1_000_000)
     parser.add_argument("--rate-messages", type=int, default=200_000)
+    parser.add_argument("--tl-messages", type=int, default=10_000_000)
     args = parser.parse_args()
 
     broker = start_broker(namespace="raymq-bench-consumers")
@@ -170,19 +219,7 @@ def main() -> None:
         bits, rss = offset_set_memory(10_000_000)
         rows.append(["10,000,000 CacheReferences: bitmap (MiB)", f"{bits / 2**20:.1f}", "50"])
         rows.append(["10,000,000 CacheReferences: RSS growth (MiB)", f"{rss / 2**20:.1f}", "50"])
-        q = broker.create_queue("bench-tl")
-        fill(q, args.messages, {"color": "red"})
-        with q.consumer(selector="color = 'red'", prefetch=1000) as c:
-            c.receive(timeout=60)
-            stats = c.stats()
-        rows.append(
-            [
-                f"TargetList with {stats['cache_references']:,} CacheReferences: bitmap (KiB)",
-                f"{stats['cache_reference_bytes'] / 1024:.0f}",
-                "-",
-            ]
-        )
-        broker.delete_queue("bench-tl")
+        rows += target_list_memory(broker, args.tl_messages)
     finally:
         stop_broker(broker)
     print_table(
