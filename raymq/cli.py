@@ -52,7 +52,7 @@ PIPE_WIDTH = 200
 def _print_table(table: Table) -> None:
     """Print a table: as wide as the terminal, or ``PIPE_WIDTH`` when not a terminal."""
     if console.is_terminal:
-        _print_table(table)
+        console.print(table)
     else:
         Console(width=PIPE_WIDTH).print(table)
 
@@ -163,7 +163,7 @@ def status(ctx: click.Context, as_json: bool) -> None:
             policy,
             str(s["blocked_producers"]) if s["blocked_producers"] else "",
         )
-    console.print(table)
+    _print_table(table)
     g = data["governor"]
     plan = g.get("plan") or {}
     gov = Table(title="MemoryGovernor")

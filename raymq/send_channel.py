@@ -62,8 +62,10 @@ def error_of(name: str, message: str) -> Exception:
     cls = getattr(errors, name, None)
     if isinstance(cls, type) and issubclass(cls, errors.RayMQError):
         return cls(message)
-    if name in ("TypeError", "ValueError"):
-        return {"TypeError": TypeError, "ValueError": ValueError}[name](message)
+    if name == "TypeError":
+        return TypeError(message)
+    if name == "ValueError":
+        return ValueError(message)
     return errors.RayMQError(f"{name}: {message}")
 
 
