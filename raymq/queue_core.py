@@ -292,6 +292,8 @@ class QueueCore:
                     fut.set_exception(exc)
             return
         self.log.publish(prepared)
+        if self.log.unlinkable:  # off the event loop; done before the acks return
+            await asyncio.to_thread(self.log.unlink_deleted)
         for seg, _pos, _bufs, chunk, _size in prepared.items:
             blobs = chunk.property_blobs()
             seg.note_properties(blobs)

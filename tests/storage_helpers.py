@@ -20,6 +20,7 @@ def commit(
     prepared = log.prepare(batches, NOW_US, checkpoint=checkpoint)
     log.write(prepared)
     log.publish(prepared)
+    log.unlink_deleted()  # as QueueCore does after each commit
     return [o for b in batches for o in range(b.first_offset, b.end_offset)]
 
 

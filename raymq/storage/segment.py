@@ -293,7 +293,8 @@ class Segment:
         """Mark offsets (all inside this segment) acked; returns how many were new."""
         idx = offsets - self.base_offset
         fresh = idx[~self._acked[idx]]
-        fresh = np.unique(fresh)
+        if len(fresh) > 1 and not (fresh[1:] > fresh[:-1]).all():
+            fresh = np.unique(fresh)  # duplicates must count once
         self._acked[fresh] = True
         self.acked_n += len(fresh)
         return len(fresh)
