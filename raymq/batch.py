@@ -183,6 +183,32 @@ class MessageBatch:
             ]
         return _pack(encoded)
 
+    def wire_buffers(self) -> list[np.ndarray]:
+        """The four buffers a producer sends (``from_wire`` rebuilds the batch)."""
+        return [self.body_offsets, self.body_data, self.prop_offsets, self.prop_data]
+
+    @classmethod
+    def from_wire(cls, buffers: Sequence[bytes], queue: str = "?") -> MessageBatch:
+        """Rebuild a batch from ``wire_buffers`` as received (little-endian int64
+        offsets), checking its structure: ``ValueError`` naming the queue if the
+        offsets do not describe the data."""
+        if len(buffers) != 4:
+            raise ValueError(f"batch for queue {queue!r}: 4 buffers expected")
+        arrays = []
+        for k, buf in enumerate(buffers):
+            if k % 2 == 0:  # offsets: n+1 non-decreasing int64 from 0 to the data's length
+                if len(buf) % 8 or not buf:
+                    raise ValueError(f"batch for queue {queue!r}: offsets are not int64")
+                arrays.append(np.frombuffer(buf, dtype="<i8").astype(np.int64, copy=False))
+            else:
+                arrays.append(as_u8(buf))
+        for offsets, data in ((arrays[0], arrays[1]), (arrays[2], arrays[3])):
+            if offsets[0] != 0 or offsets[-1] != len(data) or (np.diff(offsets) < 0).any():
+                raise ValueError(f"batch for queue {queue!r}: offsets do not fit the data")
+        if len(arrays[0]) != len(arrays[2]):
+            raise ValueError(f"batch for queue {queue!r}: bodies and properties differ in number")
+        return cls(*arrays)
+
     @classmethod
     def from_arrow(
         cls, data: pa.Table | pa.RecordBatch, *, max_message_size: int, queue: str = "?"

@@ -398,7 +398,17 @@ class Queue:
         DROP stores the first messages that fit (fewer offsets come back), FAIL stores
         none, BLOCK waits up to ``timeout`` seconds for room for all of them.
         """
-        first, count = _call(self._actor.send_batch, self._pack(bodies, properties), timeout)
+        batch = self._pack(bodies, properties)
+        channel = (
+            _send_channel(self) if batch.nbytes <= self.broker.config.max_message_size else None
+        )
+        if channel is not None:  # larger batches exceed its frame limit: Ray carries them
+            try:
+                first, count = channel.send_batch(batch, timeout)
+                return list(range(first, first + count))
+            except ChannelBroken:
+                pass  # as in ``send``: Ray calls wait out a restart
+        first, count = _call(self._actor.send_batch, batch, timeout)
         return list(range(first, first + count))
 
     async def send_async(

@@ -7,6 +7,7 @@ import asyncio
 import socket
 import threading
 
+import msgpack
 import pytest
 
 from raymq.batch import MessageBatch
@@ -22,6 +23,7 @@ class Store:
 
     def __init__(self):
         self.bodies: list[bytes] = []
+        self.properties: list[bytes] = []  # msgpack, as stored
         self.batches: list[int] = []
         self.release = asyncio.Event()
         self.hold = False
@@ -35,6 +37,9 @@ class Store:
         kept = [b for b in bodies if b != b"drop"]
         first = len(self.bodies)
         self.bodies.extend(kept)
+        self.properties.extend(
+            batch.properties_bytes(i) for i, b in enumerate(bodies) if b != b"drop"
+        )
         self.batches.append(len(bodies))
         await asyncio.sleep(0.001)  # a group commit takes a while: others gather meanwhile
         return first, len(kept)
@@ -145,3 +150,57 @@ def test_sends_waiting_when_the_server_goes_away_raise_channel_broken(served):
 
 def test_frames_are_length_then_msgpack():
     assert frame([True]) == b"\x00\x00\x00\x02\x91\xc3"
+
+
+def test_batches_and_single_sends_share_a_channel_from_many_threads(served):
+    store, _, (host, port, secret), _ = served
+    channel = SendChannel(host, port, secret, "q")
+    got: dict[bytes, int] = {}
+    lock = threading.Lock()
+
+    def produce(k: int) -> None:
+        for i in range(20):
+            bodies = [f"{k}-{i}-{j}".encode() for j in range(5)]
+            batch = MessageBatch.from_bodies(bodies, {"k": k}, max_message_size=MAX_MESSAGE)
+            first, count = channel.send_batch(batch, None)
+            single = f"{k}-{i}-single".encode()
+            offset = channel.send(single, b"", None)
+            with lock:
+                got.update({b: first + j for j, b in enumerate(bodies[:count])})
+                got[single] = offset
+
+    threads = [threading.Thread(target=produce, args=(k,)) for k in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    channel.close()
+    assert sorted(got.values()) == list(range(6 * 20 * 6))
+    assert all(store.bodies[offset] == body for body, offset in got.items())
+
+
+def test_a_batch_keeps_its_properties_and_its_errors_typed(served):
+    store, _, (host, port, secret), _ = served
+    channel = SendChannel(host, port, secret, "q")
+    props = [{"color": "red", "n": 1}, None, {"ok": True}]
+    batch = MessageBatch.from_bodies([b"a", b"drop", b"c"], props, max_message_size=MAX_MESSAGE)
+    assert channel.send_batch(batch, None) == (0, 2)  # the store drops b"drop"
+    with pytest.raises(AddressFull, match="full"):
+        full = MessageBatch.from_bodies([b"b", b"full"], max_message_size=MAX_MESSAGE)
+        channel.send_batch(full, 0.5)
+    assert store.bodies == [b"a", b"c"]
+    assert [msgpack.unpackb(p) if p else None for p in store.properties] == [props[0], props[2]]
+    channel.close()
+
+
+def test_a_batch_whose_offsets_do_not_fit_its_data_is_refused(served):
+    store, _, (host, port, secret), _ = served
+    channel = SendChannel(host, port, secret, "q")
+    batch = MessageBatch.from_bodies([b"abc", b"def"], max_message_size=MAX_MESSAGE)
+    batch.body_offsets = batch.body_offsets.copy()
+    batch.body_offsets[-1] = 99  # past the end of the body bytes
+    with pytest.raises(ValueError, match="offsets do not fit"):
+        channel.send_batch(batch, None)
+    assert channel.send(b"still open", b"", None) == 0
+    assert store.bodies == [b"still open"]
+    channel.close()
