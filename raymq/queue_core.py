@@ -295,9 +295,9 @@ class QueueCore:
         if self.log.unlinkable:  # off the event loop; done before the acks return
             await asyncio.to_thread(self.log.unlink_deleted)
         for seg, _pos, _bufs, chunk, _size in prepared.items:
-            blobs = chunk.property_blobs()
-            seg.note_properties(blobs)
-            self.area.arrived(chunk, blobs)
+            groups = chunk.property_groups()
+            seg.note_properties(groups)
+            self.area.arrived(chunk, groups)
             if self.config.durable:
                 self.head_cache.append(chunk)
         if checkpoint:

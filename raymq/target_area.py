@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from raymq.batch import MessageBatch
+from raymq.batch import MessageBatch, PropertyGroups, stored_property_groups
 from raymq.errors import InvalidAck
 from raymq.offset_set import OffsetSet
 from raymq.selector import HEADER_DELIVERY_COUNT, HEADER_OFFSET, HEADER_TIMESTAMP, Selector
@@ -136,18 +136,20 @@ class TargetArea:
 
     # -- matching --------------------------------------------------------------------
 
-    def _match(self, target: ConsumerTarget, batch: MessageBatch, blobs: list[bytes]) -> np.ndarray:
+    def _match(
+        self, target: ConsumerTarget, batch: MessageBatch, groups: PropertyGroups
+    ) -> np.ndarray:
         """Offsets of ``batch`` that ``target``'s selector selects."""
-        return np.flatnonzero(self._mask(target.selector, batch, blobs)) + batch.first_offset
+        return np.flatnonzero(self._mask(target.selector, batch, groups)) + batch.first_offset
 
-    def _mask(self, selector: Selector, batch: MessageBatch, blobs: list[bytes]) -> np.ndarray:
+    def _mask(self, selector: Selector, batch: MessageBatch, groups: PropertyGroups) -> np.ndarray:
         headers = None
         if selector.uses_headers:
             counts = self.previous_deliveries(
                 np.arange(batch.first_offset, batch.end_offset, dtype=np.int64)
             )
             headers = selector_headers(batch, counts + 1)
-        return selector.match_encoded(blobs, headers)
+        return selector.match_groups(groups.distinct, groups.index, headers)
 
     def select(self, selector: Selector, offsets: np.ndarray) -> np.ndarray:
         """Mask of ``offsets`` (sorted, published) that ``selector`` selects."""
@@ -155,7 +157,7 @@ class TargetArea:
 
     def _selected_offsets(self, selector: Selector, offsets: np.ndarray) -> np.ndarray:
         out = [
-            np.flatnonzero(self._mask(selector, b, b.property_blobs())) + b.first_offset
+            np.flatnonzero(self._mask(selector, b, b.property_groups())) + b.first_offset
             for b in self._properties_of(offsets)
         ]
         return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
@@ -167,7 +169,7 @@ class TargetArea:
             return np.zeros(len(offsets), dtype=np.int32)
         return np.array([prev.get(o, 0) for o in offsets.tolist()], dtype=np.int32)
 
-    def arrived(self, batch: MessageBatch, blobs: list[bytes]) -> None:
+    def arrived(self, batch: MessageBatch, groups: PropertyGroups) -> None:
         """Match a newly published batch against every selector consumer."""
         by_text: dict[str, np.ndarray] = {}
         for target in self.selective:
@@ -175,7 +177,7 @@ class TargetArea:
                 continue  # its scan covers this batch
             text = target.selector.text
             if text not in by_text or target.selector.uses_headers:
-                by_text[text] = self._match(target, batch, blobs)
+                by_text[text] = self._match(target, batch, groups)
             target.candidates.add(by_text[text])
 
     def scan_step(self, target: ConsumerTarget, budget: int = SCAN_STEP_MESSAGES) -> None:
@@ -197,18 +199,21 @@ class TargetArea:
                 target.scan_pos = min(seg.end_offset, target.scan_end)
                 continue
             whole = target.scan_pos == seg.base_offset and end == seg.end_offset
-            blobs_seen: list[bytes] = []
-            for batch in self.log.properties(target.scan_pos, end):
-                blobs = batch.property_blobs()
-                if whole:
-                    blobs_seen.extend(blobs)
-                matched = self._match(target, batch, blobs)
+            stored = self.log.properties(target.scan_pos, end)
+            if stored:
+                groups, offsets = stored_property_groups(stored)
+                if target.selector.uses_headers:  # headers differ per message: per batch
+                    matched = np.concatenate(
+                        [self._match(target, b, b.property_groups()) for b in stored]
+                    )
+                else:  # the whole range at once: one evaluation per distinct map
+                    matched = offsets[target.selector.match_groups(groups.distinct, groups.index)]
                 if len(matched):
                     matched = matched[~self.log.is_acked(matched)]
                     target.candidates.add(matched)
-            if whole and seg.summary is None and not seg.summary_overflow:
-                seg.summary = {}
-                seg.note_properties(blobs_seen)
+                if whole and seg.summary is None and not seg.summary_overflow:
+                    seg.summary = {}
+                    seg.note_properties(groups)
             target.messages_scanned += end - target.scan_pos
             budget -= end - target.scan_pos
             target.scan_pos = end
@@ -384,9 +389,9 @@ class TargetArea:
         if not targets:
             return
         for batch in self._properties_of(offsets):
-            blobs = batch.property_blobs()
+            groups = batch.property_groups()
             for t in targets:
-                t.candidates.add(self._match(t, batch, blobs))
+                t.candidates.add(self._match(t, batch, groups))
 
     def _properties_of(self, offsets: np.ndarray) -> list[MessageBatch]:
         """Properties-only batches covering exactly ``offsets`` (sorted)."""

@@ -61,14 +61,25 @@ class Selector:
         self, blobs: Sequence[bytes], headers: Mapping[str, np.ndarray] | None = None
     ) -> np.ndarray:
         """``match`` over msgpack-encoded properties, decoding each distinct blob once."""
-        if self.uses_headers:
-            return self.match([decode_properties(b) for b in blobs], headers)
         distinct: dict[bytes, int] = {}
         index = np.fromiter(
             (distinct.setdefault(b, len(distinct)) for b in blobs), dtype=np.int64, count=len(blobs)
         )
-        mask = self.match([decode_properties(b) for b in distinct])
-        return mask[index] if len(index) else mask
+        return self.match_groups(list(distinct), index, headers)
+
+    def match_groups(
+        self,
+        distinct: Sequence[bytes],
+        index: np.ndarray,
+        headers: Mapping[str, np.ndarray] | None = None,
+    ) -> np.ndarray:
+        """``match`` over messages whose encoded properties are ``distinct[index[i]]``:
+        a selector on properties alone is evaluated once per distinct encoding."""
+        decoded = [decode_properties(b) for b in distinct]
+        if self.uses_headers:  # headers differ per message
+            return self.match([decoded[i] for i in index.tolist()], headers)
+        mask = self.match(decoded)
+        return mask[index] if len(index) else np.zeros(0, dtype=np.bool_)
 
 
 __all__ = [

@@ -11,12 +11,11 @@ import contextlib
 import os
 from array import array
 from bisect import bisect_right
-from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from raymq.batch import MessageBatch, as_u8
+from raymq.batch import MessageBatch, PropertyGroups, as_u8
 from raymq.storage.format import (
     RECORD_HEADER,
     RECORD_MAGIC,
@@ -367,12 +366,12 @@ class Segment:
             np.zeros(n + 1, dtype=np.int64), np.zeros(0, np.uint8), po, as_u8(props), ts, first
         )
 
-    def note_properties(self, blobs: list[bytes]) -> None:
+    def note_properties(self, groups: PropertyGroups) -> None:
         """Add a published record's properties to the segment's summary."""
         summary = self.summary
         if summary is None:
             return
-        for blob, count in Counter(blobs).items():
+        for blob, count in zip(groups.distinct, groups.counts.tolist(), strict=True):
             summary[blob] = summary.get(blob, 0) + count
         if len(summary) > SUMMARY_MAX_DISTINCT:
             self.summary = None
