@@ -75,6 +75,15 @@ def served():
     thread.join(10)
 
 
+def in_threads(produce, n: int) -> None:
+    """Run ``produce(k)`` for k in range(n), each in its own thread; wait for all."""
+    threads = [threading.Thread(target=produce, args=(k,)) for k in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 def test_sends_from_many_threads_come_back_with_their_offsets(served):
     store, _, (host, port, secret), _ = served
     channel = SendChannel(host, port, secret, "q")
@@ -88,11 +97,7 @@ def test_sends_from_many_threads_come_back_with_their_offsets(served):
             with lock:
                 got[body] = offset
 
-    threads = [threading.Thread(target=produce, args=(k,)) for k in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    in_threads(produce, 8)
     channel.close()
     assert sorted(got.values()) == list(range(400))
     assert all(store.bodies[offset] == body for body, offset in got.items())
@@ -169,11 +174,7 @@ def test_batches_and_single_sends_share_a_channel_from_many_threads(served):
                 got.update({b: first + j for j, b in enumerate(bodies[:count])})
                 got[single] = offset
 
-    threads = [threading.Thread(target=produce, args=(k,)) for k in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    in_threads(produce, 6)
     channel.close()
     assert sorted(got.values()) == list(range(6 * 20 * 6))
     assert all(store.bodies[offset] == body for body, offset in got.items())
