@@ -17,7 +17,7 @@ import pyarrow as pa
 import ray
 
 from raymq import metrics
-from raymq.batch import MessageBatch
+from raymq.batch import MessageBatch, warm_arrow_conversions
 from raymq.config import BrokerConfig, QueueConfig
 from raymq.queue_core import QueueCore, QueueStats
 from raymq.send_channel import SendChannelServer
@@ -41,6 +41,7 @@ class QueueActor:
     """The Ray shell of one queue."""
 
     def __init__(self, config: QueueConfig, broker: BrokerConfig):
+        warm_arrow_conversions()  # not during the first fetch
         self.core = QueueCore(config, broker)
         self._started = False
         self._metrics_task: asyncio.Task | None = None

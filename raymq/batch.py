@@ -306,6 +306,14 @@ class PropertyGroups:
     counts: np.ndarray  # messages having each distinct encoding
 
 
+def warm_arrow_conversions() -> None:
+    """Make pyarrow load what its NumPy conversions need (it imports pandas on the first
+    ``to_numpy``: ~0.2 s). Processes that convert (queue actors, consumers) call this
+    when they start, so that no first message pays for it; TargetList actors never
+    convert, and start sooner without it."""
+    pa.array(np.zeros(1, dtype=np.int64)).to_numpy()
+
+
 def _fixed(type_: pa.DataType, values: np.ndarray, dtype: type = np.int64) -> pa.Array:
     """A fixed-width Arrow array over ``values`` as ``dtype`` (no nulls), not copied
     when already so. Not ``pa.array``: converting NumPy that way imports pandas

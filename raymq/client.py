@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 import ray
 
-from raymq.batch import EMPTY_DELIVERY, MessageBatch, check_sizes
+from raymq.batch import EMPTY_DELIVERY, MessageBatch, check_sizes, warm_arrow_conversions
 from raymq.config import (
     BrokerConfig,
     QueueConfig,
@@ -126,6 +126,7 @@ def connect(
     if broker_config and running != config:
         raise InvalidSetting(f"broker in namespace {namespace!r} runs with {running}, not {config}")
     spares.warm(current_node_id())  # the first consumer need not wait for a process
+    warm_arrow_conversions()  # nor its first receive for pyarrow's lazy imports
     governor = MemoryGovernorActor.options(
         name=GOVERNOR_ACTOR_NAME,
         namespace=namespace,
@@ -534,6 +535,7 @@ class Consumer:
         self._unsent_count = 0
         node = near(node_id).node_id
         self.target_list = spares.take(node)
+        warm_arrow_conversions()  # a process that did not connect() (once per process)
         _call(
             self.target_list.start,
             queue._actor,
