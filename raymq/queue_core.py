@@ -447,7 +447,11 @@ class QueueCore:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return EMPTY_DELIVERY
-            if target.scanning:
+            # Nothing taken while its scan goes on means no credit: match ahead meanwhile
+            # (a prefetch's worth), so that returning credit finds candidates ready,
+            # then wait for the credit rather than ask again at once.
+            if target.scanning and len(target.candidates) < target.prefetch:
+                self.area.scan_step(target)
                 await asyncio.sleep(0)  # let other calls in between scan steps
                 continue
             with contextlib.suppress(asyncio.TimeoutError):
