@@ -58,7 +58,7 @@ class BrokerActor:
             lifetime="detached",
             get_if_exists=True,
             scheduling_strategy=pinned_to(node_id),
-        ).remote(cfg, self.broker_config)
+        ).remote(cfg, self.broker_config, self.namespace)
 
     async def create_queue(self, cfg: QueueConfig, node_id: str | None = None):
         """Create (or return, for equal settings) a queue; returns its actor handle."""
@@ -100,6 +100,16 @@ class BrokerActor:
         handle = self._actor(name, entry[0], entry[1])
         await handle.ready.remote()
         return handle
+
+    async def dead_letter_queue(self, name: str, durable: bool):
+        """The handle of dead-letter queue ``name``, created with default settings and
+        ``durable`` if it does not exist (a queue's first dead letter)."""
+        if name not in self._queues:
+            try:
+                return await self.create_queue(QueueConfig(name, durable=durable))
+            except QueueExists:  # created meanwhile with other settings: use it as it is
+                pass
+        return await self.get_queue(name)
 
     def list_queues(self) -> list[str]:
         """Names of all queues, sorted."""

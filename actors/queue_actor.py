@@ -4,6 +4,14 @@ Named ``raymq.queue.<name>``, detached, restarted forever (``max_restarts=-1``) 
 pinned to the node holding its files; on restart it recovers from those files. Calls
 interleave at the awaits of QueueCore; every method is safe to retry except ``send_batch``,
 whose retry after a crash may store a message twice (at-least-once).
+
+Consumers: for each registered TargetList actor the queue keeps one call to its
+``until_closed`` pending; Ray fails that call as soon as it knows the actor died (its
+owner process killed, its node gone), and the queue then delivers again what it held.
+A ping of consumers not heard from for a while backs this up.
+
+Dead letters go to the dead-letter queue through the broker actor, which creates that
+queue when first needed (with this queue's durability).
 """
 
 from __future__ import annotations
@@ -27,6 +35,10 @@ QUEUE_ACTOR_PREFIX = "raymq.queue."
 CONSUMER_SILENCE_SECONDS = 2.0
 #: A ping unanswered for this long is retried next round, not taken as death (seconds).
 PING_TIMEOUT_SECONDS = 5.0
+#: Longest a dead-letter batch waits on a BLOCKed dead-letter queue before it is
+#: retried (seconds).
+DEAD_LETTER_SEND_TIMEOUT_SECONDS = 5.0
+_ACTOR_GONE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 
 log = logging.getLogger("raymq.queue")
 
@@ -40,9 +52,14 @@ def queue_actor_name(queue: str) -> str:
 class QueueActor:
     """The Ray shell of one queue."""
 
-    def __init__(self, config: QueueConfig, broker: BrokerConfig):
+    def __init__(self, config: QueueConfig, broker: BrokerConfig, namespace: str):
+        """``namespace`` is the broker's (a detached actor's runtime context names the
+        namespace of the job that created it, not its own)."""
         warm_arrow_conversions()  # not during the first fetch
-        self.core = QueueCore(config, broker)
+        self.namespace = namespace
+        self.core = QueueCore(config, broker, self._send_dead_letters)
+        self._dead_letter_queue = None  # its actor handle, once found
+        self._death_watches: dict[str, asyncio.Task] = {}
         self._started = False
         self._metrics_task: asyncio.Task | None = None
         self._channel = SendChannelServer(
@@ -78,23 +95,63 @@ class QueueActor:
                 metrics.export_queue_consumers(self.core.name, consumers, node_id, broker)
             await asyncio.sleep(metrics.EXPORT_PERIOD_SECONDS)
 
+    async def _send_dead_letters(self, dead_letter_queue: str, batch: MessageBatch) -> None:
+        """The QueueCore's dead-letter sink: append ``batch`` durably to the dead-letter
+        queue, which the broker actor creates if it does not exist."""
+        if self._dead_letter_queue is None:
+            from raymq.actors.broker_actor import BROKER_ACTOR_NAME  # it imports this module
+
+            broker = ray.get_actor(BROKER_ACTOR_NAME, namespace=self.namespace)
+            self._dead_letter_queue = await broker.dead_letter_queue.remote(
+                dead_letter_queue, self.core.config.durable
+            )
+        try:
+            await self._dead_letter_queue.send_batch.remote(batch, DEAD_LETTER_SEND_TIMEOUT_SECONDS)
+        except _ACTOR_GONE:
+            self._dead_letter_queue = None  # deleted, or restarting: find it again
+            raise
+
+    def _consumer_died(self, consumer_id: str, how: str) -> None:
+        n = self.core.close_consumer(consumer_id)
+        self._death_watches.pop(consumer_id, None)
+        log.warning(
+            "queue %r: consumer %s died (%s); %d messages will be delivered again",
+            self.core.name,
+            consumer_id,
+            how,
+            n,
+        )
+
+    def _watch_death(self, consumer_id: str, actor) -> None:
+        """Keep a call to the consumer's ``until_closed`` pending: Ray fails it as soon
+        as it knows the actor is dead, which is the fastest notice Ray gives."""
+        old = self._death_watches.pop(consumer_id, None)
+        if old is not None:
+            old.cancel()
+
+        async def watch() -> None:
+            try:
+                await actor.until_closed.remote()
+            except _ACTOR_GONE:
+                if consumer_id in self.core.area.consumers:
+                    self._consumer_died(consumer_id, "its actor is gone")
+            except Exception as exc:  # e.g. an old TargetList without until_closed
+                log.info("queue %r: no death watch on %s: %s", self.core.name, consumer_id, exc)
+
+        self._death_watches[consumer_id] = asyncio.get_running_loop().create_task(watch())
+
     async def _watch_consumers(self) -> None:
-        """Deliver again what dead consumers held: every second, ping each consumer not
-        heard from for ``CONSUMER_SILENCE_SECONDS``; a dead TargetList actor is closed."""
+        """Back-up to the death watches: every second, ping each consumer not heard from
+        for ``CONSUMER_SILENCE_SECONDS``; a dead TargetList actor is closed."""
         while True:
             await asyncio.sleep(1.0)
             for consumer_id, actor in self.core.silent_consumers(CONSUMER_SILENCE_SECONDS):
                 try:
                     await asyncio.wait_for(actor.ping.remote(), PING_TIMEOUT_SECONDS)
                     self.core.heard_from(consumer_id)
-                except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
-                    n = self.core.close_consumer(consumer_id)
-                    log.warning(
-                        "queue %r: consumer %s died; %d messages will be delivered again",
-                        self.core.name,
-                        consumer_id,
-                        n,
-                    )
+                except _ACTOR_GONE:
+                    if consumer_id in self.core.area.consumers:
+                        self._consumer_died(consumer_id, "no answer to a ping")
                 except asyncio.TimeoutError:
                     pass  # busy, not dead: ask again next round
 
@@ -145,6 +202,8 @@ class QueueActor:
         """Register a consumer with its prefetch, selector and TargetList actor handle."""
         await self._ensure_started()
         self.core.register_consumer(consumer_id, prefetch, selector, watch)
+        if watch is not None:
+            self._watch_death(consumer_id, watch)
 
     async def give_back(self, consumer_id: str, offsets: np.ndarray) -> int:
         """Release prefetched messages never handed to the application."""
@@ -173,9 +232,17 @@ class QueueActor:
         await self._ensure_started()
         return self.core.nack(consumer_id, offsets)
 
+    async def reject(self, consumer_id: str, offsets: np.ndarray) -> int:
+        """Move held messages to the dead-letter queue instead of delivering them again."""
+        await self._ensure_started()
+        return self.core.reject(consumer_id, offsets)
+
     async def close_consumer(self, consumer_id: str, not_received: np.ndarray | None) -> int:
         """Remove a consumer; what it held is delivered again."""
         await self._ensure_started()
+        watch = self._death_watches.pop(consumer_id, None)
+        if watch is not None:
+            watch.cancel()
         return self.core.close_consumer(consumer_id, not_received)
 
     async def usage(self) -> dict:

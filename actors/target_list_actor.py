@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 
 import numpy as np
 import ray
@@ -27,6 +28,8 @@ log = logging.getLogger("raymq.consumer")
 
 #: Longest one fetch waits in the queue actor (seconds); the loader simply asks again.
 LOADER_POLL_SECONDS = 1.0
+#: How long ``close`` keeps asking a restarting queue actor (seconds).
+CLOSE_RETRY_SECONDS = 30.0
 
 
 @ray.remote(num_cpus=0, max_restarts=0, max_concurrency=64)
@@ -48,6 +51,7 @@ class TargetListActor:
         self._loader: asyncio.Task | None = None
         self._metrics: asyncio.Task | None = None
         self._closed = False
+        self._closed_event = asyncio.Event()
         self.loader_error: str | None = None
 
     def ready(self) -> bool:
@@ -73,12 +77,17 @@ class TargetListActor:
         self.prefetch = prefetch
         self.selector = selector
         self.targets = TargetList(high_watermark, high_watermark_bytes, pending_cache_bytes)
+        await self._register()
+        self._loader = asyncio.get_running_loop().create_task(self._eager_load())
+        self._metrics = asyncio.get_running_loop().create_task(self._export_metrics())
+
+    async def _register(self) -> None:
+        """Register with the queue actor, handing it this actor's handle: it watches
+        for our death to deliver again what we held."""
         me = ray.get_runtime_context().current_actor
         await self.queue_actor.register_consumer.remote(
             self.consumer_id, self.prefetch, self.selector, me
         )
-        self._loader = asyncio.get_running_loop().create_task(self._eager_load())
-        self._metrics = asyncio.get_running_loop().create_task(self._export_metrics())
 
     async def _export_metrics(self) -> None:
         """Every ``metrics.EXPORT_PERIOD_SECONDS`` until closed, set this consumer's
@@ -107,6 +116,9 @@ class TargetListActor:
                 self._filled.set()
                 continue
             try:
+                if self.loader_error is not None:
+                    # The queue actor restarted: register again so that it watches us.
+                    await self._register()
                 meta_ref, batch_ref = self.queue_actor.fetch_batch.options(num_returns=2).remote(
                     self.consumer_id, room, LOADER_POLL_SECONDS, self.prefetch, self.selector
                 )
@@ -166,6 +178,7 @@ class TargetListActor:
     async def close(self, not_received: np.ndarray | None) -> int:
         """Stop loading and give back everything not acknowledged; returns how many."""
         self._closed = True
+        self._closed_event.set()
         if self._loader is not None:
             self._loader.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -173,11 +186,27 @@ class TargetListActor:
         rest = self.targets.drain()
         if not_received is not None and len(not_received):
             rest = np.concatenate([np.asarray(not_received, dtype=np.int64), rest])
-        return await self.queue_actor.close_consumer.remote(self.consumer_id, rest)
+        deadline = time.monotonic() + CLOSE_RETRY_SECONDS
+        while True:
+            try:
+                return await self.queue_actor.close_consumer.remote(self.consumer_id, rest)
+            except ray.exceptions.ActorUnavailableError:
+                # Cut by a restart of the queue actor: ask the restarted one (it forgot
+                # what we held, so this only unregisters us).
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.2)
+            except ray.exceptions.RayActorError:
+                return 0  # the queue is gone for good (deleted): nothing to give back
 
     def ping(self) -> bool:
         """Liveness check by the queue actor."""
         return True
+
+    async def until_closed(self) -> None:
+        """Returns when the consumer closes. The queue actor keeps one call pending: Ray
+        fails it the moment this actor dies, which is how the queue learns of it."""
+        await self._closed_event.wait()
 
     def pid(self) -> int:
         """This actor's process id (benchmarks sample its memory)."""

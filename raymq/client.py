@@ -47,9 +47,13 @@ _RETRYABLE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError
 
 
 def _unwrap(exc: BaseException) -> BaseException:
+    """The typed error inside a RayTaskError; ``BrokerUnavailable`` where the actor
+    called (or one it called) was unavailable."""
     cause = getattr(exc, "cause", None)
     if isinstance(cause, RayMQError | TypeError | ValueError):
         return cause
+    if isinstance(cause, _RETRYABLE):
+        return BrokerUnavailable(f"actor unavailable: {cause}")
     return exc
 
 
@@ -156,15 +160,27 @@ class Broker:
         page_size_bytes: int = 10 * 2**20,
         address_full_policy: str = "PAGE",
         page_max_cache_size: int = 5,
+        max_delivery_attempts: int | None = None,
+        dead_letter_queue: str | None = None,
         node_id: str | None = None,
     ) -> Queue:
         """Create a queue, or return it if it exists with equal settings.
 
+        A message delivered ``max_delivery_attempts`` times (None: no limit) and given
+        back again goes to ``dead_letter_queue`` (default ``f"{name}.DLQ"``, created
+        when first needed with this queue's durability) instead of a further delivery.
         Raises ``QueueExists`` for different settings, ``InvalidQueueName``,
         ``InvalidSetting`` or ``TypeError`` for bad arguments (nothing is created then).
         """
         cfg = QueueConfig(
-            name, durable, max_size_bytes, page_size_bytes, address_full_policy, page_max_cache_size
+            name,
+            durable,
+            max_size_bytes,
+            page_size_bytes,
+            address_full_policy,
+            page_max_cache_size,
+            max_delivery_attempts,
+            dead_letter_queue,
         )
         handle = _call(self._actor.create_queue, cfg, node_id)
         return Queue(self, name, handle)
@@ -693,6 +709,17 @@ class Consumer:
         self._check_open()
         self._send_acks()  # in order: what was acked before is not given back
         return _call(self._actor.nack, self.consumer_id, _offsets_of(messages))
+
+    def reject(self, messages: Message | int | Iterable | pa.RecordBatch | pa.Table) -> int:
+        """Give up on messages: they go to the queue's dead-letter queue (with
+        ``RayMQDeadLetterReason`` "rejected") and are not delivered again here.
+
+        Returns how many were taken; the move itself happens in the background (see
+        ``dead_letters_pending`` and ``messages_dead_lettered`` in ``Queue.stats()``).
+        """
+        self._check_open()
+        self._send_acks()  # in order, as for nack
+        return _call(self._actor.reject, self.consumer_id, _offsets_of(messages))
 
     def backlog(self) -> int:
         """Messages the queue has for this consumer that it has not received yet.

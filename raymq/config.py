@@ -21,6 +21,8 @@ DEFAULT_MAX_MESSAGE_SIZE = 100 * 2**20
 DEFAULT_PAGE_SIZE_BYTES = 10 * 2**20
 MAX_QUEUE_NAME_BYTES = 200
 ADDRESS_FULL_POLICIES = ("PAGE", "DROP", "FAIL", "BLOCK")
+#: A queue's dead-letter queue is named after it with this suffix unless told otherwise.
+DEAD_LETTER_SUFFIX = ".DLQ"
 
 #: Environment for Ray processes that RayMQ starts (an embedded local Ray). The raylet
 #: frees unreferenced objects in batches, by default once a second: at 220 MB/s of
@@ -82,6 +84,11 @@ class QueueConfig:
     address_full_policy: str = "PAGE"
     #: How many segment files the queue keeps cached for reading.
     page_max_cache_size: int = 5
+    #: Deliveries of one message before it goes to the dead-letter queue instead of
+    #: being delivered again (Artemis's max-delivery-attempts); None: no limit.
+    max_delivery_attempts: int | None = None
+    #: Where dead letters go; None: ``f"{name}.DLQ"``, created when first needed.
+    dead_letter_queue: str | None = None
 
     def __post_init__(self) -> None:
         validate_queue_name(self.name)
@@ -95,6 +102,25 @@ class QueueConfig:
                 f"address_full_policy={self.address_full_policy!r} for queue {self.name!r}"
                 f" is not one of {', '.join(ADDRESS_FULL_POLICIES)}"
             )
+        if self.max_delivery_attempts is not None:
+            _check_int("max_delivery_attempts", self.max_delivery_attempts, minimum=1)
+        if self.dead_letter_queue is not None:
+            validate_queue_name(self.dead_letter_queue)
+        else:  # the default name must be valid too (a name near the length limit)
+            try:
+                validate_queue_name(self.dead_letter_address)
+            except InvalidQueueName as exc:
+                raise InvalidSetting(
+                    f"queue {self.name!r}: its default dead_letter_queue is not a valid name"
+                    f" ({exc}); name one with dead_letter_queue="
+                ) from None
+        if self.dead_letter_address == self.name:
+            raise InvalidSetting(f"queue {self.name!r} cannot be its own dead_letter_queue")
+
+    @property
+    def dead_letter_address(self) -> str:
+        """The dead-letter queue's name: ``dead_letter_queue`` or ``f"{name}.DLQ"``."""
+        return self.dead_letter_queue or f"{self.name}{DEAD_LETTER_SUFFIX}"
 
     def to_dict(self) -> dict[str, Any]:
         """Return the settings as a plain dict (stored as the queue's ``queue.json``)."""

@@ -91,6 +91,21 @@ QUEUE_METRICS: list[MetricSpec] = _specs(
             "Messages dropped by address_full_policy=DROP since start (messages)",
         ),
         (
+            "messages_dead_lettered",
+            "messages_dead_lettered",
+            "Messages moved to the dead-letter queue since start (messages)",
+        ),
+        (
+            "dead_letters_pending",
+            "dead_letters_pending",
+            "Messages waiting to be moved to the dead-letter queue (messages)",
+        ),
+        (
+            "dead_letter_failures",
+            "dead_letter_failures",
+            "Failed moves to the dead-letter queue, retried, since start (attempts)",
+        ),
+        (
             "messages_flowed_to_disk",
             "messages_flowed_to_disk",
             "Transient messages written to segment files to free memory, since start (messages)",

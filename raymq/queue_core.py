@@ -18,6 +18,7 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -25,11 +26,12 @@ import pyarrow as pa
 
 from raymq.batch import EMPTY_DELIVERY, MessageBatch, check_sizes
 from raymq.config import BrokerConfig, QueueConfig
+from raymq.dead_letter import MOVE_BATCH_MESSAGES, REASON_REJECTED, dead_letter_batch
 from raymq.errors import AddressFull
 from raymq.head_cache import HeadQueueCache
 from raymq.selector import Selector
 from raymq.storage import RecoveryReport, SegmentLog
-from raymq.target_area import TargetArea
+from raymq.target_area import DEAD_LETTER_HOLDER, TargetArea
 
 log = logging.getLogger("raymq.queue")
 
@@ -39,6 +41,11 @@ MAX_POLL_SECONDS = 1.0
 MATERIALIZE_GAP = 64
 #: Group commits up to this many bytes are written in the event loop (bytes).
 INLINE_WRITE_BYTES = 256 * 1024
+#: Longest wait between two attempts to move dead letters that failed (seconds).
+DEAD_LETTER_RETRY_MAX_SECONDS = 5.0
+
+#: Appends a batch durably to the named dead-letter queue (creating it if needed).
+DeadLetterSink = Callable[[str, MessageBatch], Awaitable[None]]
 
 
 @dataclass(frozen=True)
@@ -86,6 +93,12 @@ class QueueStats:
     flowing_to_disk: bool
     messages_flowed_to_disk: int
     messages_dropped: int
+    #: Messages moved to ``dead_letter_queue``, and those waiting to be moved.
+    messages_dead_lettered: int
+    dead_letters_pending: int
+    dead_letter_queue: str
+    #: Failed attempts to move dead letters (each logged; they are retried).
+    dead_letter_failures: int
     blocked_producers: int
     blocked_seconds: float
     blocked_reason: str
@@ -98,7 +111,14 @@ class QueueStats:
 class QueueCore:
     """A queue: durable or in-memory log, group commit, dispatch and long polling."""
 
-    def __init__(self, config: QueueConfig, broker: BrokerConfig):
+    def __init__(
+        self,
+        config: QueueConfig,
+        broker: BrokerConfig,
+        dead_letter_sink: DeadLetterSink | None = None,
+    ):
+        """``dead_letter_sink`` moves dead letters to the dead-letter queue; without one
+        they wait (counted in ``dead_letters_pending``) and are never delivered again."""
         self.config = config
         self.broker = broker
         self.name = config.name
@@ -112,7 +132,12 @@ class QueueCore:
             durable=config.durable,
             read_cache_bytes=max(config.page_max_cache_size, 1) * config.page_size_bytes,
         )
-        self.area = TargetArea(self.log, config.name)
+        self.area = TargetArea(self.log, config.name, config.max_delivery_attempts)
+        self._dead_letter_sink = dead_letter_sink
+        self._dead_lettered = 0
+        self._dead_letter_failures = 0
+        self._dead_letter_kick: asyncio.Event | None = None
+        self._dead_letter_mover: asyncio.Task | None = None
         self.head_cache = HeadQueueCache(0)
         #: Bytes for this actor's caches from the MemoryGovernor; None until it speaks.
         self.memory_budget: int | None = None
@@ -146,6 +171,11 @@ class QueueCore:
         self._freed = asyncio.Event()
         self._writer = asyncio.get_running_loop().create_task(self._write_loop())
         self._ticker = asyncio.get_running_loop().create_task(self._tick_loop())
+        self._dead_letter_kick = asyncio.Event()
+        if self._dead_letter_sink is not None:
+            self._dead_letter_mover = asyncio.get_running_loop().create_task(
+                self._move_dead_letters()
+            )
 
     async def close(self) -> None:
         """Flush what is pending, stop the tasks and close the files."""
@@ -157,7 +187,7 @@ class QueueCore:
             self._kick.set()
             await flushed
         self._closed = True
-        for task in (self._writer, self._ticker):
+        for task in (self._dead_letter_mover, self._writer, self._ticker):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -543,6 +573,7 @@ class QueueCore:
         n = self.area.release(consumer_id, offsets)
         if n:
             self._wake_consumers()
+            self._signal_dead_letters()
         return n
 
     def give_back(self, consumer_id: str, offsets: np.ndarray) -> int:
@@ -561,7 +592,64 @@ class QueueCore:
         n = self.area.unregister(consumer_id, not_received)
         if n:
             self._wake_consumers()
+            self._signal_dead_letters()
         return n
+
+    def reject(self, consumer_id: str, offsets: np.ndarray) -> int:
+        """Dead-letter messages the consumer holds (reason ``"rejected"``) instead of
+        delivering them again; returns how many. The move happens in the background."""
+        offsets = np.asarray(offsets, dtype=np.int64)
+        self.area.check_ack(consumer_id, offsets)
+        n = self.area.dead_letter(consumer_id, offsets, REASON_REJECTED)
+        self._signal_dead_letters()
+        return n
+
+    def _signal_dead_letters(self) -> None:
+        if self.area.dead_letters and self._dead_letter_kick is not None:
+            self._dead_letter_kick.set()
+
+    async def _move_dead_letters(self) -> None:
+        """Move waiting dead letters to the dead-letter queue, a batch at a time: append
+        there durably, then ack here durably (a crash in between leaves a copy in both,
+        never in neither). A failure is logged, counted and retried with backoff."""
+        backoff = 0.1
+        while True:
+            if not self.area.dead_letters:
+                self._dead_letter_kick.clear()
+                await self._dead_letter_kick.wait()
+                continue
+            try:
+                await self._move_dead_letter_batch()
+                backoff = 0.1
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the DLQ unavailable or full: try again later
+                self._dead_letter_failures += 1
+                log.warning(
+                    "queue %r: moving %d dead letters to %r failed (retry in %.1f s): %s",
+                    self.name,
+                    len(self.area.dead_letters),
+                    self.config.dead_letter_address,
+                    backoff,
+                    exc,
+                )
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, DEAD_LETTER_RETRY_MAX_SECONDS)
+
+    async def _move_dead_letter_batch(self) -> None:
+        offsets, reasons = self.area.next_dead_letters(MOVE_BATCH_MESSAGES)
+        runs = np.split(offsets, np.flatnonzero(np.diff(offsets) != 1) + 1)
+        stored = [b for run in runs for b in self.log.read(int(run[0]), int(run[-1]) + 1)]
+        batch = dead_letter_batch(stored, offsets, reasons, self.name)
+        await self._dead_letter_sink(self.config.dead_letter_address, batch)
+        await self.ack(DEAD_LETTER_HOLDER, offsets)
+        self._dead_lettered += len(offsets)
+        log.info(
+            "queue %r: %d messages moved to dead-letter queue %r",
+            self.name,
+            len(offsets),
+            self.config.dead_letter_address,
+        )
 
     def consumer_stats(self, consumer_id: str) -> dict:
         """The queue side of one consumer's TargetList (counts in messages, bytes)."""
@@ -641,6 +729,10 @@ class QueueCore:
             flowing_to_disk=self.log.flowing,
             messages_flowed_to_disk=self.log.flowed_messages,
             messages_dropped=self._dropped,
+            messages_dead_lettered=self._dead_lettered,
+            dead_letters_pending=len(self.area.dead_letters),
+            dead_letter_queue=self.config.dead_letter_address,
+            dead_letter_failures=self._dead_letter_failures,
             blocked_producers=len(self._blocked),
             blocked_seconds=max((now - t for t in self._blocked.values()), default=0.0),
             blocked_reason=self._full_message(0) if self._blocked else "",

@@ -15,7 +15,10 @@ selector. Here the queue side of each TargetList is a ``ConsumerTarget``:
 Delivery state lives in memory (acks are what is durable): after a restart every
 unacknowledged message is deliverable again. A message is held by at most one consumer
 at a time (``_holder``); released messages (nack, close, death) go to a heap for the
-shared cursor and back into every matching selector consumer's candidates.
+shared cursor and back into every matching selector consumer's candidates, unless they
+have been delivered ``max_delivery_attempts`` times: those, and rejected ones, are held
+by ``DEAD_LETTER_HOLDER`` (so no consumer takes them) until the queue has moved them to
+its dead-letter queue (``raymq.dead_letter``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from raymq.batch import MessageBatch, PropertyGroups, stored_property_groups
+from raymq.dead_letter import REASON_MAX_DELIVERY_ATTEMPTS
 from raymq.errors import InvalidAck
 from raymq.offset_set import OffsetSet
 from raymq.selector import HEADER_DELIVERY_COUNT, HEADER_OFFSET, HEADER_TIMESTAMP, Selector
@@ -34,6 +38,9 @@ from raymq.storage import SegmentLog
 
 #: Offsets a late consumer's scan examines per step before yielding (messages).
 SCAN_STEP_MESSAGES = 200_000
+#: The holder of messages waiting to be moved to the dead-letter queue (no consumer id
+#: is a NUL: consumer ids are hex).
+DEAD_LETTER_HOLDER = "\x00dead-letter"
 
 
 @dataclass
@@ -80,13 +87,16 @@ def selector_headers(batch: MessageBatch, delivery_counts: np.ndarray) -> dict[s
 class TargetArea:
     """Delivery bookkeeping of one queue over its SegmentLog."""
 
-    def __init__(self, log: SegmentLog, queue: str):
+    def __init__(self, log: SegmentLog, queue: str, max_delivery_attempts: int | None = None):
         self.log = log
         self.queue = queue
+        self.max_delivery_attempts = max_delivery_attempts
         self.cursor = self.head()
         self._redeliver: list[int] = []  # heap of released offsets (shared cursor side)
         self._previous: dict[int, int] = {}  # offset -> deliveries so far, when > 0
         self._holder: dict[int, str] = {}
+        #: offset -> reason, for messages held by DEAD_LETTER_HOLDER until moved.
+        self.dead_letters: dict[int, str] = {}
         self.consumers: dict[str, ConsumerTarget] = {}
         self.redelivered_total = 0
 
@@ -123,15 +133,20 @@ class TargetArea:
 
     @property
     def in_flight(self) -> int:
-        """Messages delivered and not yet acked or released."""
-        return len(self._holder)
+        """Messages delivered and not yet acked or released (dead letters not counted)."""
+        return len(self._holder) - len(self.dead_letters)
 
     @property
     def index_bytes(self) -> int:
         """Bytes of delivery bookkeeping: CacheReference bitmaps, and the holder, held
         and redelivery entries of messages in flight (about 100 bytes each in CPython)."""
         bitmaps = sum(t.candidates.nbytes for t in self.selective)
-        per_message = 2 * len(self._holder) + len(self._redeliver) + len(self._previous)
+        per_message = (
+            2 * len(self._holder)
+            + len(self._redeliver)
+            + len(self._previous)
+            + len(self.dead_letters)
+        )
         return bitmaps + 100 * per_message
 
     # -- matching --------------------------------------------------------------------
@@ -258,7 +273,7 @@ class TargetArea:
         holder = self._holder
         # Only selector consumers take offsets beyond the shared cursor; without them
         # nothing there is held and the per-offset check is skipped.
-        ahead_may_be_held = bool(self.selective)
+        ahead_may_be_held = bool(self.selective) or bool(self.dead_letters)
         while len(picked) + len(fresh) < want and self.cursor < self.log.next_offset:
             need = want - len(picked) - len(fresh)
             got = self.log.unacked(self.cursor, need)
@@ -348,6 +363,9 @@ class TargetArea:
             forget = self._previous.pop
             for o in listed:
                 forget(o, None)
+        if consumer_id == DEAD_LETTER_HOLDER:
+            for o in listed:
+                self.dead_letters.pop(o, None)
         fresh = self.log.ack(offsets)
         if target is not None:
             target.acked += fresh
@@ -364,24 +382,54 @@ class TargetArea:
         target = self.consumers.get(consumer_id)
         if target is None:
             return 0
-        chosen = (
-            sorted(target.held)
-            if offsets is None
-            else [o for o in np.unique(offsets).tolist() if o in target.held]
-        )
+        chosen = self._held_by(target, offsets)
+        limit = self.max_delivery_attempts if count_delivery else None
+        again: list[int] = []
         for o in chosen:
             target.held.discard(o)
-            del self._holder[o]
-            heapq.heappush(self._redeliver, o)
             if count_delivery:
                 self._previous[o] = self._previous.get(o, 0) + 1
+            if limit is not None and self._previous[o] >= limit:
+                # Its next delivery would exceed max_delivery_attempts: dead-letter it.
+                self._holder[o] = DEAD_LETTER_HOLDER
+                self.dead_letters[o] = REASON_MAX_DELIVERY_ATTEMPTS
+                continue
+            del self._holder[o]
+            heapq.heappush(self._redeliver, o)
+            again.append(o)
         if count_delivery:
-            self.redelivered_total += len(chosen)
+            self.redelivered_total += len(again)
         else:
             target.given_back += len(chosen)
-        if chosen:
-            self._offer_to_selectors(np.array(chosen, dtype=np.int64))
+        if again:
+            self._offer_to_selectors(np.array(again, dtype=np.int64))
         return len(chosen)
+
+    @staticmethod
+    def _held_by(target: ConsumerTarget, offsets: np.ndarray | None) -> list[int]:
+        """Sorted offsets of ``offsets`` (None: all) that ``target`` holds."""
+        if offsets is None:
+            return sorted(target.held)
+        return [o for o in np.unique(offsets).tolist() if o in target.held]
+
+    def dead_letter(self, consumer_id: str, offsets: np.ndarray, reason: str) -> int:
+        """Take messages a consumer holds out of delivery, for the dead-letter queue;
+        returns how many (those it does not hold are left alone)."""
+        target = self.consumers.get(consumer_id)
+        if target is None:
+            return 0
+        chosen = self._held_by(target, offsets)
+        target.held.difference_update(chosen)
+        for o in chosen:
+            self._holder[o] = DEAD_LETTER_HOLDER
+            self.dead_letters[o] = reason
+        return len(chosen)
+
+    def next_dead_letters(self, limit: int) -> tuple[np.ndarray, list[str]]:
+        """Up to ``limit`` messages waiting for the dead-letter queue: sorted offsets
+        and each one's reason. They stay waiting until ``ack(DEAD_LETTER_HOLDER, ...)``."""
+        chosen = sorted(self.dead_letters)[:limit]
+        return np.array(chosen, dtype=np.int64), [self.dead_letters[o] for o in chosen]
 
     def _offer_to_selectors(self, offsets: np.ndarray) -> None:
         """Put released offsets back into the candidates of every selector that matches."""
