@@ -22,12 +22,15 @@ import ray
 from raymq.actors.queue_actor import queue_actor_name
 
 from raymq import metrics
+from raymq.errors import ConsumerClosed
 from raymq.target_list import DirectEntry, TargetList
 
 log = logging.getLogger("raymq.consumer")
 
 #: Longest one fetch waits in the queue actor (seconds); the loader simply asks again.
 LOADER_POLL_SECONDS = 1.0
+#: Wait before the loader asks again after an unexpected error (seconds).
+LOADER_ERROR_BACKOFF_SECONDS = 1.0
 #: How long ``close`` keeps asking a restarting queue actor (seconds).
 CLOSE_RETRY_SECONDS = 30.0
 
@@ -53,6 +56,7 @@ class TargetListActor:
         self._closed = False
         self._closed_event = asyncio.Event()
         self.loader_error: str | None = None
+        self._refused: ConsumerClosed | None = None
 
     def ready(self) -> bool:
         """True once the process is up (a spare is warm)."""
@@ -127,6 +131,16 @@ class TargetListActor:
                 self.loader_error = f"queue {self.queue!r} unavailable: {exc}"
                 await asyncio.sleep(0.5)  # the queue actor restarts; ask again
                 continue
+            except ray.exceptions.RayTaskError as exc:
+                if isinstance(exc.cause, ConsumerClosed):
+                    self._refused = exc.cause  # the queue closed us: say so to receive()
+                    self._filled.set()
+                    return
+                # Never let the loader die silently: log, show in stats, ask again.
+                self.loader_error = f"queue {self.queue!r}: {exc.cause!r}"
+                log.warning("consumer %s: fetch failed: %s", self.consumer_id, self.loader_error)
+                await asyncio.sleep(LOADER_ERROR_BACKOFF_SECONDS)
+                continue
             self.loader_error = None
             if len(offsets):
                 self.targets.loaded(DirectEntry(batch_ref, offsets, nbytes))
@@ -135,11 +149,13 @@ class TargetListActor:
     async def take(self, max_messages: int, timeout: float) -> list[tuple[object, int, int]]:
         """Up to ``max_messages`` as (batch reference, first row, rows), waiting up to
         ``timeout`` seconds for the first."""
-        if not self.targets.direct:
+        if not self.targets.direct and self._refused is None:
             self._filled.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._filled.wait(), max(timeout, 0.0))
         out = self.targets.take(max_messages)
+        if not out and self._refused is not None:
+            raise self._refused
         if out:
             self._space.set()
         return out

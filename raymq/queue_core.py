@@ -27,7 +27,7 @@ import pyarrow as pa
 from raymq.batch import EMPTY_DELIVERY, MessageBatch, check_sizes
 from raymq.config import BrokerConfig, QueueConfig
 from raymq.dead_letter import MOVE_BATCH_MESSAGES, REASON_REJECTED, dead_letter_batch
-from raymq.errors import AddressFull
+from raymq.errors import AddressFull, ConsumerClosed
 from raymq.head_cache import HeadQueueCache
 from raymq.selector import Selector
 from raymq.storage import RecoveryReport, SegmentLog
@@ -41,6 +41,9 @@ MAX_POLL_SECONDS = 1.0
 MATERIALIZE_GAP = 64
 #: Group commits up to this many bytes are written in the event loop (bytes).
 INLINE_WRITE_BYTES = 256 * 1024
+#: Closed consumer ids remembered so that a fetch arriving after the close cannot
+#: register the consumer again (ids).
+CLOSED_CONSUMERS_REMEMBERED = 100_000
 #: Longest wait between two attempts to move dead letters that failed (seconds).
 DEAD_LETTER_RETRY_MAX_SECONDS = 5.0
 
@@ -161,6 +164,10 @@ class QueueCore:
             (time.monotonic(), dict(self._counters))
         ]
         self._closed = False
+        # A fetch of a TargetList can arrive after its close (sent before, or cut short by
+        # it): it must not register the consumer again and take messages nobody will
+        # ever ack or give back. Insertion-ordered, the oldest forgotten first.
+        self._closed_consumers: dict[str, None] = {}
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -462,11 +469,15 @@ class QueueCore:
         Returns a RecordBatch in ``raymq.batch.DELIVERY_SCHEMA`` (empty when nothing came
         in time). An unknown consumer (e.g. after an actor restart) is registered again.
         """
+        if consumer_id in self._closed_consumers:
+            raise ConsumerClosed(f"consumer {consumer_id} of queue {self.name!r} is closed")
         if consumer_id not in self.area.consumers:
             self.register_consumer(consumer_id, prefetch, selector)
         target = self.area.consumers[consumer_id]
         deadline = time.monotonic() + min(max(timeout, 0.0), MAX_POLL_SECONDS)
         while True:
+            if self.area.consumers.get(consumer_id) is not target:
+                return EMPTY_DELIVERY  # closed (or closed and back) while we waited
             arrival = self._arrival
             offsets, counts = self.area.take(consumer_id, max_messages)
             if len(offsets):
@@ -590,6 +601,9 @@ class QueueCore:
         if not_received is not None:
             not_received = np.asarray(not_received, dtype=np.int64)
         n = self.area.unregister(consumer_id, not_received)
+        self._closed_consumers[consumer_id] = None
+        if len(self._closed_consumers) > CLOSED_CONSUMERS_REMEMBERED:
+            del self._closed_consumers[next(iter(self._closed_consumers))]
         if n:
             self._wake_consumers()
             self._signal_dead_letters()

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from raymq.batch import MessageBatch
 from raymq.config import BrokerConfig, QueueConfig
-from raymq.errors import SelectorError
+from raymq.errors import ConsumerClosed, SelectorError
 from raymq.offset_set import OffsetSet
 from raymq.queue_core import QueueCore
 
@@ -214,6 +214,28 @@ def test_offset_released_twice_is_delivered_once(tmp_path):
         assert got.column("offset").to_pylist() == [0, 1]
         assert got.column("delivery_count").to_pylist() == [3, 1]
         assert core.close_consumer("plain") == 2
+        await core.close()
+
+    run(main())
+
+
+def test_a_fetch_after_or_during_a_close_takes_nothing(tmp_path):
+    """A TargetList's fetch can reach the queue after its close: it must not register
+    the consumer again and take messages that nobody would ever ack or give back."""
+
+    async def main():
+        core = await open_core(tmp_path)
+        core.register_consumer("gone", 100)
+        waiting = asyncio.ensure_future(core.fetch("gone", 10, 5.0, 100))
+        await asyncio.sleep(0)  # the fetch is waiting for messages now
+        core.close_consumer("gone")
+        await send_colors(core, ["red"] * 3)
+        assert (await waiting).num_rows == 0
+        with pytest.raises(ConsumerClosed):
+            await core.fetch("gone", 10, 0, 100)
+        assert core.stats().in_flight == 0 and "gone" not in core.area.consumers
+        core.register_consumer("other", 100)
+        assert (await core.fetch("other", 10, 0, 100)).num_rows == 3
         await core.close()
 
     run(main())
