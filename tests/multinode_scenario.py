@@ -9,13 +9,15 @@ Usage: python tests/multinode_scenario.py PAGING_DIR RAY_TEMP_DIR
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
 import time
 
 import ray
 from ray.cluster_utils import Cluster
-from raymq.placement.nodes import alive_nodes
+from raymq.placement.nodes import alive_nodes, object_store_by_node
 
 import raymq
 
@@ -25,6 +27,11 @@ THRESHOLD = 60 * MIB
 
 
 def main(paging_dir: str, temp_dir: str) -> dict:
+    # Cluster writes its address to <RAY_TMPDIR or /tmp>/ray/ray_current_cluster and
+    # deletes it on shutdown: keep that file in our own temp dir. /tmp/ray need not
+    # exist on a fresh machine (FileNotFoundError), and belongs to any other Ray there.
+    os.environ["RAY_TMPDIR"] = temp_dir
+    os.makedirs(os.path.join(temp_dir, "ray"), exist_ok=True)
     cluster = Cluster(
         initialize_head=True,
         head_node_args={
@@ -69,23 +76,60 @@ def main(paging_dir: str, temp_dir: str) -> dict:
                 "consumer_node": c.stats()["node_id"],
                 "received": got,
             }
-        out["before"] = broker.rebalance()
-        # remove a worker node holding a queue: its budget goes to the others
-        victim = next(n for n in out["queue_nodes"].values() if n != head)
-        worker = next(w for w in workers if w.node_id == victim)
-        cluster.remove_node(worker)
-        deadline = time.monotonic() + 30
-        while any(n["NodeID"] == victim for n in alive_nodes()):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"node {victim} still alive after 30 s")
-            time.sleep(0.1)
-        out["removed"] = victim
-        out["after"] = broker.rebalance()
+        # The node to remove later: the remote queue's, a worker holding a queue.
+        victim = out["queue_nodes"][remote_name]
+        survivors = {n for n, node in out["queue_nodes"].items() if node != victim}
+        with contextlib.ExitStack() as consumers:
+            # Like with like: the governor gives a queue with no consumer and no traffic
+            # since its last round only its floor, and whether the sends above are still
+            # "recent" at a rebalance depends on the machine's speed. A registered
+            # consumer keeps a queue active in every round, so each surviving queue is
+            # active in both plans compared below. (Consumers on the head: the removed
+            # node takes nothing of theirs with it.)
+            for name in sorted(survivors):
+                consumers.enter_context(queues[name].consumer(prefetch=10, node_id=head))
+            out["before"], out["before_usage"], out["before_rounds"] = rebalanced(
+                broker, set(queues)
+            )
+            out["before_stores"] = object_store_by_node()
+            # remove a worker node holding a queue: its budget goes to the others
+            worker = next(w for w in workers if w.node_id == victim)
+            cluster.remove_node(worker)
+            deadline = time.monotonic() + 30
+            while any(n["NodeID"] == victim for n in alive_nodes()):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"node {victim} still alive after 30 s")
+                time.sleep(0.1)
+            out["removed"] = victim
+            out["after"], out["after_usage"], out["after_rounds"] = rebalanced(broker, survivors)
+            out["after_stores"] = object_store_by_node()
         broker.shutdown()
     finally:
         ray.shutdown()
         cluster.shutdown()
     return out
+
+
+def rebalanced(broker, expected: set[str], wait: float = 30.0) -> tuple[dict, dict, int]:
+    """A governor round's plan that budgets every queue in ``expected``, the usage it
+    was computed from (by queue name) and how many rounds that took.
+
+    A queue whose usage does not arrive within the governor's per-call timeout (a busy
+    actor on a loaded machine) is left out of that round's plan; this waits (up to
+    ``wait`` seconds) for a round that heard from all of them. The usage comes from
+    ``governor_stats()``, the last round's: possibly a background round just after
+    ours, which sees the same queues, sizes and consumers when no one sends or acks.
+    """
+    deadline = time.monotonic() + wait
+    rounds = 0
+    while True:
+        plan = broker.rebalance()
+        usage = broker.governor_stats()["usage"]
+        rounds += 1
+        heard = expected <= set(plan["queues"]) and expected <= set(usage)
+        if heard or time.monotonic() > deadline:
+            return plan, usage, rounds  # the test says what is missing
+        time.sleep(0.2)
 
 
 if __name__ == "__main__":
