@@ -36,7 +36,8 @@ _EMPTY_U8 = np.zeros(0, dtype=np.uint8)
 def check_sizes(
     sizes: np.ndarray, max_message_size: int, queue: str, what: str = "message"
 ) -> None:
-    """Raise ``MessageTooLarge`` naming the first body over ``max_message_size`` bytes."""
+    """Raise ``MessageTooLarge`` naming the first of ``sizes`` (bytes of a body, or of a
+    body and its properties) over ``max_message_size`` bytes."""
     too_big = np.flatnonzero(sizes > max_message_size)
     if len(too_big):
         i = int(too_big[0])

@@ -374,6 +374,10 @@ class Queue:
         props = encode_properties(
             validate_properties(properties, where=f"message for queue {self.name!r}")
         )
+        # The queue counts properties toward max_message_size too.
+        check_sizes(
+            np.array([len(body) + len(props)]), self.broker.config.max_message_size, self.name
+        )
         channel = _send_channel(self)
         if channel is not None:
             try:
@@ -387,18 +391,18 @@ class Queue:
         return coalescer.send(body, props)
 
     def _pack(self, bodies, properties) -> MessageBatch:
+        limit = self.broker.config.max_message_size
         if isinstance(bodies, pa.Table | pa.RecordBatch):
             if properties is not None:
                 raise TypeError("properties come from the Arrow columns; pass properties=None")
-            return MessageBatch.from_arrow(
-                bodies, max_message_size=self.broker.config.max_message_size, queue=self.name
+            batch = MessageBatch.from_arrow(bodies, max_message_size=limit, queue=self.name)
+        else:
+            batch = MessageBatch.from_bodies(
+                bodies, properties, max_message_size=limit, queue=self.name
             )
-        return MessageBatch.from_bodies(
-            bodies,
-            properties,
-            max_message_size=self.broker.config.max_message_size,
-            queue=self.name,
-        )
+        # The queue counts properties toward max_message_size too.
+        check_sizes(batch.body_sizes() + np.diff(batch.prop_offsets), limit, self.name)
+        return batch
 
     def send_batch(
         self,

@@ -42,13 +42,17 @@ def validate_queue_name(name: object) -> str:
     """Return ``name`` if it is safe as a directory name under the paging directory.
 
     Raises ``TypeError`` for a non-string and ``InvalidQueueName`` for a name that is
-    empty, over 200 bytes in UTF-8, contains ``/``, ``\\`` or NUL, or is ``.``/``..``.
+    empty, not valid Unicode (a lone surrogate), over 200 bytes in UTF-8, contains ``/``, ``\\`` or NUL, or is ``.``/``..``.
     """
     if not isinstance(name, str):
         raise TypeError(f"queue name must be str, not {type(name).__name__}")
     if not name:
         raise InvalidQueueName("queue name is empty")
-    if len(name.encode("utf-8", "surrogatepass")) > MAX_QUEUE_NAME_BYTES:
+    try:
+        encoded = name.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: no file name can hold it
+        raise InvalidQueueName(f"queue name {name!r} is not valid Unicode") from None
+    if len(encoded) > MAX_QUEUE_NAME_BYTES:
         raise InvalidQueueName(f"queue name {name[:40]!r}... is over {MAX_QUEUE_NAME_BYTES} bytes")
     for bad in ("/", "\\", "\x00"):
         if bad in name:

@@ -51,6 +51,21 @@ def encode_properties(props: Mapping[str, PropertyValue]) -> bytes:
     return _packer.pack(props) if props else b""
 
 
+def check_encoded_properties(data: bytes, *, where: str = "message") -> None:
+    """Raise ``InvalidProperties`` unless ``data`` is what ``encode_properties`` writes
+    for valid properties: empty, or one msgpack map of str keys to allowed values with
+    nothing after it. What a queue stores must decode for every reader and selector."""
+    if not data:
+        return
+    try:
+        props = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
+        raise InvalidProperties(f"properties of {where} are not one msgpack map") from None
+    if not isinstance(props, dict) or not props:
+        raise InvalidProperties(f"properties of {where} are not a non-empty msgpack map")
+    validate_properties(props, where=where)
+
+
 def decode_properties(data: bytes | memoryview) -> dict[str, Any]:
     """Decode what ``encode_properties`` wrote."""
     return msgpack.unpackb(data, raw=False) if len(data) else {}

@@ -29,6 +29,7 @@ from raymq.config import BrokerConfig, QueueConfig
 from raymq.dead_letter import MOVE_BATCH_MESSAGES, REASON_REJECTED, dead_letter_batch
 from raymq.errors import AddressFull, ConsumerClosed
 from raymq.head_cache import HeadQueueCache
+from raymq.properties import check_encoded_properties
 from raymq.selector import Selector
 from raymq.storage import RecoveryReport, SegmentLog
 from raymq.target_area import DEAD_LETTER_HOLDER, TargetArea
@@ -287,9 +288,19 @@ class QueueCore:
             self._freed = asyncio.Event()
 
     def _check_batch(self, batch: MessageBatch) -> None:
+        """Refuse, before anything is stored, a batch a client could have forged: a
+        message over ``max_message_size`` (body and properties together) or property
+        bytes that are not a valid msgpack map (checked once per distinct map)."""
         if not isinstance(batch, MessageBatch):
             raise TypeError(f"send_batch takes a MessageBatch, not {type(batch).__name__}")
-        check_sizes(batch.body_sizes(), self.broker.max_message_size, self.name)
+        sizes = batch.body_sizes() + np.diff(batch.prop_offsets)
+        check_sizes(sizes, self.broker.max_message_size, self.name)
+        if len(batch.prop_data):
+            groups = batch.property_groups()
+            first_of = np.full(len(groups.distinct), len(batch), dtype=np.int64)
+            np.minimum.at(first_of, groups.index, np.arange(len(batch)))
+            for blob, i in zip(groups.distinct, first_of.tolist(), strict=True):
+                check_encoded_properties(blob, where=f"message {i} for queue {self.name!r}")
 
     async def _write_loop(self) -> None:
         while True:
@@ -563,7 +574,7 @@ class QueueCore:
 
     async def ack(self, consumer_id: str, offsets: np.ndarray) -> int:
         """Acknowledge offsets; returns once the acks are durable (for a durable queue)."""
-        offsets = np.asarray(offsets, dtype=np.int64)
+        offsets = self._offsets(offsets)
         self.area.check_ack(consumer_id, offsets)
         fresh = self.area.ack(consumer_id, offsets)
         self._counters["acked"] += fresh
@@ -579,7 +590,7 @@ class QueueCore:
 
     def nack(self, consumer_id: str, offsets: np.ndarray) -> int:
         """Release offsets for redelivery with their delivery count raised."""
-        offsets = np.asarray(offsets, dtype=np.int64)
+        offsets = self._offsets(offsets)
         self.area.check_ack(consumer_id, offsets)
         n = self.area.release(consumer_id, offsets)
         if n:
@@ -589,9 +600,7 @@ class QueueCore:
 
     def give_back(self, consumer_id: str, offsets: np.ndarray) -> int:
         """Release held offsets the application never received (delivery not counted)."""
-        n = self.area.release(
-            consumer_id, np.asarray(offsets, dtype=np.int64), count_delivery=False
-        )
+        n = self.area.release(consumer_id, self._offsets(offsets), count_delivery=False)
         if n:
             self._wake_consumers()
         return n
@@ -599,7 +608,7 @@ class QueueCore:
     def close_consumer(self, consumer_id: str, not_received: np.ndarray | None = None) -> int:
         """Remove a consumer; what it held is delivered again (``not_received`` uncounted)."""
         if not_received is not None:
-            not_received = np.asarray(not_received, dtype=np.int64)
+            not_received = self._offsets(not_received)
         n = self.area.unregister(consumer_id, not_received)
         self._closed_consumers[consumer_id] = None
         if len(self._closed_consumers) > CLOSED_CONSUMERS_REMEMBERED:
@@ -609,10 +618,20 @@ class QueueCore:
             self._signal_dead_letters()
         return n
 
+    def _offsets(self, offsets: object) -> np.ndarray:
+        """``offsets`` as int64; ``TypeError`` naming the queue for anything but integers
+        (a float would otherwise be truncated to another message's offset)."""
+        arr = np.asarray(offsets)
+        if arr.size and arr.dtype.kind not in "iu":
+            raise TypeError(f"offsets for queue {self.name!r} must be integers, not {arr.dtype}")
+        if arr.ndim != 1:
+            arr = arr.reshape(-1)
+        return arr.astype(np.int64, copy=False)
+
     def reject(self, consumer_id: str, offsets: np.ndarray) -> int:
         """Dead-letter messages the consumer holds (reason ``"rejected"``) instead of
         delivering them again; returns how many. The move happens in the background."""
-        offsets = np.asarray(offsets, dtype=np.int64)
+        offsets = self._offsets(offsets)
         self.area.check_ack(consumer_id, offsets)
         n = self.area.dead_letter(consumer_id, offsets, REASON_REJECTED)
         self._signal_dead_letters()

@@ -11,12 +11,18 @@ keeps one connection per queue and sends single messages and batches over it, ma
 flight at once. Consumers and everything else go through Ray.
 
 Security: the socket answers only a client that first presents the queue actor's secret,
-which a client gets through an (authenticated) Ray call. Frames are limited in size, and
-before the secret is shown to 1 KiB.
+which a client gets through an (authenticated) Ray call, within ``HELLO_TIMEOUT_SECONDS``
+(compared in constant time). Frames are limited in size, and before the secret is shown
+to 1 KiB; a queue actor serves at most ``MAX_CONNECTIONS`` connections at once. Every
+request is checked where it enters (ids integers, timeouts numbers or nil, bodies and
+properties bytes, properties a valid msgpack map): a bad one gets its error and takes
+no other request of the same gather with it.
 
 Frames: a 4-byte big-endian length, then msgpack. The client's first frame is
 ``[secret]``, answered ``[true]``. Then requests, answered in any order:
 
+- a ping: ``[id]``, answered ``[id, true, nil, nil]`` (a client waiting long for an
+  answer asks it to tell a busy queue from a dead connection);
 - one message: ``[id, body, properties, timeout]`` (properties msgpack-encoded as in a
   MessageBatch, timeout seconds or nil), answered ``[id, offset, nil, nil]`` (offset
   nil: DROPped);
@@ -35,19 +41,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import itertools
+import logging
 import secrets
 import socket
 import struct
 import threading
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout  # not the builtin before 3.11
 from typing import Any
 
 import msgpack
 
 from raymq import errors
 from raymq.batch import MessageBatch
+from raymq.properties import check_encoded_properties
+
+log = logging.getLogger("raymq.send_channel")
 
 _LENGTH = struct.Struct(">I")
 #: Longest first frame (the secret) a server reads from an unknown peer (bytes).
@@ -59,6 +71,13 @@ FRAME_OVERHEAD = 64 * 1024
 READ_BUFFER_BYTES = 4 * 2**20
 #: Seconds a client waits to connect and for the server's answer to its secret.
 CONNECT_TIMEOUT_SECONDS = 5.0
+#: Seconds a server waits for a new connection's secret before closing it.
+HELLO_TIMEOUT_SECONDS = 5.0
+#: Connections a queue actor serves at once; more are closed at once (connections).
+MAX_CONNECTIONS = 256
+#: A client waiting this long for an answer pings the server; a ping unanswered as long
+#: again breaks the channel (seconds). A BLOCKed send may wait for ever, a dead peer not.
+REPLY_PATIENCE_SECONDS = 30.0
 
 
 class ChannelBroken(ConnectionError):
@@ -101,6 +120,9 @@ class SendChannelServer:
         # Requests gathered since the last flush: (body, properties, timeout, reply).
         self._gathered: list[tuple[bytes, bytes, float | None, Callable]] = []
         self._tasks: set[asyncio.Task] = set()
+        self.connections = 0
+        self.refused_connections = 0
+        self.pings_answered = 0
 
     async def start(self, host: str) -> tuple[str, int, str]:
         """Listen on ``host`` (a free port); returns (host, port, secret)."""
@@ -114,20 +136,50 @@ class SendChannelServer:
             self._server.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.connections >= MAX_CONNECTIONS:
+            self.refused_connections += 1
+            log.warning(
+                "queue %r: send channel refuses a connection: %d open (MAX_CONNECTIONS)",
+                self._queue,
+                self.connections,
+            )
+            writer.close()
+            return
+        self.connections += 1
         try:
-            if await _read_frame(reader, HELLO_LIMIT) != [self.secret]:
+            hello = await asyncio.wait_for(_read_frame(reader, HELLO_LIMIT), HELLO_TIMEOUT_SECONDS)
+            if not self._authentic(hello):
                 return  # not a client of this queue
             writer.write(frame([True]))
             while True:
                 req = await _read_frame(reader, self._frame_limit)
-                if len(req) == 3:
+                if not isinstance(req, list) or not req or not _is_id(req[0]):
+                    return  # no id to answer: drop the connection
+                if len(req) == 1:
+                    _replier(req[0], writer)(True)
+                    self.pings_answered += 1
+                elif len(req) == 3:
                     await self._batch(req, reader, writer)
-                else:
+                elif len(req) == 4:
                     self._gather(req, writer)
-        except (asyncio.IncompleteReadError, ConnectionError, ValueError, TypeError):
-            pass  # the client went away, or spoke nonsense: drop the connection
+                else:
+                    _replier(req[0], writer)(None, ValueError(f"bad request to {self._queue!r}"))
+        except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError, ValueError):
+            pass  # the client went away, was silent, or spoke nonsense: drop the connection
+        except Exception as exc:  # msgpack's own errors among them: never kill the server
+            log.warning("queue %r: send channel dropped a connection: %r", self._queue, exc)
         finally:
+            self.connections -= 1
             writer.close()
+
+    def _authentic(self, hello: object) -> bool:
+        """True if ``hello`` is ``[secret]`` (compared in constant time)."""
+        return (
+            isinstance(hello, list)
+            and len(hello) == 1
+            and isinstance(hello[0], str)
+            and hmac.compare_digest(hello[0].encode(), self.secret.encode())
+        )
 
     async def _batch(
         self, req: list, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
@@ -135,6 +187,8 @@ class SendChannelServer:
         """Read a batch request's buffers and store it (in a task: the next request is
         read meanwhile, and concurrent batches share the queue's group commit)."""
         req_id, timeout, lengths = req
+        if not _is_timeout(timeout):
+            raise ValueError(f"bad timeout {timeout!r}")  # its buffers follow: drop it
         if (
             not isinstance(lengths, list)
             or len(lengths) != 4
@@ -172,6 +226,14 @@ class SendChannelServer:
         if not isinstance(body, bytes) or not isinstance(props, bytes):
             reply(None, TypeError(f"send to queue {self._queue!r}: body and properties as bytes"))
             return
+        if not _is_timeout(timeout):
+            reply(None, TypeError(f"send to queue {self._queue!r}: timeout {timeout!r}"))
+            return
+        try:  # here, not in the gathered batch: one bad map must not fail the others
+            check_encoded_properties(props, where=f"a message for queue {self._queue!r}")
+        except errors.InvalidProperties as exc:
+            reply(None, exc)
+            return
         if not self._gathered:
             asyncio.get_running_loop().call_soon(self._flush)
         self._gathered.append((body, props, timeout, reply))
@@ -194,6 +256,17 @@ class SendChannelServer:
             return
         for k, (*_, reply) in enumerate(items):
             reply(first + k if k < count else None)  # beyond count: DROPped
+
+
+def _is_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_timeout(value: object) -> bool:
+    """None or a number of seconds >= 0 (not a bool)."""
+    if value is None:
+        return True
+    return isinstance(value, int | float) and not isinstance(value, bool) and value >= 0
 
 
 def _replier(req_id: int, writer: asyncio.StreamWriter) -> Callable:
@@ -267,7 +340,26 @@ class SendChannel:
         return first, count
 
     def _request(self, parts_of: Callable[[int], list]) -> Any:
-        """Send the frame ``parts_of(request id)`` and wait for its answer."""
+        """Send the frame ``parts_of(request id)`` and wait for its answer: as long as
+        the server answers pings (a BLOCKed send may wait for ever), else
+        ``ChannelBroken`` after ``REPLY_PATIENCE_SECONDS`` twice."""
+        fut = self._submit(parts_of)
+        while True:
+            try:
+                return fut.result(timeout=REPLY_PATIENCE_SECONDS)
+            except FutureTimeout:
+                pass
+            ping = self._submit(lambda req_id: [frame([req_id])])
+            try:
+                ping.result(timeout=REPLY_PATIENCE_SECONDS)
+            except FutureTimeout:
+                with self._lock:
+                    self._break(TimeoutError(f"no answer to a ping in {REPLY_PATIENCE_SECONDS} s"))
+            if fut.done():
+                return fut.result()
+
+    def _submit(self, parts_of: Callable[[int], list]) -> Future:
+        """Send the frame ``parts_of(request id)``; returns the future of its answer."""
         fut: Future = Future()
         with self._lock:
             if self.broken is not None:
@@ -281,7 +373,7 @@ class SendChannel:
                 self._waiting.pop(req_id, None)
                 self._break(exc)
                 raise ChannelBroken(f"send channel of queue {self.queue!r}: {exc}") from exc
-        return fut.result()
+        return fut
 
     def close(self) -> None:
         """Close the connection; waiting sends raise ``ChannelBroken``."""

@@ -205,3 +205,116 @@ def test_a_batch_whose_offsets_do_not_fit_its_data_is_refused(served):
     assert channel.send(b"still open", b"", None) == 0
     assert store.bodies == [b"still open"]
     channel.close()
+
+
+def raw_client(host: str, port: int, secret: str | None) -> socket.socket:
+    """A bare socket, authenticated when ``secret`` is given (as a hostile client)."""
+    sock = socket.create_connection((host, port), timeout=30)
+    if secret is not None:
+        sock.sendall(frame([secret]))
+        assert read_frame(sock) == [True]
+    return sock
+
+
+def read_frame(sock: socket.socket) -> object:
+    def exactly(n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = sock.recv(n - len(data))
+            if not chunk:
+                raise ConnectionError("closed")
+            data += chunk
+        return data
+
+    return msgpack.unpackb(exactly(int.from_bytes(exactly(4), "big")))
+
+
+def test_a_malformed_request_fails_alone_and_the_good_one_in_its_gather_is_stored(served):
+    store, _, (host, port, secret), _ = served
+    sock = raw_client(host, port, secret)
+    bad_props = b"\xc1"  # never valid msgpack
+    sock.sendall(  # one write: the server gathers them together
+        frame([1, b"good", b"", None])
+        + frame([2, b"bad", b"", [1]])  # an unhashable timeout
+        + frame([3, b"bad", bad_props, None])
+        + frame([4, b"bad", msgpack.packb({"k": [1, 2]}), None])  # a list is no property
+        + frame([5, b"bad", b"", -1.0])
+    )
+    answers = {}
+    while len(answers) < 5:
+        req_id, result, error, _message = read_frame(sock)
+        answers[req_id] = (result, error)
+    assert answers[1] == (0, None)
+    assert answers[2][1] == answers[5][1] == "TypeError"
+    assert answers[3][1] == answers[4][1] == "InvalidProperties"
+    assert store.bodies == [b"good"]
+    sock.sendall(frame([6]))  # a ping: the connection is still served
+    assert read_frame(sock) == [6, True, None, None]
+    sock.close()
+
+
+def test_a_silent_connection_is_closed_and_connections_are_capped(served, monkeypatch):
+    from raymq import send_channel
+
+    _, server, (host, port, secret), _ = served
+    monkeypatch.setattr(send_channel, "HELLO_TIMEOUT_SECONDS", 0.2)
+    silent = raw_client(host, port, None)  # never sends the secret
+    assert silent.recv(1) == b""  # closed by the server, not by us
+    silent.close()
+    monkeypatch.setattr(send_channel, "MAX_CONNECTIONS", 2)
+    monkeypatch.setattr(send_channel, "HELLO_TIMEOUT_SECONDS", 60)
+    kept = [raw_client(host, port, secret) for _ in range(2)]
+    extra = socket.create_connection((host, port), timeout=30)
+    assert extra.recv(1) == b""  # over the cap: closed at once
+    assert server.refused_connections == 1
+    extra.close()
+    for sock in kept:
+        sock.close()
+
+
+def test_a_client_waiting_on_a_dead_server_gets_channel_broken(served, monkeypatch):
+    from raymq import send_channel
+
+    store, _, _endpoint, loop = served
+    monkeypatch.setattr(send_channel, "REPLY_PATIENCE_SECONDS", 0.3)
+    # A peer that authenticates clients and then answers nothing, not even pings.
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+
+    def mute() -> None:
+        conn, _ = listener.accept()
+        accepted.append(conn)
+        conn.recv(1024)
+        conn.sendall(frame([True]))
+
+    t = threading.Thread(target=mute)
+    t.start()
+    channel = SendChannel("127.0.0.1", listener.getsockname()[1], "s", "q")
+    t.join(10)
+    with pytest.raises(ChannelBroken, match="ping"):
+        channel.send(b"lost?", b"", None)
+    channel.close()
+    for sock in [*accepted, listener]:
+        sock.close()
+    loop.call_soon_threadsafe(store.release.set)
+
+
+def test_a_blocked_send_outlives_the_reply_patience_while_the_server_answers_pings(
+    served, monkeypatch
+):
+    from raymq import send_channel
+
+    store, server, (host, port, secret), loop = served
+    monkeypatch.setattr(send_channel, "REPLY_PATIENCE_SECONDS", 0.1)
+    store.hold = True
+    channel = SendChannel(host, port, secret, "q")
+    result: list[int] = []
+    t = threading.Thread(target=lambda: result.append(channel.send(b"late", b"", None)))
+    t.start()
+    idle = threading.Event()
+    while server.pings_answered < 3:  # the send waits on while its pings are answered
+        idle.wait(0.01)
+    loop.call_soon_threadsafe(store.release.set)
+    t.join(30)
+    assert result == [0] and channel.broken is None
+    channel.close()

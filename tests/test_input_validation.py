@@ -1,0 +1,90 @@
+"""Requests are validated where they enter a queue, without Ray: a forged batch gets its
+typed error, stores nothing, and the queue (its writer, its selector consumers) keeps
+working for everyone else."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgpack
+import numpy as np
+import pytest
+
+from raymq.batch import MessageBatch
+from raymq.config import BrokerConfig, QueueConfig
+from raymq.errors import InvalidProperties, MessageTooLarge
+from raymq.queue_core import QueueCore
+
+
+def forged(bodies: list[bytes], props: list[bytes]) -> MessageBatch:
+    """A batch built from raw property bytes, as a hostile client could send it."""
+    return MessageBatch.from_encoded(bodies, props)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [b"\xc1", msgpack.packb([1, 2]), msgpack.packb({"k": [1]}), msgpack.packb({1: "x"})],
+    ids=["not-msgpack", "not-a-map", "list-value", "int-key"],
+)
+def test_forged_property_bytes_are_refused_and_the_queue_goes_on(tmp_path, bad):
+    q = QueueCore(QueueConfig("q"), BrokerConfig(paging_directory=str(tmp_path)))
+
+    async def main():
+        q.start()
+        q.register_consumer("reds", 100, "colour = 'red'")  # matching would meet them
+        good = msgpack.packb({"colour": "red"})
+        with pytest.raises(InvalidProperties, match="message 1 for queue 'q'"):
+            await q.send_batch(forged([b"ok", b"forged"], [good, bad]))
+        assert q.stats().next_offset == 0  # nothing of that batch stored
+        first, n = await asyncio.wait_for(q.send_batch(forged([b"next"], [good])), 30)
+        got = await q.fetch("reds", 10, 0, 100)
+        await q.close()
+        return first, n, got.column("body").to_pylist()
+
+    assert asyncio.run(main()) == (0, 1, [b"next"])
+
+
+def test_properties_count_toward_max_message_size(tmp_path):
+    broker = BrokerConfig(paging_directory=str(tmp_path), max_message_size=1024)
+    q = QueueCore(QueueConfig("q"), broker)
+    huge = msgpack.packb({"k": "x" * 2**20})
+
+    async def main():
+        q.start()
+        with pytest.raises(MessageTooLarge, match="queue 'q'"):
+            await q.send_batch(forged([b"1"], [huge]))
+        await q.send_batch(forged([b"1"], [msgpack.packb({"k": "small"})]))
+        stats = q.stats()
+        await q.close()
+        return stats.next_offset
+
+    assert asyncio.run(main()) == 1
+    assert np.diff(forged([b"1"], [huge]).prop_offsets)[0] > 1024
+
+
+def test_ack_offsets_must_be_integers(tmp_path):
+    q = QueueCore(QueueConfig("q"), BrokerConfig(paging_directory=str(tmp_path)))
+
+    async def main():
+        q.start()
+        await q.send_batch(forged([b"a", b"b"], [b"", b""]))
+        q.register_consumer("c", 10)
+        await q.fetch("c", 10, 0, 10)
+        for bad in ([0.9], np.array([1.0])):
+            with pytest.raises(TypeError, match="queue 'q'"):
+                await q.ack("c", bad)
+            with pytest.raises(TypeError, match="queue 'q'"):
+                q.nack("c", bad)
+        assert await q.ack("c", [1]) == 1 and q.stats().depth == 1  # offset 0 untouched
+        await q.close()
+
+    asyncio.run(main())
+
+
+def test_a_lone_surrogate_is_not_a_queue_name():
+    from raymq.config import validate_queue_name
+    from raymq.errors import InvalidQueueName
+
+    with pytest.raises(InvalidQueueName, match="not valid Unicode"):
+        validate_queue_name("\ud800")
+    assert validate_queue_name("zürich-🚀") == "zürich-🚀"
