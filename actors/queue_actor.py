@@ -71,9 +71,8 @@ class QueueActor:
         if not self._started:
             self.core.start()
             self._started = True
-            loop = asyncio.get_running_loop()
-            loop.create_task(self._watch_consumers())
-            self._metrics_task = loop.create_task(self._export_metrics())
+            self.core.supervise("consumer watch", self._watch_consumers)
+            self._metrics_task = self.core.supervise("metrics", self._export_metrics)
             try:
                 self._endpoint = await self._channel.start(ray.util.get_node_ip_address())
             except OSError as exc:  # single sends then go through Ray calls

@@ -23,6 +23,7 @@ from raymq.actors.queue_actor import queue_actor_name
 
 from raymq import metrics
 from raymq.errors import ConsumerClosed
+from raymq.supervisor import Supervisor
 from raymq.target_list import DirectEntry, TargetList
 
 log = logging.getLogger("raymq.consumer")
@@ -57,6 +58,7 @@ class TargetListActor:
         self._closed_event = asyncio.Event()
         self.loader_error: str | None = None
         self._refused: ConsumerClosed | None = None
+        self._tasks: Supervisor | None = None
 
     def ready(self) -> bool:
         """True once the process is up (a spare is warm)."""
@@ -82,8 +84,9 @@ class TargetListActor:
         self.selector = selector
         self.targets = TargetList(high_watermark, high_watermark_bytes, pending_cache_bytes)
         await self._register()
-        self._loader = asyncio.get_running_loop().create_task(self._eager_load())
-        self._metrics = asyncio.get_running_loop().create_task(self._export_metrics())
+        self._tasks = Supervisor(f"consumer {consumer_id} of queue {queue!r}", log)
+        self._loader = self._tasks.spawn("eager loader", self._eager_load)
+        self._metrics = self._tasks.spawn("metrics", self._export_metrics)
 
     async def _register(self) -> None:
         """Register with the queue actor, handing it this actor's handle: it watches
@@ -189,6 +192,7 @@ class TargetListActor:
             **self.targets.stats(),
             **queue_side,
             "loader_error": self.loader_error,
+            "task_restarts": 0 if self._tasks is None else self._tasks.restarts,
         }
 
     async def close(self, not_received: np.ndarray | None) -> int:

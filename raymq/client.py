@@ -63,9 +63,12 @@ def _call(method, *args, retry: bool = True, **kwargs) -> Any:
     delay = 0.05
     while True:
         try:
-            return ray.get(method.remote(*args, **kwargs))
-        except ray.exceptions.RayTaskError as exc:
-            raise _unwrap(exc) from None
+            try:
+                return ray.get(method.remote(*args, **kwargs))
+            except ray.exceptions.RayTaskError as exc:
+                if not isinstance(exc.cause, _RETRYABLE):
+                    raise _unwrap(exc) from None
+                raise exc.cause from None  # an actor it called restarts: wait as for ours
         except _RETRYABLE as exc:
             if not retry or time.monotonic() > deadline:
                 raise BrokerUnavailable(f"actor unavailable: {exc}") from exc

@@ -42,7 +42,8 @@ def validate_queue_name(name: object) -> str:
     """Return ``name`` if it is safe as a directory name under the paging directory.
 
     Raises ``TypeError`` for a non-string and ``InvalidQueueName`` for a name that is
-    empty, not valid Unicode (a lone surrogate), over 200 bytes in UTF-8, contains ``/``, ``\\`` or NUL, or is ``.``/``..``.
+    empty, not valid Unicode (a lone surrogate), over 200 bytes in UTF-8, contains
+    ``/``, ``\\`` or NUL, or is ``.``/``..``.
     """
     if not isinstance(name, str):
         raise TypeError(f"queue name must be str, not {type(name).__name__}")

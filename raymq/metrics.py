@@ -160,6 +160,16 @@ QUEUE_METRICS: list[MetricSpec] = _specs(
             "blocked_seconds",
             "How long the longest-waiting BLOCKed send has waited (seconds)",
         ),
+        (
+            "task_restarts",
+            "task_restarts",
+            "Internal tasks of the queue actor restarted after an error, since start (restarts)",
+        ),
+        (
+            "internal_errors",
+            "internal_errors",
+            "Errors after durable commits, logged (the sends succeeded), since start (errors)",
+        ),
         ("head_cache_hits", "head_cache_hits", "Deliveries from the HeadQueueCache (reads)"),
         ("head_cache_misses", "head_cache_misses", "Deliveries not in it (reads)"),
         ("read_cache_hits", "read_cache_hits", "Segment reads from the read cache (reads)"),

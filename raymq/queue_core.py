@@ -32,6 +32,7 @@ from raymq.head_cache import HeadQueueCache
 from raymq.properties import check_encoded_properties
 from raymq.selector import Selector
 from raymq.storage import RecoveryReport, SegmentLog
+from raymq.supervisor import Supervisor
 from raymq.target_area import DEAD_LETTER_HOLDER, TargetArea
 
 log = logging.getLogger("raymq.queue")
@@ -106,6 +107,11 @@ class QueueStats:
     blocked_producers: int
     blocked_seconds: float
     blocked_reason: str
+    #: Restarts of the actor's internal tasks after an exception, and the last one.
+    task_restarts: int
+    last_task_error: str
+    #: Errors after durable commits (logged; the sends succeeded).
+    internal_errors: int
 
     def to_dict(self) -> dict:
         """The snapshot as a plain dict."""
@@ -141,7 +147,6 @@ class QueueCore:
         self._dead_lettered = 0
         self._dead_letter_failures = 0
         self._dead_letter_kick: asyncio.Event | None = None
-        self._dead_letter_mover: asyncio.Task | None = None
         self.head_cache = HeadQueueCache(0)
         #: Bytes for this actor's caches from the MemoryGovernor; None until it speaks.
         self.memory_budget: int | None = None
@@ -156,8 +161,10 @@ class QueueCore:
         self._ack_waiters: list[asyncio.Future] = []
         self._kick: asyncio.Event | None = None
         self._arrival: asyncio.Event | None = None
-        self._writer: asyncio.Task | None = None
-        self._ticker: asyncio.Task | None = None
+        self._tasks = Supervisor(f"queue {config.name!r}", log)
+        #: Failures after a commit was durable (deriving indexes, unlinking files): the
+        #: sends succeeded; each is logged. Counted here.
+        self._internal_errors = 0
         self._dirty_since_checkpoint = False
         self._last_checkpoint = time.monotonic()
         self._counters = {"in": 0, "out": 0, "acked": 0, "bytes_in": 0, "bytes_out": 0}
@@ -177,13 +184,17 @@ class QueueCore:
         self._kick = asyncio.Event()
         self._arrival = asyncio.Event()
         self._freed = asyncio.Event()
-        self._writer = asyncio.get_running_loop().create_task(self._write_loop())
-        self._ticker = asyncio.get_running_loop().create_task(self._tick_loop())
         self._dead_letter_kick = asyncio.Event()
+        self._tasks.spawn("writer", self._write_loop)
+        self._tasks.spawn("housekeeping", self._tick_loop)
         if self._dead_letter_sink is not None:
-            self._dead_letter_mover = asyncio.get_running_loop().create_task(
-                self._move_dead_letters()
-            )
+            self._tasks.spawn("dead-letter mover", self._move_dead_letters)
+
+    def supervise(self, name: str, run) -> asyncio.Task:
+        """Run ``run()`` as one of this queue's supervised tasks (restarted if it raises,
+        counted in ``task_restarts``, cancelled by ``close``); for the actor shell's own
+        background tasks."""
+        return self._tasks.spawn(name, run)
 
     async def close(self) -> None:
         """Flush what is pending, stop the tasks and close the files."""
@@ -195,11 +206,7 @@ class QueueCore:
             self._kick.set()
             await flushed
         self._closed = True
-        for task in (self._dead_letter_mover, self._writer, self._ticker):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        await self._tasks.cancel_all()
         self.log.close()
 
     # -- producing -------------------------------------------------------------------
@@ -309,8 +316,22 @@ class QueueCore:
             await self._commit_once()
 
     async def _commit_once(self) -> None:
+        """One group commit of what is pending. Whatever happens, every caller waiting
+        on it gets an answer (an error at worst): none waits for ever."""
         pending, self._pending = self._pending, []
         waiters, self._ack_waiters = self._ack_waiters, []
+        try:
+            await self._commit(pending, waiters)
+        except BaseException as exc:
+            for fut in [f for _, f in pending] + waiters:
+                if not fut.done():
+                    if isinstance(exc, Exception):
+                        fut.set_exception(exc)
+                    else:
+                        fut.cancel()
+            raise
+
+    async def _commit(self, pending: list, waiters: list[asyncio.Future]) -> None:
         checkpoint = (
             self.config.durable
             and self._dirty_since_checkpoint
@@ -340,14 +361,11 @@ class QueueCore:
                     fut.set_exception(exc)
             return
         self.log.publish(prepared)
-        if self.log.unlinkable:  # off the event loop; done before the acks return
-            await asyncio.to_thread(self.log.unlink_deleted)
-        for seg, _pos, _bufs, chunk, _size in prepared.items:
-            groups = chunk.property_groups()
-            seg.note_properties(groups)
-            self.area.arrived(chunk, groups)
-            if self.config.durable:
-                self.head_cache.append(chunk)
+        try:  # the commit is durable: what follows derives state, it cannot undo it
+            await self._after_commit(prepared)
+        except Exception:
+            self._internal_errors += 1
+            log.exception("queue %r: after a durable commit", self.name)
         if checkpoint:
             self._last_checkpoint = time.monotonic()
             self._dirty_since_checkpoint = False
@@ -365,6 +383,18 @@ class QueueCore:
                 fut.set_result(None)
         if prepared.items:
             self._wake_consumers()
+
+    async def _after_commit(self, prepared) -> None:
+        """Unlink deleted files, match the new messages against selectors, fill the
+        HeadQueueCache."""
+        if self.log.unlinkable:  # off the event loop; done before the acks return
+            await asyncio.to_thread(self.log.unlink_deleted)
+        for seg, _pos, _bufs, chunk, _size in prepared.items:
+            groups = chunk.property_groups()
+            seg.note_properties(groups)
+            self.area.arrived(chunk, groups)
+            if self.config.durable:
+                self.head_cache.append(chunk)
 
     async def _tick_loop(self) -> None:
         """Housekeeping: checkpoint an idle queue, sample rates, trim and refill the
@@ -769,6 +799,9 @@ class QueueCore:
             blocked_producers=len(self._blocked),
             blocked_seconds=max((now - t for t in self._blocked.values()), default=0.0),
             blocked_reason=self._full_message(0) if self._blocked else "",
+            task_restarts=self._tasks.restarts,
+            last_task_error=self._tasks.last_error,
+            internal_errors=self._internal_errors,
         )
 
 
