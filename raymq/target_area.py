@@ -289,6 +289,7 @@ class TargetArea:
 
     def _take_candidates(self, target: ConsumerTarget, want: int) -> np.ndarray:
         picked: list[np.ndarray] = []
+        chosen: set[int] = set()
         n = 0
         while n < want:
             examined = target.candidates.first(want - n)
@@ -299,10 +300,17 @@ class TargetArea:
                 continue
             target.candidates.discard(examined)
             ok = examined[~self.log.is_acked(examined)]
-            ok = np.array([o for o in ok.tolist() if o not in self._holder], dtype=np.int64)
+            # Not held, and not picked already: a scan step may find again what this
+            # call took before it (they are held only once the call returns).
+            ok = np.array(
+                [o for o in ok.tolist() if o not in self._holder and o not in chosen],
+                dtype=np.int64,
+            )
+            chosen.update(ok.tolist())
             picked.append(ok)
             n += len(ok)
-        return np.concatenate(picked) if picked else np.zeros(0, dtype=np.int64)
+        # Sorted: a late consumer's scan finds candidates below those taken already.
+        return np.sort(np.concatenate(picked)) if picked else np.zeros(0, dtype=np.int64)
 
     def _pop_redeliverable(self, want: int) -> list[int]:
         """Pop up to ``want`` released offsets that are still unacked and unheld."""
