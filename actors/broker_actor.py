@@ -19,6 +19,7 @@ from raymq.placement.nodes import choose_queue_node, pinned_to
 
 from raymq.config import BrokerConfig, QueueConfig, validate_queue_name
 from raymq.errors import QueueExists, QueueNotFound
+from raymq.storage import create_queue_directory, write_file_atomic
 from raymq.storage.format import QUEUE_CONFIG_NAME
 
 BROKER_ACTOR_NAME = "raymq.broker"
@@ -77,13 +78,11 @@ class BrokerActor:
                     per_node[node] = per_node.get(node, 0) + 1
                 node = choose_queue_node(node_id, per_node)
                 directory = os.path.join(self.broker_config.paging_directory, cfg.name)
-                os.makedirs(directory, exist_ok=True)
-                tmp = os.path.join(directory, QUEUE_CONFIG_NAME + ".tmp")
-                with open(tmp, "w") as f:
-                    json.dump({"config": cfg.to_dict(), "node_id": node}, f)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, os.path.join(directory, QUEUE_CONFIG_NAME))
+                create_queue_directory(directory)  # 0700, and durable in its parent
+                saved = {"config": cfg.to_dict(), "node_id": node}
+                write_file_atomic(
+                    os.path.join(directory, QUEUE_CONFIG_NAME), json.dumps(saved).encode()
+                )
                 self._queues[cfg.name] = (cfg, node)
                 handle = self._actor(cfg.name, cfg, node)
             await handle.ready.remote()

@@ -149,6 +149,9 @@ class BrokerConfig:
     flow_to_disk_threshold: int | None = None
     #: Seconds between two rounds of the MemoryGovernor (collect usage, push budgets).
     housekeeping_period: float = 1.0
+    #: Bytes per second each durable queue re-reads to verify its stored records' CRCs,
+    #: so that rot is found before a consumer needs the data; 0 turns the scrub off.
+    scrub_bytes_per_second: int = 4 * 2**20
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -161,6 +164,7 @@ class BrokerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
                 raise InvalidSetting(f"{name}={value!r} must be a number of seconds > 0")
+        _check_int("scrub_bytes_per_second", self.scrub_bytes_per_second, minimum=0)
         if self.flow_to_disk_threshold is not None:
             _check_int("flow_to_disk_threshold", self.flow_to_disk_threshold, minimum=1)
 

@@ -27,7 +27,7 @@ import pyarrow as pa
 from raymq.batch import EMPTY_DELIVERY, MessageBatch, check_sizes
 from raymq.config import BrokerConfig, QueueConfig
 from raymq.dead_letter import MOVE_BATCH_MESSAGES, REASON_REJECTED, dead_letter_batch
-from raymq.errors import AddressFull, ConsumerClosed
+from raymq.errors import AddressFull, ConsumerClosed, StorageError
 from raymq.head_cache import HeadQueueCache
 from raymq.properties import check_encoded_properties
 from raymq.selector import Selector
@@ -79,7 +79,15 @@ class QueueStats:
     address_full_policy: str
     max_size_bytes: int
     recovery_seconds: float
+    #: Messages lost to damage (found at recovery, by reads or by the scrub; logged
+    #: with queue, file and offsets, the bytes kept aside).
     damaged_messages: int
+    #: Write, repair, checkpoint and unlink failures (each logged with file and errno).
+    storage_errors: int
+    #: False while a failed write is not cut back yet: sends are refused, acks are not.
+    writable: bool
+    #: Bytes whose CRCs the background scrub verified.
+    scrubbed_bytes: int
     head_cache_bytes: int
     head_cache_messages: int
     head_cache_hits: int
@@ -342,7 +350,7 @@ class QueueCore:
         try:
             prepared = self.log.prepare(batches, int(time.time() * 1e6), checkpoint=checkpoint)
             to_disk = any(item[2] for item in prepared.items)  # transient ones may flow
-            if self.config.durable or to_disk:
+            if self.config.durable or to_disk or prepared.ack_ranges is not None:
                 if prepared.write_bytes <= INLINE_WRITE_BYTES:
                     # A small write and its fdatasync take well under a millisecond: doing
                     # them inline saves a thread hand-off, and sends arriving meanwhile
@@ -350,38 +358,47 @@ class QueueCore:
                     self.log.write(prepared)
                 else:
                     await asyncio.to_thread(self.log.write, prepared)
-        except Exception as exc:  # sticky StorageError or a bug: fail the callers, not the loop
+        except StorageError as exc:
+            if prepared is None:  # refused before anything was planned
+                _fail(pending, waiters, exc)
+                return
+            # Otherwise each part's outcome is in ``prepared``: publish sorts it out.
+        except Exception as exc:  # a bug: fail the callers, not the loop
             if prepared is not None:
                 self.log.abort(prepared)
-            for _, fut in pending:
-                if not fut.done():
-                    fut.set_exception(exc)
-            for fut in waiters:
-                if not fut.done():
-                    fut.set_exception(exc)
+            _fail(pending, waiters, exc)
             return
         self.log.publish(prepared)
-        try:  # the commit is durable: what follows derives state, it cannot undo it
-            await self._after_commit(prepared)
-        except Exception:
-            self._internal_errors += 1
-            log.exception("queue %r: after a durable commit", self.name)
-        if checkpoint:
+        stored = prepared.records_error is None
+        if stored:
+            try:  # the commit is durable: what follows derives state, it cannot undo it
+                await self._after_commit(prepared)
+            except Exception:
+                self._internal_errors += 1
+                log.exception("queue %r: after a durable commit", self.name)
+            for (_, fut), first in zip(pending, prepared.firsts, strict=True):
+                if not fut.done():
+                    fut.set_result(first)
+            self._counters["in"] += prepared.message_count
+            self._counters["bytes_in"] += sum(item[3].nbytes for item in prepared.items)
+        else:  # cut back: never served; the senders may retry
+            _fail(pending, [], prepared.records_error)
+        if prepared.checkpoint_written:
             self._last_checkpoint = time.monotonic()
             self._dirty_since_checkpoint = False
-        if batches or waiters:
+        if (batches and stored) or waiters:
             self._dirty_since_checkpoint = True
-        for (_, fut), first in zip(pending, prepared.firsts, strict=True):
-            if not fut.done():
-                fut.set_result(first)
-        self._counters["in"] += prepared.message_count
-        self._counters["bytes_in"] += sum(item[3].nbytes for item in prepared.items)
         if not self.config.durable:
             self._peak_transient = max(self._peak_transient, self.log.bytes_queued)
+        # An ack is durable once in the ack log; if that failed it stays applied and is
+        # written again with a later commit (the housekeeping retries).
         for fut in waiters:
             if not fut.done():
-                fut.set_result(None)
-        if prepared.items:
+                if prepared.ack_error is None:
+                    fut.set_result(None)
+                else:
+                    fut.set_exception(prepared.ack_error)
+        if stored and prepared.items:
             self._wake_consumers()
 
     async def _after_commit(self, prepared) -> None:
@@ -404,9 +421,30 @@ class QueueCore:
             now = time.monotonic()
             self._samples.append((now, dict(self._counters)))
             self._samples = [s for s in self._samples if now - s[0] <= 10.0]
-            if self._dirty_since_checkpoint:
-                self._kick.set()
+            if self._dirty_since_checkpoint or self.log.has_pending_acks:
+                self._kick.set()  # checkpoint an idle queue; retry acks that failed
             self.housekeeping()
+            self._scrub(min(1.0, self.broker.checkpoint_interval))
+
+    def _scrub(self, seconds: float) -> None:
+        """Verify the CRCs of about ``scrub_bytes_per_second * seconds`` stored bytes, so
+        that rot is found (and quarantined) before a consumer needs the data."""
+        rate = self.broker.scrub_bytes_per_second
+        if not self.config.durable or rate <= 0:
+            return
+        try:
+            self.log.scrub_step(max(1, int(rate * seconds)))
+        except StorageError as exc:  # unreadable now; counted by the log, tried again
+            log.warning("queue %r: scrub: %s", self.name, exc)
+        self._forget_damaged()
+
+    def _forget_damaged(self) -> None:
+        """Take offsets the log found damaged out of delivery: nobody holds or waits for
+        them any more (they are counted in ``damaged_messages``)."""
+        damaged = self.log.drain_damaged()
+        if len(damaged):
+            self.area.forget(damaged)
+            self._wake_consumers()
 
     def housekeeping(self) -> None:
         """Trim the HeadQueueCache to what is undelivered and refill it from the log;
@@ -418,6 +456,7 @@ class QueueCore:
             undelivered = self.area.head() if self.area.selective else self.area.cursor
             self.head_cache.trim(undelivered)
             self.head_cache.refill(self.log.read, undelivered, self.log.next_offset)
+        self._forget_damaged()
 
     # -- memory budget ---------------------------------------------------------------
 
@@ -522,8 +561,9 @@ class QueueCore:
             arrival = self._arrival
             offsets, counts = self.area.take(consumer_id, max_messages)
             if len(offsets):
-                self._counters["out"] += len(offsets)
                 batch = self._materialize(offsets, counts)
+                self._forget_damaged()  # what could not be read is not held by anyone
+                self._counters["out"] += batch.num_rows
                 self._counters["bytes_out"] += batch.nbytes
                 return batch
             remaining = deadline - time.monotonic()
@@ -603,7 +643,9 @@ class QueueCore:
             pos = int(got[-1]) + 1 if n >= max_messages and len(got) else examined_end
         offsets = np.concatenate(picked) if picked else np.zeros(0, dtype=np.int64)
         prev = self.area.previous_deliveries(offsets)
-        return self._materialize(offsets, prev, read=self.log.read), pos
+        batch = self._materialize(offsets, prev, read=self.log.read)
+        self._forget_damaged()
+        return batch, pos
 
     async def ack(self, consumer_id: str, offsets: np.ndarray) -> int:
         """Acknowledge offsets; returns once the acks are durable (for a durable queue)."""
@@ -706,6 +748,12 @@ class QueueCore:
         offsets, reasons = self.area.next_dead_letters(MOVE_BATCH_MESSAGES)
         runs = np.split(offsets, np.flatnonzero(np.diff(offsets) != 1) + 1)
         stored = [b for run in runs for b in self.log.read(int(run[0]), int(run[-1]) + 1)]
+        self._forget_damaged()  # a damaged one is no longer a dead letter to move
+        readable = np.isin(offsets, [o for o in offsets.tolist() if o in self.area.dead_letters])
+        offsets = offsets[readable]
+        reasons = [r for r, ok in zip(reasons, readable.tolist(), strict=True) if ok]
+        if not len(offsets):
+            return
         batch = dead_letter_batch(stored, offsets, reasons, self.name)
         await self._dead_letter_sink(self.config.dead_letter_address, batch)
         await self.ack(DEAD_LETTER_HOLDER, offsets)
@@ -780,7 +828,10 @@ class QueueCore:
             address_full_policy=self.config.address_full_policy,
             max_size_bytes=self.config.max_size_bytes,
             recovery_seconds=self.recovery.seconds,
-            damaged_messages=self.recovery.lost_messages,
+            damaged_messages=self.log.damaged_messages,
+            storage_errors=self.log.storage_errors,
+            writable=self.log.writable,
+            scrubbed_bytes=self.log.scrubbed_bytes,
             head_cache_bytes=self.head_cache.bytes,
             head_cache_messages=self.head_cache.messages,
             head_cache_hits=self.head_cache.hits,
@@ -806,6 +857,13 @@ class QueueCore:
             last_task_error=self._tasks.last_error,
             internal_errors=self._internal_errors,
         )
+
+
+def _fail(pending: list, waiters: list[asyncio.Future], exc: BaseException) -> None:
+    """Answer every sender of ``pending`` and every ack waiter with ``exc``."""
+    for fut in [f for _, f in pending] + waiters:
+        if not fut.done():
+            fut.set_exception(exc)
 
 
 def _cost(batch: MessageBatch) -> int:

@@ -457,6 +457,21 @@ class TargetArea:
             out.extend(self.log.properties(int(run[0]), int(run[-1]) + 1))
         return out
 
+    def forget(self, offsets: np.ndarray) -> None:
+        """Take damaged offsets out of delivery: released from whoever holds them (not
+        counted as a delivery), out of the dead letters and every selector's candidates.
+        The log counts them as damaged and acknowledged."""
+        listed = offsets.tolist()
+        for o in listed:
+            holder = self._holder.pop(o, None)
+            target = self.consumers.get(holder) if holder is not None else None
+            if target is not None:
+                target.held.discard(o)
+            self._previous.pop(o, None)
+            self.dead_letters.pop(o, None)
+        for t in self.selective:
+            t.candidates.discard(offsets)
+
     def unregister(self, consumer_id: str, not_received: np.ndarray | None = None) -> int:
         """Remove a consumer, releasing what it holds; returns how many were released."""
         n = 0

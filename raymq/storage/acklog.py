@@ -1,17 +1,29 @@
 """The ack log: acknowledged offset ranges, appended and fsynced in groups.
 
 One file per generation; a checkpoint names the first generation still to replay, so
-older files are deleted once a newer checkpoint is on disk.
+older files are deleted once a newer checkpoint is on disk. Every file starts with the
+queue's next offset when it was started, and every record with the next offset when it
+was written (an empty range), so the ack log alone knows the highest offset ever given.
+
+Room for acks is reserved when a file is started (``ACK_RESERVE_BYTES``, allocated
+without changing the file's size): acks keep reaching the disk when it is full, so
+consumers can free the space producers filled.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import struct
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from raymq.storage.files import create_file, reserve
 from raymq.storage.format import (
     ACK_HEADER,
+    ACK_HEADER_V1,
     ACK_MAGIC,
     ACK_PREFIX,
     ACK_RECORD_HEADER,
@@ -21,6 +33,10 @@ from raymq.storage.format import (
     ack_log_name,
     crc32,
 )
+
+#: Bytes of disk reserved ahead of the ack log's end (about 6,000 group commits of
+#: contiguous acks, 44 bytes each with the high-water pair).
+ACK_RESERVE_BYTES = 256 * 1024
 
 
 def to_ranges(offsets: np.ndarray) -> np.ndarray:
@@ -36,29 +52,107 @@ def to_ranges(offsets: np.ndarray) -> np.ndarray:
     return np.stack([starts, ends], axis=1)
 
 
+def ack_file_header(generation: int, next_offset: int) -> bytes:
+    """A version-2 ack log header."""
+    head = ACK_HEADER.pack(ACK_MAGIC, ACK_VERSION, 0, generation, next_offset, 0, 0)[:32]
+    return head + struct.pack("<II", crc32([head]), 0)
+
+
 class AckLog:
-    """Appends ack ranges to ``acks-<generation>.log`` in ``directory``."""
+    """Appends ack ranges to ``acks-<generation>.log`` in ``directory``.
+
+    ``create`` starts the file; ``write`` appends one record and fdatasyncs it. A failed
+    append is cut off again (``repair``) before the next one, so that a record that
+    failed never sits in front of later ones.
+    """
 
     def __init__(self, directory: str, generation: int):
         self.directory = directory
         self.generation = generation
         self.path = os.path.join(directory, ack_log_name(generation))
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
-        if os.fstat(self.fd).st_size == 0:
-            os.write(self.fd, ACK_HEADER.pack(ACK_MAGIC, ACK_VERSION, 0, generation))
+        self.fd: int | None = None
+        self.size = 0  # bytes known good (header and whole records)
+        self._reserved_to = 0
+        self._dirty = False  # a failed append may have left bytes after ``size``
 
-    def write(self, ranges: np.ndarray, *, fsync: bool = True) -> None:
-        """Append one record of ranges and (by default) fdatasync it."""
-        if len(ranges):
-            payload = np.ascontiguousarray(ranges, dtype=np.int64).tobytes()
-            header = ACK_RECORD_HEADER.pack(ACK_RECORD_MAGIC, crc32([payload]), len(payload))
-            os.writev(self.fd, [header, payload])
-        if fsync:
+    def create(self, next_offset: int) -> None:
+        """Start the file (replacing any left by an earlier failed attempt): header,
+        reserved room, fdatasync. Raises ``OSError`` if the header cannot be written or
+        the room cannot be reserved on a file system that supports it."""
+        self.fd = create_file(self.path, exclusive=False, append=True)
+        try:
+            header = ack_file_header(self.generation, next_offset)
+            os.write(self.fd, header)
+            self.size = len(header)
+            self._reserve(strict=True)
             os.fdatasync(self.fd)
+        except OSError:
+            self.close()
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+            raise
+
+    @classmethod
+    def reopen(cls, directory: str, generation: int, good_end: int) -> AckLog:
+        """Append to an existing (version-2) file again, after its last valid record
+        (bytes after it are cut off). Recovery does this when a new file cannot be
+        started, e.g. on a full disk: the file keeps the room reserved for it."""
+        self = cls(directory, generation)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_APPEND)
+        try:
+            if os.fstat(self.fd).st_size > good_end:
+                os.ftruncate(self.fd, good_end)
+                os.fdatasync(self.fd)
+        except OSError:
+            self.close()
+            raise
+        self.size = good_end
+        return self
+
+    def _reserve(self, *, strict: bool = False) -> None:
+        """Reserve room ahead of the end; ``strict``: raise ``OSError`` if the disk is
+        full (otherwise what is left of the reservation serves until the next try)."""
+        try:
+            if reserve(self.fd, self.size, ACK_RESERVE_BYTES):
+                self._reserved_to = self.size + ACK_RESERVE_BYTES
+        except OSError:
+            if strict:
+                raise
+
+    def write(self, ranges: np.ndarray, high: int) -> None:
+        """Append one record of ranges, led by the empty range (high, high) that records
+        the queue's next offset, and fdatasync it. Raises ``OSError``; the failed record
+        is cut off before the next write."""
+        if self._dirty:
+            self.repair()
+        pairs = np.empty((len(ranges) + 1, 2), dtype=np.int64)
+        pairs[0] = high
+        pairs[1:] = ranges
+        payload = pairs.tobytes()
+        header = ACK_RECORD_HEADER.pack(ACK_RECORD_MAGIC, crc32([payload]), len(payload))
+        self._dirty = True
+        written = os.writev(self.fd, [header, payload])
+        os.fdatasync(self.fd)
+        if written != len(header) + len(payload):
+            raise OSError(errno.ENOSPC, "short write to the ack log", self.path)
+        self.size += written
+        self._dirty = False
+        if self.size + ACK_RESERVE_BYTES // 2 > self._reserved_to:
+            self._reserve()  # best effort: the rest of the reservation still serves
+
+    def repair(self) -> None:
+        """Cut the file back to its last good length and fdatasync it."""
+        os.ftruncate(self.fd, self.size)
+        os.fdatasync(self.fd)
+        self._dirty = False
+        self._reserved_to = 0  # truncating freed the reservation beyond the end
+        self._reserve()
 
     def close(self) -> None:
         """Close the file (it stays until a checkpoint makes it obsolete)."""
-        os.close(self.fd)
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 def list_generations(directory: str) -> list[int]:
@@ -73,30 +167,94 @@ def list_generations(directory: str) -> list[int]:
     return sorted(gens)
 
 
-def read_ack_log(path: str) -> tuple[np.ndarray, list[str]]:
-    """All valid ranges of one ack log file, and reports of any damage (torn tail cut)."""
+@dataclass
+class AckLogContents:
+    """What one ack log file holds."""
+
+    ranges: np.ndarray
+    #: Highest next offset it records (header and records), 0 if none.
+    high: int = 0
+    damage: list[str] = field(default_factory=list)
+    #: Position after the last valid record (where appending may continue).
+    end: int = 0
+    #: The file has a valid version-2 header (it may be appended to).
+    header_ok: bool = False
+
+
+def read_ack_log(path: str) -> AckLogContents:
+    """All valid ranges of one ack log file, the highest next offset it records, and
+    reports of damage. A damaged record is skipped (its acks are lost: those messages
+    are delivered again); a torn tail ends the file. The file is not changed."""
     with open(path, "rb") as f:
         data = f.read()
-    damage: list[str] = []
-    if len(data) < ACK_HEADER.size or data[:8] != ACK_MAGIC:
-        return np.zeros((0, 2), dtype=np.int64), [f"{path}: bad header, ignored"]
-    pos, chunks = ACK_HEADER.size, []
+    out = AckLogContents(np.zeros((0, 2), dtype=np.int64))
+    start = _header_end(data, out, path)
+    pos, chunks = start, []
+    out.end = start
     while pos < len(data):
-        if len(data) - pos < ACK_RECORD_HEADER.size:
-            break
-        magic, crc, length = ACK_RECORD_HEADER.unpack_from(data, pos)
-        start = pos + ACK_RECORD_HEADER.size
-        payload = data[start : start + length]
-        if magic != ACK_RECORD_MAGIC or len(payload) != length or length % 16:
-            break
-        if crc32([payload]) != crc:
-            break
-        chunks.append(np.frombuffer(payload, dtype=np.int64).reshape(-1, 2))
-        pos = start + length
-    if pos < len(data):
-        damage.append(f"{path}: torn tail of {len(data) - pos} bytes at {pos} truncated")
-        with open(path, "r+b") as f:
-            f.truncate(pos)
-            os.fsync(f.fileno())
-    ranges = np.concatenate(chunks) if chunks else np.zeros((0, 2), dtype=np.int64)
-    return ranges, damage
+        rec = _ack_record_at(data, pos)
+        if rec is None:
+            nxt = _next_ack_record(data, pos + 1)
+            if nxt is None:
+                out.damage.append(f"{path}: torn tail of {len(data) - pos} bytes at {pos} ignored")
+                break
+            out.damage.append(f"{path}: damaged bytes {pos}..{nxt} skipped (acks lost)")
+            pos = nxt
+            continue
+        pairs, pos = rec
+        out.end = pos
+        chunks.append(pairs)
+    out.header_ok = _v2_header_ok(data)
+    if chunks:
+        ranges = np.concatenate(chunks)
+        out.high = max(out.high, int(ranges[:, 1].max()))
+        out.ranges = ranges[ranges[:, 1] > ranges[:, 0]]
+    return out
+
+
+def _v2_header_ok(data: bytes) -> bool:
+    if len(data) < ACK_HEADER.size or data[:8] != ACK_MAGIC:
+        return False
+    version, hcrc = ACK_HEADER.unpack_from(data, 0)[1], ACK_HEADER.unpack_from(data, 0)[5]
+    return version == ACK_VERSION and crc32([data[:32]]) == hcrc
+
+
+def _header_end(data: bytes, out: AckLogContents, path: str) -> int:
+    """Position of the first record; notes the header's next offset in ``out``."""
+    if len(data) >= ACK_HEADER.size and data[:8] == ACK_MAGIC:
+        _m, version, _r, _gen, next_offset, hcrc, _r2 = ACK_HEADER.unpack_from(data, 0)
+        if version == ACK_VERSION and crc32([data[:32]]) == hcrc:
+            out.high = next_offset
+            return ACK_HEADER.size
+    v1 = len(data) >= ACK_HEADER_V1.size and data[:8] == ACK_MAGIC
+    if v1 and ACK_HEADER_V1.unpack_from(data, 0)[1] == 1:
+        return ACK_HEADER_V1.size
+    if data:
+        out.damage.append(f"{path}: bad header; its records are read all the same")
+    # The records after a damaged header still count: look for the first one.
+    first = _next_ack_record(data, 0)
+    return len(data) if first is None else first
+
+
+def _ack_record_at(data: bytes, pos: int) -> tuple[np.ndarray, int] | None:
+    if len(data) - pos < ACK_RECORD_HEADER.size:
+        return None
+    magic, crc, length = ACK_RECORD_HEADER.unpack_from(data, pos)
+    start = pos + ACK_RECORD_HEADER.size
+    payload = data[start : start + length]
+    if magic != ACK_RECORD_MAGIC or len(payload) != length or length % 16 or not length:
+        return None
+    if crc32([payload]) != crc:
+        return None
+    return np.frombuffer(payload, dtype=np.int64).reshape(-1, 2), start + length
+
+
+def _next_ack_record(data: bytes, pos: int) -> int | None:
+    magic = struct.pack("<I", ACK_RECORD_MAGIC)
+    while True:
+        pos = data.find(magic, pos)
+        if pos < 0:
+            return None
+        if _ack_record_at(data, pos) is not None:
+            return pos
+        pos += 1

@@ -1,4 +1,9 @@
-"""Constants of the on-disk format shared by writers and readers. See docs/FORMAT.md."""
+"""Constants of the on-disk format shared by writers and readers. See docs/FORMAT.md.
+
+Format version 2: segment headers carry a random salt, and every record header's CRC
+covers the salt and the record's own file position, so a record copied into a payload
+(or anywhere else) is never valid. Version-1 files are still read.
+"""
 
 from __future__ import annotations
 
@@ -10,21 +15,30 @@ try:  # ISA-L computes the same CRC-32 as zlib, ~16x faster here (41 vs 2.5 GiB/
 except ImportError:  # a platform without isal wheels: same values, slower
     _crc32 = zlib.crc32
 
-#: Segment file header: magic, format version, reserved (0), base offset.
+#: Segment file header (version 2): magic, version, flags (0), base offset, salt, CRC of
+#: the 32 bytes before it, reserved (0).
 SEGMENT_MAGIC = b"RAYMQSEG"
-SEGMENT_VERSION = 1
-SEGMENT_HEADER = struct.Struct("<8sIIQ")  # 24 bytes
+SEGMENT_VERSION = 2
+SEGMENT_HEADER = struct.Struct("<8sIIQQII")  # 40 bytes
+#: Version-1 segment header: magic, version, reserved, base offset (no salt, no CRC).
+SEGMENT_HEADER_V1 = struct.Struct("<8sIIQ")  # 24 bytes
+#: Magic and version, the same place in both versions.
+SEGMENT_PREFIX = struct.Struct("<8sI")
 
-#: Record header: magic, header CRC (of bytes 8..32), payload CRC, payload length,
-#: first offset, message count, flags (0).
+#: Record header: magic, header CRC, payload CRC, payload length, first offset, message
+#: count, flags (0). The header CRC covers bytes 8..32; in version 2 it starts from the
+#: CRC of RECORD_SEED (segment salt, file position of the record) instead of 0.
 RECORD_MAGIC = 0x424D5152  # b"RQMB" little-endian
 RECORD_MAGIC_BYTES = struct.pack("<I", RECORD_MAGIC)
 RECORD_HEADER = struct.Struct("<IIIIQII")  # 32 bytes
+RECORD_SEED = struct.Struct("<QQ")  # 16 bytes
 
-#: Ack log file header: magic, version, reserved, generation.
+#: Ack log file header (version 2): magic, version, reserved, generation, next offset
+#: when the file was started, CRC of the 32 bytes before it, reserved.
 ACK_MAGIC = b"RAYMQACK"
-ACK_VERSION = 1
-ACK_HEADER = struct.Struct("<8sIIQ")  # 24 bytes
+ACK_VERSION = 2
+ACK_HEADER = struct.Struct("<8sIIQQII")  # 40 bytes
+ACK_HEADER_V1 = struct.Struct("<8sIIQ")  # 24 bytes
 #: Ack record header: magic, CRC of payload, payload length; payload is int64 pairs.
 ACK_RECORD_MAGIC = 0x4B434152  # b"RACK"
 ACK_RECORD_HEADER = struct.Struct("<III")  # 12 bytes
@@ -35,9 +49,15 @@ CHECKPOINT_VERSION = 1
 CHECKPOINT_HEADER = struct.Struct("<8sIIQ")  # 24 bytes
 
 SEGMENT_SUFFIX = ".seg"
+#: A damaged region of a segment, copied aside: ``<segment file>.damaged-<position>``.
+DAMAGED_SUFFIX = ".damaged"
 ACK_PREFIX, ACK_SUFFIX = "acks-", ".log"
 CHECKPOINT_NAME = "checkpoint"
 QUEUE_CONFIG_NAME = "queue.json"
+
+#: Permissions of every file and directory the storage creates, whatever the umask.
+FILE_MODE = 0o600
+DIRECTORY_MODE = 0o700
 
 
 def segment_name(base_offset: int) -> str:
@@ -55,3 +75,11 @@ def crc32(buffers, crc: int = 0) -> int:
     for buf in buffers:
         crc = _crc32(buf, crc)
     return crc
+
+
+def record_seed(salt: int | None, position: int) -> int:
+    """Initial CRC of a record header at file ``position`` of a segment with ``salt``
+    (None for a version-1 segment: 0, the plain CRC)."""
+    if salt is None:
+        return 0
+    return _crc32(RECORD_SEED.pack(salt, position))

@@ -1,171 +1,77 @@
-"""One segment (page) file: framing, reading back, and scanning after a crash.
+"""One segment (page) file of a queue, and the list of a queue's live segments.
 
 A segment holds whole records, each one MessageBatch of consecutive offsets. The
 in-memory index per segment is two int64 arrays (first offset and file position of each
 record) and an ack bitmap of one byte per message: no Python object per message.
+Framing is in ``record.py``; scanning after a crash in ``scanner.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import struct
 from array import array
 from bisect import bisect_right
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from raymq.batch import MessageBatch, PropertyGroups, as_u8
+from raymq.storage.files import create_file
 from raymq.storage.format import (
     RECORD_HEADER,
-    RECORD_MAGIC,
-    RECORD_MAGIC_BYTES,
     SEGMENT_HEADER,
+    SEGMENT_HEADER_V1,
     SEGMENT_MAGIC,
+    SEGMENT_PREFIX,
     SEGMENT_VERSION,
     crc32,
     segment_name,
 )
+from raymq.storage.record import CorruptRecord, decode_payload, parse_header
 
 #: A segment summary keeps at most this many distinct property maps.
 SUMMARY_MAX_DISTINCT = 256
 
 
-class CorruptRecord(Exception):
-    """A record failed its checksum or framing checks (internal to storage)."""
+class BadSegmentHeader(CorruptRecord):
+    """A segment file's header is missing, short or invalid."""
+
+    def __init__(self, message: str, size: int):
+        super().__init__(message)
+        #: Bytes in the file.
+        self.size = size
 
 
-def encode_record(batch: MessageBatch) -> list[bytes | memoryview]:
-    """Frame ``batch`` as a record: the header followed by the payload buffers.
-
-    Returned as a list for ``os.writev`` so that bodies are never joined into a copy.
-    """
-    n = len(batch)
-    payload = [
-        memoryview(batch.timestamps),
-        memoryview(batch.body_offsets),
-        memoryview(batch.prop_offsets),
-        memoryview(batch.body_data),
-        memoryview(batch.prop_data),
-    ]
-    length = sum(p.nbytes for p in payload)
-    pcrc = crc32(payload)
-    tail = RECORD_HEADER.pack(RECORD_MAGIC, 0, pcrc, length, batch.first_offset, n, 0)[8:]
-    header = RECORD_HEADER.pack(RECORD_MAGIC, crc32([tail]), pcrc, length, batch.first_offset, n, 0)
-    return [header, *payload]
+def new_salt() -> int:
+    """A random 64-bit salt for a new segment file."""
+    return int.from_bytes(os.urandom(8), "little")
 
 
-def parse_header(buf: bytes | memoryview, pos: int) -> tuple[int, int, int, int] | None:
-    """Return (payload crc, length, first offset, count) of a valid header at ``pos``."""
-    if len(buf) - pos < RECORD_HEADER.size:
-        return None
-    magic, hcrc, pcrc, length, first, count, _flags = RECORD_HEADER.unpack_from(buf, pos)
-    if magic != RECORD_MAGIC or crc32([buf[pos + 8 : pos + RECORD_HEADER.size]]) != hcrc:
-        return None
-    return pcrc, length, first, count
+def segment_header(base_offset: int, salt: int) -> bytes:
+    """A version-2 segment file header."""
+    head = SEGMENT_HEADER.pack(SEGMENT_MAGIC, SEGMENT_VERSION, 0, base_offset, salt, 0, 0)[:32]
+    return head + struct.pack("<II", crc32([head]), 0)
 
 
-def decode_payload(payload: bytes | memoryview, first: int, count: int) -> MessageBatch:
-    """Turn a record payload back into a MessageBatch without copying the bodies."""
-    u8 = np.frombuffer(payload, dtype=np.uint8)
-    n = count
-    p = 0
-    ts = u8[p : p + 8 * n].view(np.int64)
-    p += 8 * n
-    bo = u8[p : p + 8 * (n + 1)].view(np.int64)
-    p += 8 * (n + 1)
-    po = u8[p : p + 8 * (n + 1)].view(np.int64)
-    p += 8 * (n + 1)
-    if bo[0] != 0 or po[0] != 0 or p + bo[-1] + po[-1] != len(u8):
-        raise CorruptRecord(f"record at offset {first}: payload layout is inconsistent")
-    body = u8[p : p + bo[-1]]
-    props = u8[p + bo[-1] :]
-    return MessageBatch(bo, body, po, props, ts, first)
-
-
-@dataclass
-class ScanResult:
-    """What a scan of a segment's bytes found."""
-
-    #: (first offset, count, file position) of each valid record, in order.
-    records: list[tuple[int, int, int]] = field(default_factory=list)
-    #: File position after the last valid record: the file is truncated here.
-    valid_end: int = 0
-    #: Human-readable reports of damage found (skipped records, torn tail).
-    damage: list[str] = field(default_factory=list)
-    #: Offset ranges [start, end) lost to damage in the middle of the segment.
-    lost: list[tuple[int, int]] = field(default_factory=list)
-    truncated_bytes: int = 0
-
-
-def scan(buf: bytes, start: int, path: str) -> ScanResult:
-    """Validate the records of a segment file image from byte ``start`` on.
-
-    A damaged record followed by valid ones is skipped and reported; a damaged or
-    partial record with nothing valid after it is the torn tail of a crash and is cut.
-    """
-    result = ScanResult(valid_end=start)
-    pos = start
-    while pos < len(buf):
-        rec = _valid_record_at(buf, pos)
-        if rec is not None:
-            first, count, end = rec
-            result.records.append((first, count, pos))
-            pos = result.valid_end = end
-            continue
-        nxt = _resync(buf, pos + 1)
-        if nxt is None:
-            break  # nothing valid follows: a torn tail
-        lost_start = _next_offset(result, buf, pos)
-        lost_end = _valid_record_at_unchecked_first(buf, nxt)
-        result.damage.append(
-            f"{path}: damaged bytes {pos}..{nxt} skipped (offsets {lost_start}..{lost_end})"
-        )
-        if lost_start is not None and lost_end > lost_start:
-            result.lost.append((lost_start, lost_end))
-        pos = nxt
-    if result.valid_end < len(buf):
-        result.truncated_bytes = len(buf) - result.valid_end
-        result.damage.append(
-            f"{path}: torn tail of {result.truncated_bytes} bytes at {result.valid_end} truncated"
-        )
-    return result
-
-
-def _valid_record_at(buf: bytes, pos: int) -> tuple[int, int, int] | None:
-    hdr = parse_header(buf, pos)
-    if hdr is None:
-        return None
-    pcrc, length, first, count = hdr
-    start, end = pos + RECORD_HEADER.size, pos + RECORD_HEADER.size + length
-    if end > len(buf) or crc32([memoryview(buf)[start:end]]) != pcrc:
-        return None
-    return first, count, end
-
-
-def _resync(buf: bytes, pos: int) -> int | None:
-    """Position of the next fully valid record at or after ``pos``, if any."""
-    while True:
-        pos = buf.find(RECORD_MAGIC_BYTES, pos)
-        if pos < 0:
-            return None
-        if _valid_record_at(buf, pos) is not None:
-            return pos
-        pos += 1
-
-
-def _next_offset(result: ScanResult, buf: bytes, pos: int) -> int | None:
-    if result.records:
-        first, count, _ = result.records[-1]
-        return first + count
-    hdr = parse_header(buf, pos)  # header intact, payload damaged
-    return hdr[2] if hdr else None
-
-
-def _valid_record_at_unchecked_first(buf: bytes, pos: int) -> int:
-    hdr = parse_header(buf, pos)
-    assert hdr is not None
-    return hdr[2]
+def parse_segment_header(data: bytes, base_offset: int, path: str) -> tuple[int | None, int]:
+    """(salt, version) of a segment file image; salt None for version 1."""
+    if len(data) < SEGMENT_PREFIX.size:
+        raise BadSegmentHeader(f"{path}: header missing ({len(data)} bytes)", len(data))
+    magic, version = SEGMENT_PREFIX.unpack_from(data, 0)
+    if magic == SEGMENT_MAGIC and version == 1 and len(data) >= SEGMENT_HEADER_V1.size:
+        _m, _v, _r, base = SEGMENT_HEADER_V1.unpack_from(data, 0)
+        if base == base_offset:
+            return None, 1
+    if magic == SEGMENT_MAGIC and version == 2 and len(data) >= SEGMENT_HEADER.size:
+        _m, _v, _f, base, salt, hcrc, _r = SEGMENT_HEADER.unpack_from(data, 0)
+        if base == base_offset and crc32([data[:32]]) == hcrc:
+            return salt, 2
+    if len(data) < SEGMENT_HEADER.size and data.strip(b"\0") == b"":
+        raise BadSegmentHeader(f"{path}: header missing ({len(data)} bytes)", len(data))
+    raise BadSegmentHeader(
+        f"{path}: bad header (magic {magic!r}, version {version}, {len(data)} bytes)", len(data)
+    )
 
 
 class Segment:
@@ -176,16 +82,29 @@ class Segment:
     write in flight.
     """
 
-    def __init__(self, directory: str | None, base_offset: int, *, fd: int | None = None):
+    def __init__(
+        self,
+        directory: str | None,
+        base_offset: int,
+        *,
+        fd: int | None = None,
+        salt: int | None = None,
+        version: int = SEGMENT_VERSION,
+    ):
         self.directory = directory
         self.base_offset = base_offset
         self.path = os.path.join(directory, segment_name(base_offset)) if directory else None
         self.fd = fd
+        #: Random per file (version 2), mixed into every record header's CRC; None for a
+        #: version-1 file (and for memory).
+        self.salt = salt
+        self.version = version
         self.firsts = array("q")
         self.positions = array("q")
         self.batches: list[MessageBatch | None] = []  # in memory (transient) only
         self.count = 0  # messages published
-        self.size = SEGMENT_HEADER.size if directory else 0
+        self.header_size = SEGMENT_HEADER.size if version >= 2 else SEGMENT_HEADER_V1.size
+        self.size = self.header_size if directory else 0
         self.planned_size = self.size
         self.planned_end = base_offset
         self._acked = np.zeros(64, dtype=np.bool_)
@@ -197,31 +116,41 @@ class Segment:
         #: unknown (after a restart, until a scan rebuilds it) or over the cap.
         self.summary: dict[bytes, int] | None = {}
         self.summary_overflow = False
+        #: False if records must not be appended (a version-1 file, or damaged bytes
+        #: left at its end).
+        self.appendable = True
+        #: Indexes of records quarantined as damaged (never read again), if any.
+        self.damaged_records: set[int] | None = None
 
     # -- files -----------------------------------------------------------------------
 
     @classmethod
     def create(cls, directory: str, base_offset: int) -> Segment:
-        """Create the file with its header (not yet fsynced: the first write syncs it)."""
-        path = os.path.join(directory, segment_name(base_offset))
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-        os.write(fd, SEGMENT_HEADER.pack(SEGMENT_MAGIC, SEGMENT_VERSION, 0, base_offset))
-        return cls(directory, base_offset, fd=fd)
+        """Create the (empty) file, 0600, with a new random salt. Its header is written
+        with its first records (``file_header``), in the same pwritev."""
+        fd = create_file(os.path.join(directory, segment_name(base_offset)))
+        return cls(directory, base_offset, fd=fd, salt=new_salt())
+
+    def file_header(self) -> bytes:
+        """The version-2 header of this segment's file."""
+        return segment_header(self.base_offset, self.salt)
 
     @classmethod
     def open_existing(cls, directory: str, base_offset: int) -> tuple[Segment, bytes]:
-        """Open a file for recovery; returns the segment and the file's bytes."""
+        """Open a file for recovery; returns the segment and the file's bytes.
+
+        Raises ``BadSegmentHeader`` (the fd closed) if the header is short or invalid.
+        """
         path = os.path.join(directory, segment_name(base_offset))
         fd = os.open(path, os.O_RDWR)
-        with open(fd, "rb", closefd=False) as f:
-            data = f.read()
-        seg = cls(directory, base_offset, fd=fd)
-        if len(data) < SEGMENT_HEADER.size:
-            raise CorruptRecord(f"{path}: header missing ({len(data)} bytes)")
-        magic, version, _r, base = SEGMENT_HEADER.unpack_from(data, 0)
-        if magic != SEGMENT_MAGIC or version != SEGMENT_VERSION or base != base_offset:
-            raise CorruptRecord(f"{path}: bad header (magic {magic!r}, version {version})")
-        return seg, data
+        try:
+            with open(fd, "rb", closefd=False) as f:
+                data = f.read()
+            salt, version = parse_segment_header(data, base_offset, path)
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(directory, base_offset, fd=fd, salt=salt, version=version), data
 
     def close(self) -> None:
         """Close the file descriptor (the file stays)."""
@@ -244,21 +173,29 @@ class Segment:
         return self.base_offset + self.count
 
     def add_record(self, first: int, count: int, position: int) -> None:
-        """Index a published record (offsets may skip ahead after lost records)."""
-        if first > self.end_offset:  # a gap left by a damaged record
-            self._mark_lost(self.end_offset, first)
+        """Index a published record. Offsets skipped before it (records lost to damage,
+        found by recovery) stay unacknowledged until ``mark_lost``."""
         self.firsts.append(first)
         self.positions.append(position)
         self.count = first + count - self.base_offset
         self._grow(self.count)
 
-    def _mark_lost(self, start: int, end: int) -> None:
-        self._grow(end - self.base_offset)
-        self.count = max(self.count, end - self.base_offset)
+    def extend_to(self, end: int) -> None:
+        """Make offsets up to ``end`` part of this segment (lost ones, see ``mark_lost``)."""
+        if end > self.end_offset:
+            self._grow(end - self.base_offset)
+            self.count = end - self.base_offset
+
+    def mark_lost(self, start: int, end: int) -> int:
+        """Count offsets [start, end) of this segment lost to damage: acknowledged (never
+        served again); returns how many were not acknowledged already."""
+        self.extend_to(end)
         sl = self._acked[start - self.base_offset : end - self.base_offset]
-        self.lost_n += int((~sl).sum())
-        self.acked_n += int((~sl).sum())
+        fresh = int((~sl).sum())
+        self.lost_n += fresh
+        self.acked_n += fresh
         sl[:] = True
+        return fresh
 
     def _grow(self, n: int) -> None:
         if n > len(self._acked):
@@ -307,23 +244,62 @@ class Segment:
         """Index of the record holding ``offset``."""
         return bisect_right(self.firsts, offset) - 1
 
+    def is_damaged(self, k: int) -> bool:
+        """True if record ``k`` was quarantined."""
+        return self.damaged_records is not None and k in self.damaged_records
+
+    def note_damaged(self, k: int) -> None:
+        """Remember that record ``k`` is damaged: it is never read again."""
+        if self.damaged_records is None:
+            self.damaged_records = set()
+        self.damaged_records.add(k)
+
+    def record_end(self, k: int) -> int:
+        """File position after record ``k`` (the next record's, or the published size)."""
+        positions = self.positions
+        for j in range(k + 1, len(positions)):
+            if positions[j] >= 0:  # (-1: a freed transient record, not in the file)
+                return positions[j]
+        return self.size
+
+    def record_offsets(self, k: int) -> tuple[int, int]:
+        """Offsets [first, end) of record ``k``."""
+        end = self.firsts[k + 1] if k + 1 < len(self.firsts) else self.end_offset
+        return self.firsts[k], end
+
+    def _checked_header(self, k: int) -> tuple[int, int, int, int]:
+        """The header of record ``k``, checked against its salt, position and the index."""
+        pos = self.positions[k]
+        hdr = parse_header(os.pread(self.fd, RECORD_HEADER.size, pos), 0, self.salt, pos)
+        if hdr is None:
+            raise CorruptRecord(f"{self.path}: bad record header at byte {pos}")
+        first, end = self.record_offsets(k)
+        if hdr[2] != first or hdr[3] > end - first:
+            raise CorruptRecord(f"{self.path}: record at byte {pos} is not the indexed one")
+        return hdr
+
     def read_record(self, k: int, *, verify: bool = True) -> MessageBatch | None:
         """Read record ``k`` back (from memory for a non-durable segment); None for a
-        transient record freed because all of it was acknowledged."""
+        transient record freed because all of it was acknowledged. Raises
+        ``CorruptRecord`` if it fails its checks, ``OSError`` if the file cannot be read."""
         if self.fd is None:
             return self.batches[k]
         pos = self.positions[k]
         if pos < 0:
             return None
-        header = os.pread(self.fd, RECORD_HEADER.size, pos)
-        hdr = parse_header(header, 0)
-        if hdr is None:
-            raise CorruptRecord(f"{self.path}: bad record header at byte {pos}")
-        pcrc, length, first, count = hdr
+        pcrc, length, first, count = self._checked_header(k)
         payload = os.pread(self.fd, length, pos + RECORD_HEADER.size)
         if len(payload) != length or (verify and crc32([payload]) != pcrc):
             raise CorruptRecord(f"{self.path}: record at byte {pos} fails its checksum")
         return decode_payload(payload, first, count)
+
+    def verify_record(self, k: int) -> int:
+        """Check record ``k``'s header and payload CRCs; returns the bytes read. Raises
+        ``CorruptRecord`` if it fails (a memory record always passes)."""
+        if self.fd is None or self.positions[k] < 0:
+            return 0
+        self.read_record(k)
+        return self.record_end(k) - self.positions[k]
 
     def free_acked_records(self, lo: int, hi: int) -> None:
         """Drop in-memory records within offsets [lo, hi] whose messages are all
@@ -342,26 +318,39 @@ class Segment:
     def read_properties(self, k: int) -> MessageBatch | None:
         """Record ``k``'s timestamps and properties only, as a batch with empty bodies.
 
-        Two preads skip the bodies. The payload CRC covers the whole payload, so these
-        bytes are not checksummed: they only decide matching; delivery reads and checks
-        the whole record.
+        Two preads skip the bodies. The header is checked (its CRC, salt and position),
+        and the offset arrays for consistency, but the payload CRC covers the whole
+        payload, so these bytes are not checksummed: they only decide matching;
+        delivery reads and checks the whole record.
         """
         if self.fd is None:
             return self.batches[k]
         pos = self.positions[k]
         if pos < 0:
             return None
-        _magic, _h, _p, _length, first, n, _flags = RECORD_HEADER.unpack(
-            os.pread(self.fd, RECORD_HEADER.size, pos)
-        )
+        _pcrc, length, first, n = self._checked_header(k)
         head_len = 8 * n + 16 * (n + 1)
+        if head_len > length:
+            raise CorruptRecord(f"{self.path}: record at byte {pos} is inconsistent")
         head = np.frombuffer(os.pread(self.fd, head_len, pos + RECORD_HEADER.size), np.uint8)
         if len(head) != head_len:
             raise CorruptRecord(f"{self.path}: record at byte {pos} is cut short")
         ts = head[: 8 * n].view(np.int64)
         bo = head[8 * n : 8 * n + 8 * (n + 1)].view(np.int64)
         po = head[8 * n + 8 * (n + 1) :].view(np.int64)
-        props = os.pread(self.fd, int(po[-1]), pos + RECORD_HEADER.size + head_len + int(bo[-1]))
+        body_len, props_len = int(bo[-1]), int(po[-1])
+        if (
+            bo[0] != 0
+            or po[0] != 0
+            or body_len < 0
+            or props_len < 0
+            or head_len + body_len + props_len != length
+            or (n > 1 and (np.diff(po) < 0).any())
+        ):
+            raise CorruptRecord(f"{self.path}: record at byte {pos} has inconsistent offsets")
+        props = os.pread(self.fd, props_len, pos + RECORD_HEADER.size + head_len + body_len)
+        if len(props) != props_len:
+            raise CorruptRecord(f"{self.path}: record at byte {pos} is cut short")
         return MessageBatch(
             np.zeros(n + 1, dtype=np.int64), np.zeros(0, np.uint8), po, as_u8(props), ts, first
         )
@@ -376,3 +365,22 @@ class Segment:
         if len(summary) > SUMMARY_MAX_DISTINCT:
             self.summary = None
             self.summary_overflow = True
+
+
+class Segments(list):
+    """The live segments of a queue in offset order (a list), with lookups by offset."""
+
+    def bases(self) -> np.ndarray:
+        """First offsets of the live segments, ascending."""
+        return np.fromiter((s.base_offset for s in self), dtype=np.int64, count=len(self))
+
+    def index_at(self, offset: int) -> int:
+        """Index of the first segment that may hold ``offset`` or anything after it."""
+        return max(0, int(np.searchsorted(self.bases(), offset, side="right")) - 1)
+
+    def holding(self, offset: int) -> Segment | None:
+        """The live segment holding ``offset``, if any."""
+        if not self:
+            return None
+        seg = self[self.index_at(offset)]
+        return seg if seg.base_offset <= offset < seg.end_offset else None

@@ -1,0 +1,121 @@
+"""The checkpoint: every live segment's index and ack flags, and where to replay from.
+
+Written atomically: ``stage_checkpoint`` (``checkpoint.tmp``, 0600, fsync) then
+``commit_checkpoint`` (rename, directory fsync); see docs/FORMAT.md, "Checkpoint".
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+import msgpack
+import numpy as np
+
+from raymq.storage.files import create_file, fsync_directory, pwritev_all
+from raymq.storage.format import (
+    CHECKPOINT_HEADER,
+    CHECKPOINT_MAGIC,
+    CHECKPOINT_NAME,
+    CHECKPOINT_VERSION,
+    crc32,
+)
+from raymq.storage.segment import Segment
+
+
+def encode_checkpoint(
+    segments: Iterable[Segment],
+    next_offset: int,
+    ack_generation: int,
+    deleted: Iterable[int] = (),
+) -> bytes:
+    """The checkpoint file's bytes for the current state of ``segments``; ``deleted``:
+    base offsets of deleted segments whose file could not be unlinked."""
+    body = msgpack.packb(
+        {
+            "next_offset": next_offset,
+            "ack_generation": ack_generation,
+            "deleted": sorted(deleted),
+            "segments": [
+                {
+                    "base": s.base_offset,
+                    "size": s.size,
+                    "count": s.count,
+                    "acked_n": s.acked_n,
+                    "lost_n": s.lost_n,
+                    "firsts": s.firsts.tobytes(),
+                    "positions": s.positions.tobytes(),
+                    "acked": np.packbits(s.acked).tobytes(),
+                }
+                for s in segments
+                if s.count
+            ],
+        }
+    )
+    header = CHECKPOINT_HEADER.pack(CHECKPOINT_MAGIC, CHECKPOINT_VERSION, crc32([body]), len(body))
+    return header + body
+
+
+def checkpoint_path(directory: str) -> str:
+    """Path of the checkpoint file in a queue directory."""
+    return os.path.join(directory, CHECKPOINT_NAME)
+
+
+def stage_checkpoint(directory: str, data: bytes) -> str:
+    """Write ``data`` to ``checkpoint.tmp`` and fsync it; returns its path."""
+    tmp = checkpoint_path(directory) + ".tmp"
+    fd = create_file(tmp, exclusive=False)
+    try:
+        pwritev_all(fd, [data], 0)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return tmp
+
+
+def commit_checkpoint(directory: str) -> None:
+    """Rename the staged checkpoint over the current one and fsync the directory."""
+    os.replace(checkpoint_path(directory) + ".tmp", checkpoint_path(directory))
+    fsync_directory(directory)
+
+
+def write_checkpoint(directory: str, data: bytes) -> None:
+    """Replace the checkpoint atomically with ``data`` (fsynced, directory too)."""
+    stage_checkpoint(directory, data)
+    commit_checkpoint(directory)
+
+
+def read_checkpoint(directory: str) -> tuple[dict | None, str | None]:
+    """The checkpoint's contents (None if absent or damaged) and a report of damage."""
+    path = checkpoint_path(directory)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return None, None
+    hs = CHECKPOINT_HEADER.size
+    if len(data) >= hs:
+        magic, version, crc, length = CHECKPOINT_HEADER.unpack_from(data, 0)
+        body = data[hs : hs + length]
+        if (
+            magic == CHECKPOINT_MAGIC
+            and version == CHECKPOINT_VERSION
+            and len(body) == length
+            and crc32([body]) == crc
+        ):
+            try:
+                return msgpack.unpackb(body), None
+            except (ValueError, msgpack.UnpackException):
+                pass
+    return None, f"{path}: damaged checkpoint ignored; all files rescanned"
+
+
+def restore_segment(seg: Segment, saved: dict) -> None:
+    """Restore a segment's index and ack flags from its checkpoint entry."""
+    seg.firsts.frombytes(saved["firsts"])
+    seg.positions.frombytes(saved["positions"])
+    seg.count = saved["count"]
+    packed = np.frombuffer(saved["acked"], dtype=np.uint8)
+    flags = np.unpackbits(packed, count=saved["count"])
+    seg.set_acked(flags.astype(np.bool_), saved["acked_n"])
+    seg.lost_n = saved["lost_n"]

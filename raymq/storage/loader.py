@@ -1,0 +1,367 @@
+"""Recovery: rebuild a durable queue's state from its files, and report what it found.
+
+Kafka's LogLoader and LevelDB's log reader are the models: recovery never guesses, it
+reports every byte it dropped and why. docs/FORMAT.md, "Recovery", lists the rules:
+
+- only the unsynced tail of the newest segment can be torn by a crash (the writer
+  fdatasyncs each segment before it writes the next one), and only if nothing durable
+  says its offsets were published (the checkpoint's next offset and the ack logs' high
+  water): such a tail is cut off and its bytes counted in ``truncated_bytes``;
+- anything else that fails its checks is *damage*: its messages are counted in
+  ``lost_messages`` (unless already acknowledged) and never served, its bytes are copied
+  aside to ``<segment file>.damaged-<position>`` (a segment whose header is bad is moved
+  aside whole to ``<segment file>.damaged``);
+- offsets are never given again: the next offset is the highest that the checkpoint,
+  the ack logs or the segments know of.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from raymq.storage.ack_state import AckState
+from raymq.storage.acklog import AckLog, AckLogContents, list_generations, read_ack_log
+from raymq.storage.checkpoint import (
+    encode_checkpoint,
+    read_checkpoint,
+    restore_segment,
+    write_checkpoint,
+)
+from raymq.storage.files import copy_aside, fsync_directory
+from raymq.storage.format import (
+    CHECKPOINT_NAME,
+    DAMAGED_SUFFIX,
+    SEGMENT_SUFFIX,
+    ack_log_name,
+    segment_name,
+)
+from raymq.storage.scanner import ScanResult, scan
+from raymq.storage.segment import BadSegmentHeader, Segment, Segments
+
+#: Above this many offsets, a lost range is counted whole (not checked against acks).
+_EXACT_COUNT_MAX = 50_000_000
+
+
+@dataclass
+class RecoveryReport:
+    """What opening a queue's files found and repaired."""
+
+    queue: str
+    segments: int = 0
+    depth: int = 0
+    next_offset: int = 0
+    used_checkpoint: bool = False
+    #: Bytes of torn tails cut off (a crash during a write that never returned).
+    truncated_bytes: int = 0
+    #: Messages lost to damage (not acknowledged before): in live segments, including
+    #: those a previous run found, and in files moved aside by this recovery.
+    lost_messages: int = 0
+    damage: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    #: Of ``lost_messages``, those this recovery found.
+    damaged: int = 0
+    #: Files holding damaged bytes copied aside for inspection by this recovery.
+    kept_aside: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Recovered:
+    """Where the writer continues after recovery."""
+
+    next_offset: int
+    ack_log: AckLog
+    ack_generation: int
+    #: Files of deleted segments that could not be unlinked (yet).
+    undeleted: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _SegmentFile:
+    base: int
+    size: int
+    #: A later segment file has bytes, so this one was fully synced before those.
+    sealed: bool
+    next_base: int | None
+
+
+class Loader:
+    """Recovers one durable queue directory into ``segments`` and ``acks``."""
+
+    def __init__(self, directory: str, segments: Segments, acks: AckState, report: RecoveryReport):
+        self.directory = directory
+        self.segments = segments
+        self.acks = acks
+        self.report = report
+        #: Highest next offset that durable state (checkpoint, ack logs) knows was given.
+        self._durable_high = 0
+        self._floor = 0  # offsets below this were given (moved-aside files)
+        self._lost: list[tuple[Segment, int, int]] = []
+        self._lost_whole: list[tuple[int, int]] = []
+        self._undeleted: list[str] = []
+
+    def recover(self) -> Recovered:
+        """Read the checkpoint and the ack logs, scan the segments, apply the acks, then
+        delete what is fully acknowledged and start a new ack generation with a
+        checkpoint written at once."""
+        ckpt, damage = read_checkpoint(self.directory)
+        if damage:
+            self.report.damage.append(damage)
+        self.report.used_checkpoint = ckpt is not None
+        first_gen = ckpt["ack_generation"] if ckpt else 0
+        generations = list_generations(self.directory)
+        logs = self._read_ack_logs([g for g in generations if g >= first_gen])
+        self._durable_high = max(
+            [ckpt["next_offset"] if ckpt else 0, *(a.high for a in logs.values())]
+        )
+        self._load_segments(ckpt)
+        for contents in logs.values():
+            self.acks.apply_ranges(contents.ranges)
+        self._count_lost(np.concatenate([a.ranges for a in logs.values()]) if logs else None)
+        last_end = self.segments[-1].end_offset if self.segments else 0
+        next_offset = max(self._durable_high, self._floor, last_end)
+        self.acks.recount()
+        for seg in [s for s in self.segments if s.fully_acked]:
+            self.segments.remove(seg)  # acks durable in the ack logs: delete first (room)
+            self._delete(seg)
+        ack_log = self._start_ack_log(max([first_gen, *generations]) + 1, next_offset, logs)
+        self._checkpoint(next_offset, ack_log.generation)
+        return Recovered(next_offset, ack_log, ack_log.generation, self._undeleted)
+
+    def _load_segments(self, ckpt: dict | None) -> None:
+        saved = {s["base"]: s for s in ckpt["segments"]} if ckpt else {}
+        deleted = set(ckpt.get("deleted", ())) if ckpt else set()
+        for f in self._segment_files():
+            if f.base in deleted:
+                self._remove_deleted(f.base)
+                continue
+            seg = self._recover_segment(f, saved.get(f.base))
+            if seg is not None:
+                self.segments.append(seg)
+
+    def _checkpoint(self, next_offset: int, generation: int) -> None:
+        """Write the checkpoint at once and delete the ack logs it makes obsolete."""
+        undeleted = [int(os.path.basename(p)[: -len(SEGMENT_SUFFIX)]) for p in self._undeleted]
+        data = encode_checkpoint(self.segments, next_offset, generation, undeleted)
+        try:
+            write_checkpoint(self.directory, data)
+        except OSError as exc:  # the older checkpoint and ack logs stay valid
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(self.directory, CHECKPOINT_NAME + ".tmp"))
+            self.report.damage.append(
+                f"{self.directory}: no checkpoint written at recovery ({exc}); the next one will be"
+            )
+            return
+        for gen in list_generations(self.directory):
+            if gen < generation:  # (one that stays is replayed again, harmlessly)
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(self.directory, ack_log_name(gen)))
+
+    def _start_ack_log(
+        self, generation: int, next_offset: int, logs: dict[int, AckLogContents]
+    ) -> AckLog:
+        """A fresh ack log generation (so that recovery starts from a clean file), or,
+        if it cannot be started (a full disk), the newest one, appended to again."""
+        ack_log = AckLog(self.directory, generation)
+        try:
+            ack_log.create(next_offset)
+            return ack_log
+        except OSError as exc:
+            usable = [g for g, contents in logs.items() if contents.header_ok]
+            if not usable:
+                raise
+            gen = max(usable)
+            self.report.damage.append(
+                f"{ack_log.path}: cannot be started ({exc}); acks go on to generation {gen}"
+            )
+            return AckLog.reopen(self.directory, gen, logs[gen].end)
+
+    def _delete(self, seg: Segment) -> None:
+        """Close and unlink a segment nobody needs; if the unlink fails, the checkpoint
+        names it so that a later recovery removes it."""
+        seg.close()
+        try:
+            os.unlink(seg.path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            self._undeleted.append(seg.path)
+            self.report.damage.append(f"{seg.path}: cannot be removed ({exc})")
+
+    def _remove_deleted(self, base: int) -> None:
+        """A segment deleted (fully acknowledged) whose unlink had failed: remove it
+        unread (its acks may be in ack logs no longer replayed)."""
+        path = os.path.join(self.directory, segment_name(base))
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            self._undeleted.append(path)
+            self.report.damage.append(f"{path}: deleted segment still cannot be removed ({exc})")
+
+    def _read_ack_logs(self, generations: list[int]) -> dict[int, AckLogContents]:
+        logs = {}
+        for gen in generations:
+            contents = read_ack_log(os.path.join(self.directory, ack_log_name(gen)))
+            self.report.damage.extend(contents.damage)
+            logs[gen] = contents
+        return logs
+
+    def _segment_files(self) -> list[_SegmentFile]:
+        bases = segment_bases(self.directory)
+        sizes = [os.path.getsize(os.path.join(self.directory, segment_name(b))) for b in bases]
+        files, later_bytes = [], False
+        for i in reversed(range(len(bases))):
+            nxt = bases[i + 1] if i + 1 < len(bases) else None
+            files.append(_SegmentFile(bases[i], sizes[i], later_bytes, nxt))
+            later_bytes = later_bytes or sizes[i] > 0
+        return files[::-1]
+
+    # -- one segment -----------------------------------------------------------------
+
+    def _recover_segment(self, f: _SegmentFile, saved: dict | None) -> Segment | None:
+        try:
+            seg, data = Segment.open_existing(self.directory, f.base)
+        except BadSegmentHeader as exc:
+            self._bad_header(f, exc)
+            return None
+        seg.summary = None  # unknown until a scan reads its properties
+        start, expected = seg.header_size, f.base
+        short = saved is not None and saved["size"] > len(data)
+        if short:  # bytes the checkpoint saw synced are gone: rescan, keep its acks
+            flags = np.unpackbits(np.frombuffer(saved["acked"], np.uint8), count=saved["count"])
+            seg.set_acked(flags.astype(np.bool_), 0)
+        elif saved is not None:
+            restore_segment(seg, saved)
+            start, expected = saved["size"], seg.end_offset
+        result = scan(data, start, salt=seg.salt, expected=expected)
+        for first, count, pos in result.records:
+            seg.add_record(first, count, pos)
+        if short:
+            end = max(f.base + saved["count"], result.end_offset)
+            seg.extend_to(end)
+            seg.acked_n = int(seg.acked.sum())
+            if end > result.end_offset:
+                self._lost.append((seg, result.end_offset, end))
+            self.report.damage.append(
+                f"{seg.path}: {len(data)} bytes where the checkpoint saw {saved['size']} "
+                f"(offsets {result.end_offset}..{end} missing)"
+            )
+        for region in result.damaged:
+            kept = self._keep_aside(seg, region.start, region.end)
+            self._lost.append((seg, *region.lost))
+            self.report.damage.append(
+                f"{seg.path}: damaged bytes {region.start}..{region.end} (offsets "
+                f"{region.lost[0]}..{region.lost[1]}) not served{kept}"
+            )
+        if result.tail is not None:
+            self._tail(seg, f, result, len(data))
+        seg.size = seg.planned_size = result.valid_end
+        if seg.salt is None:
+            seg.appendable = False  # version 1: new records go to a new (version 2) file
+        if seg.count == 0 and not any(s is seg for s, *_ in self._lost):
+            self._delete(seg)  # no records: a file created just before a crash
+            return None
+        return seg
+
+    def _tail(self, seg: Segment, f: _SegmentFile, result: ScanResult, size: int) -> None:
+        """Bytes at the end that hold no valid record: a torn write, or damage."""
+        tail, n = result.tail, size - result.tail
+        claimed = max(
+            result.tail_offsets[1] if result.tail_offsets else result.end_offset,
+            result.tail_claimed,
+        )
+        published = self._durable_high > result.end_offset or result.tail_followed
+        if not f.sealed and not published:
+            os.ftruncate(seg.fd, tail)
+            os.fsync(seg.fd)
+            self.report.truncated_bytes += n
+            self.report.damage.append(f"{seg.path}: torn tail of {n} bytes at {tail} truncated")
+            return
+        end = f.next_base if f.sealed else max(self._durable_high, claimed)
+        end = max(end, result.end_offset)
+        kept = self._keep_aside(seg, tail, size)
+        if kept:
+            os.ftruncate(seg.fd, tail)
+            os.fsync(seg.fd)
+        else:
+            seg.appendable = False  # the damaged bytes stay: never write over them
+        self._lost.append((seg, result.end_offset, end))
+        self.report.damage.append(
+            f"{seg.path}: damaged tail of {n} bytes at {tail} (offsets {result.end_offset}.."
+            f"{end}) not served{kept}"
+        )
+
+    def _bad_header(self, f: _SegmentFile, exc: BadSegmentHeader) -> None:
+        path = os.path.join(self.directory, segment_name(f.base))
+        if not f.sealed and self._durable_high <= f.base:
+            # The newest file, of which nothing was ever published: its creation (or
+            # first write) was torn by a crash.
+            os.unlink(path)
+            self.report.truncated_bytes += exc.size
+            self.report.damage.append(f"{exc}; torn at creation, removed")
+            return
+        end = f.next_base if f.sealed else max(self._durable_high, f.base)
+        os.replace(path, path + DAMAGED_SUFFIX)
+        with contextlib.suppress(OSError):
+            fsync_directory(self.directory)
+        self._lost_whole.append((f.base, end))
+        self._floor = max(self._floor, end)
+        self.report.kept_aside.append(path + DAMAGED_SUFFIX)
+        self.report.damage.append(
+            f"{exc}; offsets {f.base}..{end} not served; moved aside to {path}{DAMAGED_SUFFIX}"
+        )
+
+    def _keep_aside(self, seg: Segment, start: int, end: int) -> str:
+        """Copy damaged bytes aside; returns the text for the report ("" if not kept)."""
+        dest = f"{seg.path}{DAMAGED_SUFFIX}-{start}"
+        if copy_aside(seg.fd, start, end, dest) or os.path.exists(dest):
+            self.report.kept_aside.append(dest)
+            return f"; kept in {dest}"
+        return ""
+
+    def _count_lost(self, ack_ranges: np.ndarray | None) -> None:
+        """Mark the lost offsets found (after the acks: acknowledged ones are not lost)
+        and count every loss."""
+        damaged = sum(seg.mark_lost(start, end) for seg, start, end in self._lost)
+        whole = sum(_unacked_in(start, end, ack_ranges) for start, end in self._lost_whole)
+        for seg in self.segments:
+            seg.planned_end = seg.end_offset
+        self.report.damaged = damaged + whole
+        self.report.lost_messages = sum(s.lost_n for s in self.segments) + whole
+
+
+def _unacked_in(start: int, end: int, ack_ranges: np.ndarray | None) -> int:
+    """Offsets of [start, end) that ``ack_ranges`` do not acknowledge."""
+    if end <= start:
+        return 0
+    if ack_ranges is None or not len(ack_ranges) or end - start > _EXACT_COUNT_MAX:
+        return end - start
+    acked = np.zeros(end - start, dtype=np.bool_)
+    for a, b in ack_ranges.tolist():
+        lo, hi = max(a, start), min(b, end)
+        if hi > lo:
+            acked[lo - start : hi - start] = True
+    return int((~acked).sum())
+
+
+def segment_bases(directory: str) -> list[int]:
+    """Base offsets of the segment files in ``directory``, ascending."""
+    bases = []
+    for name in os.listdir(directory):
+        if name.endswith(SEGMENT_SUFFIX):
+            try:
+                bases.append(int(name[: -len(SEGMENT_SUFFIX)]))
+            except ValueError:
+                continue
+    return sorted(bases)
+
+
+def remove_transient_files(directory: str) -> None:
+    """A non-durable queue starts empty: what flowed to disk last run is garbage."""
+    for base in segment_bases(directory):
+        os.unlink(os.path.join(directory, segment_name(base)))

@@ -1,0 +1,92 @@
+"""Reading messages back: from memory, the read cache or the segment files.
+
+A record that fails its checks is quarantined (``damage.Quarantine``) and skipped: the
+caller gets every other message of the range, never the internal ``CorruptRecord``. A
+file that cannot be read raises ``StorageError`` naming it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from raymq.batch import MessageBatch
+from raymq.storage.damage import Quarantine
+from raymq.storage.files import storage_error
+from raymq.storage.read_cache import ReadCache
+from raymq.storage.record import CorruptRecord
+from raymq.storage.segment import Segment, Segments
+
+
+class Reader:
+    """Reads offset ranges of the live segments, whole records or properties only."""
+
+    def __init__(self, queue: str, segments: Segments, cache: ReadCache, quarantine: Quarantine):
+        self.queue = queue
+        self.segments = segments
+        self.cache = cache
+        self.quarantine = quarantine
+
+    def read(self, start: int, end: int) -> list[MessageBatch]:
+        """Messages of offsets [start, end), all published, as batches in offset order.
+
+        Offsets in gaps (deleted segments, damaged records) are skipped.
+        """
+        return self._collect(start, end, self._record)
+
+    def properties(self, start: int, end: int) -> list[MessageBatch]:
+        """Like ``read`` but with empty bodies: timestamps and properties only.
+
+        For a durable queue the bodies are not read from disk (unless cached already).
+        """
+        return self._collect(start, end, self._record_properties)
+
+    def _collect(
+        self, start: int, end: int, reader: Callable[[Segment, int], MessageBatch | None]
+    ) -> list[MessageBatch]:
+        out: list[MessageBatch] = []
+        i = self.segments.index_at(start)
+        for seg in self.segments[i:]:
+            if seg.base_offset >= end:
+                break
+            if seg.end_offset <= start:
+                continue
+            k = max(0, seg.record_index(start))
+            damaged = seg.damaged_records
+            while k < len(seg.firsts) and seg.firsts[k] < end:
+                if damaged and k in damaged:
+                    k += 1
+                    continue
+                try:
+                    rec = reader(seg, k)
+                except CorruptRecord as exc:
+                    self.quarantine.take_out(seg, k, str(exc))
+                    rec = None
+                except OSError as exc:
+                    raise storage_error(self.queue, "reading", seg.path, exc) from exc
+                if rec is None:  # quarantined, or a transient record freed (all acked)
+                    k += 1
+                    continue
+                lo, hi = max(start, rec.first_offset), min(end, rec.end_offset)
+                if hi > lo:
+                    out.append(rec.slice(lo - rec.first_offset, hi - rec.first_offset))
+                k += 1
+        return out
+
+    def _record_properties(self, seg: Segment, k: int) -> MessageBatch | None:
+        if seg.fd is None:
+            return seg.batches[k]
+        rec = self.cache.peek((seg.base_offset, k))
+        return rec if rec is not None else seg.read_properties(k)
+
+    def _record(self, seg: Segment, k: int) -> MessageBatch | None:
+        if seg.fd is None:
+            return seg.batches[k]
+        key = (seg.base_offset, k)
+        rec = self.cache.get(key)
+        if rec is not None:
+            return rec
+        rec = seg.read_record(k)
+        if rec is None:
+            return None
+        self.cache.put(key, rec)
+        return rec

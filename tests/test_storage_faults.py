@@ -1,0 +1,480 @@
+"""Storage faults (issue 12) against real files and real fsyncs: rot found while reading
+and by the scrub, a full disk and I/O errors anywhere in the write path, offsets never
+given twice whatever is damaged, and private file modes.
+
+System calls are made to fail with ``tests.storage_helpers.Faults`` (a wrapper around
+``os`` functions); the full-disk tests also run on a real 2 MiB tmpfs when this process
+may mount one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+
+import numpy as np
+import pytest
+
+from raymq.batch import MessageBatch
+from raymq.config import BrokerConfig, QueueConfig
+from raymq.errors import StorageError
+from raymq.queue_core import QueueCore
+from raymq.storage import SegmentLog
+from raymq.storage.files import create_queue_directory
+from raymq.storage.format import RECORD_HEADER, SEGMENT_SUFFIX, segment_name
+from tests.storage_helpers import (
+    NOW_US,
+    Faults,
+    batch,
+    commit,
+    copy_queue,
+    fd_path,
+    flip,
+    open_fds,
+    read_all,
+    small_tmpfs,
+)
+
+PAGE = 64 * 1024
+
+
+def open_log(path, page=PAGE, durable=True, queue="q"):
+    return SegmentLog.open(str(path), queue=queue, page_size_bytes=page, durable=durable)
+
+
+def segment_files(path) -> list[str]:
+    return sorted(f for f in os.listdir(path) if f.endswith(SEGMENT_SUFFIX))
+
+
+@pytest.fixture
+def faults(monkeypatch):
+    return Faults(monkeypatch)
+
+
+def _three_records(path, **kw):
+    """A log with records of offsets 0-3, 4-7 and 8-11, checkpointed (so recovery does
+    not read them again), closed; returns (segment path, position of the middle one)."""
+    log, _ = open_log(path, **kw)
+    for i in range(3):
+        commit(log, [f"rec{i}-{j}".encode() for j in range(4)], [{"i": i}] * 4)
+    commit(log, checkpoint=True)
+    seg = log.segments[0]
+    log.close()
+    return seg.path, seg.positions[1]
+
+
+# -- rot found while the queue runs --------------------------------------------------------
+
+
+def test_rot_found_by_a_read_is_quarantined_and_the_rest_is_served(tmp_path, caplog):
+    seg_path, pos = _three_records(tmp_path)
+    flip(seg_path, pos + RECORD_HEADER.size + 20, 0xFF)
+    original_size = os.path.getsize(seg_path)
+    log, report = open_log(tmp_path)
+    assert report.damage == []  # the checkpoint covers it: recovery does not read it
+    with caplog.at_level(logging.ERROR, logger="raymq.storage"):
+        batches = log.read(0, 12)  # no CorruptRecord: the rest comes back
+    got = {b.first_offset + i: b.body(i) for b in batches for i in range(len(b))}
+    assert sorted(got) == [0, 1, 2, 3, 8, 9, 10, 11]
+    assert log.damaged_messages == 4 and log.depth == 8
+    assert log.drain_damaged().tolist() == [4, 5, 6, 7]
+    assert log.drain_damaged().tolist() == []
+    assert log.is_acked(np.arange(4, 8)).all()
+    assert log.unacked(0, 100).tolist() == [0, 1, 2, 3, 8, 9, 10, 11]
+    kept = f"{seg_path}.damaged-{pos}"
+    assert os.path.getsize(kept) == log.segments[0].record_end(1) - pos
+    message = caplog.records[-1].getMessage()
+    assert "'q'" in message and seg_path in message and "4..8" in message
+    assert log.read(0, 12) and log.damaged_messages == 4  # read again: no new finding
+    commit(log)  # the quarantine's acks reach the ack log
+    log.close()
+    assert os.path.getsize(seg_path) == original_size
+    log, _ = open_log(tmp_path)
+    assert sorted(read_all(log)) == [0, 1, 2, 3, 8, 9, 10, 11]
+    assert commit(log, [b"new"]) == [12]
+
+
+def test_rot_found_while_open_is_quarantined(tmp_path):
+    log, _ = open_log(tmp_path)
+    for i in range(3):
+        commit(log, [f"r{i}".encode()] * 4)
+    log.set_read_cache_bytes(0)
+    seg = log.segments[0]
+    flip(seg.path, seg.positions[2] + RECORD_HEADER.size + 1)
+    assert sorted(read_all(log)) == list(range(8))
+    assert log.damaged_messages == 4 and log.drain_damaged().tolist() == [8, 9, 10, 11]
+
+
+def test_rot_in_a_header_found_by_properties_is_quarantined(tmp_path):
+    seg_path, pos = _three_records(tmp_path)
+    flip(seg_path, pos + 17)  # the first offset field of the middle record's header
+    log, _ = open_log(tmp_path)
+    stored = log.properties(0, 12)
+    assert [b.first_offset for b in stored] == [0, 8]
+    assert log.damaged_messages == 4 and log.is_acked(np.arange(4, 8)).all()
+
+
+def test_inconsistent_offset_arrays_are_found_by_properties(tmp_path):
+    seg_path, pos = _three_records(tmp_path)
+    # The last property offset of the middle record: a partial read cannot check it by
+    # CRC, but it must add up with the record's length.
+    flip(seg_path, pos + RECORD_HEADER.size + 8 * 4 + 8 * 5 + 8 * 4 + 1, 0x40)
+    log, _ = open_log(tmp_path)
+    assert [b.first_offset for b in log.properties(0, 12)] == [0, 8]
+    assert log.drain_damaged().tolist() == [4, 5, 6, 7]
+
+
+def test_scrub_finds_rot_at_a_bounded_rate(tmp_path):
+    log, _ = open_log(tmp_path, page=32 * 1024)
+    for i in range(10):
+        commit(log, [bytes([65 + i]) * 1000] * 10)  # ~10 KB a record, 3 a segment
+    log.ack(np.arange(0, 10))  # record 0: all acknowledged, never read by the scrub
+    commit(log)
+    bad = log.segments[2].positions[0]  # record 6
+    flip(log.segments[2].path, bad + RECORD_HEADER.size + 500)
+    steps = []
+    while log.scrub_passes == 0:
+        steps.append(log.scrub_step(15_000))
+    record = 10 * 1000 + 8 * 10 + 16 * 11 + RECORD_HEADER.size
+    assert all(0 < s <= 15_000 + record for s in steps[:-1])
+    assert sum(steps) == 9 * record and log.scrubbed_bytes == 9 * record
+    assert log.drain_damaged().tolist() == list(range(60, 70))
+    assert log.damaged_messages == 10 and len(read_all(log)) == 80
+    assert log.scrub_step(10**9) == 8 * record  # the next pass skips what was found
+    log.close()
+    log, _ = open_log(tmp_path, page=32 * 1024)
+    assert sorted(read_all(log)) == [o for o in range(10, 100) if not 60 <= o < 70]
+
+
+# -- a full disk, I/O errors ----------------------------------------------------------------
+
+
+def _two_pages(tmp_path):
+    """A log whose next send of 3,000 bytes needs a new segment file."""
+    log, _ = open_log(tmp_path, page=4096)
+    commit(log, [b"a" * 1500] * 2)
+    return log
+
+
+@pytest.mark.parametrize(
+    ("call", "code"),
+    [
+        ("open", errno.ENOSPC),
+        ("open", errno.EMFILE),
+        ("pwritev", errno.ENOSPC),  # the new segment's header goes with its first records
+        ("fdatasync", errno.EIO),
+    ],
+)
+def test_a_new_segment_that_fails_is_a_storage_error_and_leaves_nothing(
+    tmp_path, faults, call, code
+):
+    log = _two_pages(tmp_path)
+    fds = open_fds()
+    faults.fail(call, code, match=segment_name(2))
+    with pytest.raises(StorageError) as err:
+        commit(log, [b"b" * 1500] * 2)
+    assert err.value.errno == code and err.value.filename.endswith(segment_name(2))
+    assert "queue 'q'" in str(err.value) and os.strerror(code) in str(err.value)
+    assert segment_files(tmp_path) == [segment_name(0)]  # no half-created file
+    assert open_fds() == fds
+    faults.heal()
+    assert commit(log, [b"c" * 1500] * 2) == [2, 3]  # no restart needed
+    log.close()
+    log, _ = open_log(tmp_path, page=4096)
+    assert read_all(log) == {0: b"a" * 1500, 1: b"a" * 1500, 2: b"c" * 1500, 3: b"c" * 1500}
+
+
+@pytest.mark.parametrize(
+    ("call", "after"), [("pwritev", False), ("pwritev", True), ("fdatasync", False)]
+)
+def test_a_write_that_raised_is_never_served_and_sends_resume(tmp_path, faults, call, after):
+    log, _ = open_log(tmp_path)
+    commit(log, [b"kept"] * 3)
+    seg = log.segments[0]
+    good = os.path.getsize(seg.path)
+    faults.fail(call, errno.EIO, match=".seg", times=1, after=after)
+    with pytest.raises(StorageError) as err:
+        commit(log, [b"FAILED"] * 5)
+    assert err.value.errno == errno.EIO and err.value.filename == seg.path
+    assert os.path.getsize(seg.path) == good  # cut back to the last good length
+    assert log.next_offset == 3 and log.writable
+    assert commit(log, [b"after"]) == [3]
+    assert b"FAILED" not in b"".join(read_all(log).values())
+    log.close()
+    log, report = open_log(tmp_path)
+    assert report.damage == []
+    assert read_all(log) == {0: b"kept", 1: b"kept", 2: b"kept", 3: b"after"}
+
+
+def test_a_failed_directory_fsync_removes_the_new_segment(tmp_path, faults):
+    log = _two_pages(tmp_path)
+    faults.fail("fsync", errno.EIO, match=os.path.isdir, times=1)
+    with pytest.raises(StorageError) as err:
+        commit(log, [b"b" * 1500] * 2)
+    assert err.value.filename == str(tmp_path)
+    assert segment_files(tmp_path) == [segment_name(0)]
+    assert commit(log, [b"c" * 1500] * 2) == [2, 3]
+
+
+def test_while_the_cut_back_fails_sends_are_refused_and_acks_still_work(tmp_path, faults):
+    log, _ = open_log(tmp_path)
+    commit(log, [b"m"] * 4)
+    faults.fail("fdatasync", errno.EIO, match=".seg")  # the write and its repair fail
+    with pytest.raises(StorageError):
+        commit(log, [b"x"])
+    assert not log.writable
+    with pytest.raises(StorageError) as err:
+        commit(log, [b"y"])
+    assert err.value.errno == errno.EIO
+    log.ack(np.array([0, 1]))
+    prepared = log.prepare([batch([b"z"])], NOW_US)  # a send and acks in one commit
+    with pytest.raises(StorageError):
+        log.write(prepared)
+    log.abort(prepared)
+    assert prepared.records_error is not None and prepared.ack_error is None
+    assert prepared.acks_written  # the acks are durable though the send failed
+    faults.heal()
+    assert commit(log, [b"w"]) == [4]  # the repair works now, and the send too
+    assert log.writable
+    log.close()
+    log, _ = open_log(tmp_path)
+    assert read_all(log) == {2: b"m", 3: b"m", 4: b"w"}
+
+
+@pytest.mark.parametrize("after", [False, True])
+def test_acks_that_fail_stay_applied_and_reach_the_log_later(tmp_path, faults, after):
+    log, _ = open_log(tmp_path)
+    commit(log, [b"m"] * 4)
+    log.ack(np.array([0, 1]))
+    faults.fail("writev", errno.EIO, match="acks-", times=1, after=after)
+    with pytest.raises(StorageError) as err:
+        commit(log)
+    assert "acks-" in err.value.filename and err.value.errno == errno.EIO
+    assert log.is_acked(np.array([0, 1])).all() and log.depth == 2
+    assert log.has_pending_acks
+    commit(log)
+    assert not log.has_pending_acks
+    log.close()
+    log, report = open_log(tmp_path)
+    assert report.damage == []  # the failed record was cut off the ack log
+    assert sorted(read_all(log)) == [2, 3]
+
+
+def test_a_failed_checkpoint_changes_nothing_and_is_tried_again(tmp_path, faults):
+    log, _ = open_log(tmp_path)
+    commit(log, [b"m"] * 4)
+    faults.fail("fsync", errno.ENOSPC, match="checkpoint.tmp", times=1)
+    assert commit(log, [b"n"], checkpoint=True) == [4]  # the send succeeded
+    assert log.checkpoint_failures == 1
+    assert log.last_storage_error.errno == errno.ENOSPC
+    assert "checkpoint" in log.last_storage_error.filename
+    assert not os.path.exists(tmp_path / "checkpoint.tmp")
+    acks = sorted(f for f in os.listdir(tmp_path) if f.startswith("acks-"))
+    assert len(acks) == 1  # still the generation it had
+    log.ack(np.array([0]))
+    commit(log, checkpoint=True)
+    assert log.checkpoint_failures == 1
+    log.close()
+    log, report = open_log(tmp_path)
+    assert report.used_checkpoint and sorted(read_all(log)) == [1, 2, 3, 4]
+
+
+def test_an_unlink_that_fails_does_not_stop_the_log(tmp_path, faults):
+    log, _ = open_log(tmp_path, page=4096)
+    for _ in range(3):
+        commit(log, [b"u" * 1500] * 2)
+    faults.fail("unlink", errno.EROFS, match=".seg")
+    log.ack(np.arange(0, 2))
+    commit(log)  # the segment's file stays; the log goes on
+    assert log.storage_errors >= 1 and log.last_storage_error.errno == errno.EROFS
+    assert commit(log, [b"v"]) == [6]
+    faults.fail("unlink", errno.EROFS, match="acks-")
+    commit(log, checkpoint=True)  # the old ack log stays; the checkpoint is taken
+    assert log.checkpoint_failures == 0
+    faults.heal()
+    log.close()
+    log, _ = open_log(tmp_path, page=4096)  # recovery deletes the acknowledged file
+    assert segment_name(0) not in segment_files(tmp_path)
+    assert sorted(read_all(log)) == [2, 3, 4, 5, 6]
+
+
+def _fill(log, tag: bytes, size: int = 8000) -> tuple[dict[int, bytes], StorageError]:
+    """Send unique bodies until the disk is full; returns what was stored and the error."""
+    stored: dict[int, bytes] = {}
+    for i in range(10_000):
+        bodies = [tag + f"-{i}-{j}-".encode() + b"x" * size for j in range(4)]
+        try:
+            offsets = commit(log, bodies)
+        except StorageError as exc:
+            return stored, exc
+        stored.update(zip(offsets, bodies, strict=True))
+    raise AssertionError("the disk never filled")
+
+
+def test_a_full_disk_on_a_real_tmpfs(tmp_path):
+    with small_tmpfs(str(tmp_path / "disk")) as disk:
+        if disk is None:
+            pytest.skip("mounting a tmpfs is not permitted here")
+        directory = os.path.join(disk, "q")
+        log, _ = open_log(directory)
+        stored, err = _fill(log, b"first")
+        assert err.errno == errno.ENOSPC and err.filename.startswith(directory)
+        assert "queue 'q'" in str(err)
+        # Acks keep working while the disk is full, even in a commit with a send.
+        log.ack(np.arange(0, 16))
+        prepared = log.prepare([batch([b"no room" * 5000])], NOW_US)
+        with pytest.raises(StorageError):
+            log.write(prepared)
+        log.abort(prepared)
+        assert prepared.acks_written and prepared.ack_error is None
+        # Consuming frees whole segments; sends then resume without a restart.
+        offsets = sorted(stored)
+        log.ack(np.array(offsets[: len(offsets) // 2]))
+        commit(log)
+        more, _ = _fill(log, b"second")
+        assert more
+        log.close()
+        log, report = open_log(directory)
+        expected = {o: b for o, b in {**stored, **more}.items() if o >= offsets[len(offsets) // 2]}
+        assert read_all(log) == expected
+        assert report.lost_messages == 0
+        log.close()
+
+
+def test_a_full_disk_through_the_queue_core(tmp_path):
+    """QueueCore as it is: producers get StorageError, consumers keep receiving and
+    acking, and sends resume by themselves once acks freed room."""
+    with small_tmpfs(str(tmp_path / "disk")) as disk:
+        if disk is None:
+            pytest.skip("mounting a tmpfs is not permitted here")
+        broker = BrokerConfig(paging_directory=disk, head_cache_bytes=2**20)
+        q = QueueCore(QueueConfig("q", page_size_bytes=64 * 1024), broker)
+
+        async def scenario():
+            sent = 0
+            with pytest.raises(StorageError) as err:
+                for i in range(10_000):
+                    body = [f"{i}-{j}".encode() + b"y" * 8000 for j in range(4)]
+                    await q.send_batch(MessageBatch.from_bodies(body, None, max_message_size=2**20))
+                    sent += 4
+            assert err.value.errno == errno.ENOSPC
+            q.register_consumer("c", 10_000)
+            received = 0
+            while received < sent:
+                got = await q.fetch("c", 1000, 0.2, 10_000)
+                assert got.num_rows
+                received += got.num_rows
+                await q.ack("c", got.column("offset").to_numpy())
+            first, count = await q.send_batch(
+                MessageBatch.from_bodies([b"again"], None, max_message_size=2**20)
+            )
+            assert (first, count) == (sent, 1)
+
+        async def main():
+            q.start()
+            try:
+                await scenario()
+            finally:
+                await q.close()
+
+        asyncio.run(main())
+
+
+# -- offsets are never given twice ---------------------------------------------------------
+
+
+def _drained_queue(path) -> None:
+    """50 messages sent, all acknowledged, their segment deleted, then a checkpoint."""
+    log, _ = open_log(path)
+    commit(log, [b"m"] * 50)
+    log.ack(np.arange(50))
+    commit(log)
+    commit(log, checkpoint=True)
+    assert segment_files(path) == []
+    log.close()
+
+
+def test_offsets_never_go_back_whatever_byte_of_the_checkpoint_or_ack_log_is_damaged(tmp_path):
+    src = tmp_path / "src"
+    _drained_queue(src)
+    trials = 0
+    for name in sorted(os.listdir(src)):
+        for position in range(os.path.getsize(src / name)):
+            work = copy_queue(str(src), str(tmp_path / f"t{trials}"))
+            flip(os.path.join(work, name), position)
+            log, report = open_log(work)
+            assert log.next_offset == 50, (name, position, report.damage)
+            assert commit(log, [b"next"]) == [50]
+            log.close()
+            trials += 1
+    assert trials > 60
+
+
+def test_offsets_never_go_back_when_the_checkpoint_is_lost_after_more_sends(tmp_path):
+    _drained_queue(tmp_path)
+    log, _ = open_log(tmp_path)
+    commit(log, [b"n"] * 10)  # 50..59, acknowledged: only the ack log knows them now
+    log.ack(np.arange(50, 60))
+    commit(log)
+    log.close()
+    flip(str(tmp_path / "checkpoint"), 30)
+    log, report = open_log(tmp_path)
+    assert any("checkpoint" in line for line in report.damage)
+    assert commit(log, [b"next"]) == [60]
+
+
+# -- private files ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("umask", [0o000, 0o022])
+def test_files_are_0600_and_directories_0700_whatever_the_umask(tmp_path, umask):
+    old = os.umask(umask)
+    try:
+        paging = tmp_path / "paging"
+        durable = paging / "durable"
+        log, _ = open_log(durable)
+        for i in range(3):
+            commit(log, [f"d{i}".encode()] * 3)
+        log.ack(np.array([0]))
+        commit(log, checkpoint=True)
+        seg = log.segments[0]
+        flip(seg.path, seg.positions[1] + RECORD_HEADER.size + 2)
+        log.set_read_cache_bytes(0)
+        read_all(log)  # quarantines, keeping the damaged bytes aside
+        transient, _ = open_log(paging / "transient", durable=False)
+        transient.memory_limit = 0
+        commit(transient, [b"t"] * 10)  # flows to disk
+        assert transient.segment_files == 1
+        seen = []
+        for root, dirs, files in os.walk(paging):
+            for d in dirs:
+                assert os.stat(os.path.join(root, d)).st_mode & 0o777 == 0o700, d
+            for f in files:
+                assert os.stat(os.path.join(root, f)).st_mode & 0o777 == 0o600, f
+                seen.append(f)
+        assert os.stat(paging).st_mode & 0o777 == 0o700
+        assert {"checkpoint", segment_name(0)} <= set(seen)
+        assert any(".damaged-" in f for f in seen) and any(f.startswith("acks-") for f in seen)
+        log.close()
+        transient.close()
+    finally:
+        os.umask(old)
+
+
+def test_a_new_queue_directory_is_made_durable_in_the_paging_directory(tmp_path, monkeypatch):
+    synced = []
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        synced.append(fd_path(fd))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    paging = tmp_path / "paging"
+    paging.mkdir()
+    create_queue_directory(str(paging / "orders"))
+    assert synced == [str(paging)]
+    assert os.stat(paging / "orders").st_mode & 0o777 == 0o700
+    create_queue_directory(str(paging / "orders"))  # idempotent
