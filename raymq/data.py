@@ -30,7 +30,7 @@ import ray
 
 from raymq.batch import MessageBatch
 from raymq.client import Broker, Consumer, Queue
-from raymq.errors import InvalidSetting
+from raymq.errors import InvalidSetting, ReadStalled
 from raymq.properties import encode_properties
 
 #: Columns every drained block starts with, before the property columns.
@@ -46,9 +46,11 @@ DEFAULT_BATCH_ROWS = 50_000
 #: A consumer that should hold everything it reads until the final acknowledgement
 #: (its prefetch is a credit count, nothing is allocated from it).
 _UNBOUNDED_PREFETCH = 2**31 - 1
-#: Seconds a drain waits on a backlog that neither shrinks nor grows (a safety net: the
-#: backlog is 0 once the queue has nothing more for the reader).
-STALL_SECONDS = 5.0
+#: Seconds a drain waits while the queue still has messages for the reader (its backlog
+#: is not 0) but none arrives and the backlog neither shrinks nor grows. Only a wedged
+#: queue or consumer stalls that long, whatever the machine's speed; the read then raises
+#: ``ReadStalled`` rather than return part of the queue as if it were all of it.
+STALL_SECONDS = 300.0
 
 
 def resolve_queue(queue: Queue | str, broker: Broker | None = None) -> Queue:
@@ -449,10 +451,13 @@ def drain(
     """Consume into object-store blocks (tables of ``batch_rows`` messages, one schema).
 
     Reading stops after ``max_messages``, or when nothing arrives for ``timeout``
-    seconds and the queue has nothing more for this consumer (its late scan is done).
-    Yields a ``Drained``: the caller calls ``ack()`` once what it built from the blocks
-    is safe; the consumer is closed on exit, so whatever is not acknowledged
-    then is delivered again.
+    seconds and the queue has nothing more for this consumer (``Consumer.backlog()`` is
+    0: its late scan is done and nothing is on its way), however long that takes.
+    Raises ``ReadStalled`` if the queue still has messages for it but neither
+    delivers one nor changes its backlog for ``STALL_SECONDS`` (a wedge): a read is
+    never cut short silently. Yields a ``Drained``: the caller calls ``ack()`` once what
+    it built from the blocks is safe; the consumer is closed on exit, so whatever is not
+    acknowledged then is delivered again.
     """
     if max_messages is not None and (
         isinstance(max_messages, bool) or not isinstance(max_messages, int) or max_messages < 1
@@ -497,15 +502,23 @@ def drain(
                     # An empty receive alone does not mean the end: a selector consumer
                     # arriving at a deep queue scans stored properties first, and its
                     # TargetList then loads what matched, which can outlast a short
-                    # timeout on a busy machine. The backlog says when nothing is left.
+                    # timeout (or pause for seconds) on a busy machine. The backlog says
+                    # when nothing is left.
                     now = consumer.backlog()
                     if now == 0:
                         break
                     if now != backlog:
                         backlog, since = now, time.monotonic()
                     elif time.monotonic() - since > max(timeout, STALL_SECONDS):
-                        break  # a backlog that does not move is not ours to wait for
+                        raise ReadStalled(
+                            f"reading queue {queue.name!r} stalled: {now} messages are"
+                            f" there for the reader, yet none came and the backlog did not"
+                            f" move for {max(timeout, STALL_SECONDS):g} s; the"
+                            f" {out.rows + pending_rows} read are not acknowledged (they"
+                            " will be delivered again)"
+                        )
                     continue
+                backlog, since = None, time.monotonic()  # progress: the stall clock restarts
                 pending.append(got)
                 pending_rows += got.num_rows
                 bar.advance(got.num_rows)
@@ -542,7 +555,8 @@ def read_queue(
 
     ``queue`` is a ``Queue`` handle, or a name with ``broker=``. ``selector`` is a JMS
     selector over the properties; reading stops after ``max_messages`` messages, or when
-    none arrives for ``timeout`` seconds and the queue has nothing more for the reader.
+    none arrives for ``timeout`` seconds and the queue has nothing more for the reader
+    (``ReadStalled`` if it has some but a wedge keeps them back: see ``drain``).
     Each block holds up to ``batch_rows`` messages: columns ``offset``, ``timestamp``
     (when stored, µs UTC), ``body``, then one per property (``headers=False`` leaves
     out offset and timestamp). Messages are acknowledged once every block is in the

@@ -57,3 +57,8 @@ class ConsumerClosed(RayMQError):
 
 class StorageError(RayMQError, OSError):
     """A segment or ack file could not be written; the queue refuses further writes."""
+
+
+class ReadStalled(BrokerUnavailable):
+    """A read of a whole queue (into a Dataset or a DataFrame) got nothing for minutes
+    while the queue still had messages for it; nothing it read was acknowledged."""

@@ -485,10 +485,11 @@ def read_queue(
     ``body`` (binary), then one column per property (see ``raymq.data``);
     ``headers=False`` leaves out offset and timestamp. ``selector`` is a JMS selector
     over the properties; reading stops after ``max_messages`` messages, or when none
-    arrives for ``timeout`` seconds and the queue has nothing more for the reader. The
-    DataFrame is materialized in Spark's executors (``localCheckpoint``) before the
-    messages are acknowledged, so a failure on the way leaves them in the queue. One
-    Spark partition per ``batch_rows`` messages.
+    arrives for ``timeout`` seconds and the queue has nothing more for the reader
+    (``ReadStalled`` if it has some but a wedge keeps them back: see
+    ``raymq.data.drain``). The DataFrame is materialized in Spark's executors
+    (``localCheckpoint``) before the messages are acknowledged, so a failure on the way
+    leaves them in the queue. One Spark partition per ``batch_rows`` messages.
     """
     from raydp.spark import ray_dataset_to_spark_dataframe
 

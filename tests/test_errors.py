@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -97,12 +98,24 @@ def test_unknown_broker_setting():
 
 
 def test_broker_unavailable_after_retries(broker, monkeypatch):
+    import ray
+
     import raymq.client as client
 
     q = broker.create_queue("dead")
-    import ray
-
     ray.kill(q._actor, no_restart=True)
+    # ray.kill only asks for the kill: a call may still reach the actor before it
+    # dies. Wait until one fails as Ray fails calls to a dead actor.
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            ray.get(q._actor.pid.remote())
+        except ray.exceptions.ActorDiedError:
+            break
+        except ray.exceptions.ActorUnavailableError:
+            pass  # on its way down: ask again
+        assert time.monotonic() < deadline, "the killed queue actor still answers"
+        time.sleep(0.05)
     monkeypatch.setattr(client, "RESTART_GRACE_SECONDS", 0.5)
     with pytest.raises(errors.BrokerUnavailable):
         q.send(b"x")

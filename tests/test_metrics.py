@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -74,12 +73,6 @@ def value(samples: list[dict], name: str, **labels: str) -> float | None:
 # -- the scenario (child process) ------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _scrape(port: int) -> list[dict]:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
@@ -109,10 +102,8 @@ def scenario(paging_dir: str, temp_dir: str) -> dict:
     import raymq
     from raymq.config import apply_ray_env_defaults
 
-    port = _free_port()
     apply_ray_env_defaults()
-    ray.init(
-        _metrics_export_port=port,
+    ray.init(  # no _metrics_export_port: the agent binds a free one itself, with no race
         _system_config={"metrics_report_interval_ms": 1000},
         include_dashboard=False,
         num_cpus=2,
@@ -121,7 +112,10 @@ def scenario(paging_dir: str, temp_dir: str) -> dict:
         log_to_driver=False,
         configure_logging=False,
     )
-    out: dict = {"port": port, "node": ray.get_runtime_context().get_node_id()}
+    node = ray.get_runtime_context().get_node_id()
+    [port] = [n["MetricsExportPort"] for n in ray.nodes() if n["NodeID"] == node]
+    assert port > 0, f"no metrics export port: {port!r}"
+    out: dict = {"port": port, "node": node}
     try:
         broker = raymq.connect(
             namespace=BROKER, paging_directory=paging_dir, housekeeping_period=0.5
@@ -133,44 +127,69 @@ def scenario(paging_dir: str, temp_dir: str) -> dict:
             orders.send_batch([b"m" * 200] * 1000)
         full.send_batch([b"f" * 1000] * 9)  # 9 x 1,024 bytes counted: one more blocks
         drops.send_batch([b"d" * 1000] * 20)  # 9 fit, 11 dropped
-        blocked = threading.Thread(target=full.send, args=(b"f" * 1000,), kwargs={"timeout": 60})
+        unblocked: list = []
+
+        def blocked_send() -> None:  # no timeout: blocked until the ack below frees room
+            unblocked.append(full.send(b"f" * 1000))
+
+        blocked = threading.Thread(target=blocked_send, daemon=True)
         blocked.start()
         consumer = orders.consumer(prefetch=500)
-        got = 0
-        while got < 2000:
-            batch = consumer.receive_batch(min(500, 2000 - got), timeout=10)
-            if batch.num_rows == 0:
-                raise TimeoutError(f"received {got} of 2000")
-            consumer.ack(batch)
-            got += batch.num_rows
+        got, deadline = 0, time.monotonic() + SETTLE_SECONDS
+        while got < 2000:  # 3,000 more stay: an empty receive is only a slow one
+            batch = consumer.receive_batch(min(500, 2000 - got), timeout=1)
+            if batch.num_rows:
+                consumer.ack(batch)
+                got += batch.num_rows
+            elif time.monotonic() > deadline:
+                raise TimeoutError(f"received {got} of 2000 in {SETTLE_SECONDS} s")
         out["consumer"] = cid = consumer.consumer_id
         q = {"broker": BROKER, "queue": "orders"}
 
         def settled(s: list[dict]) -> bool:
+            """Everything the tests read shows in this one scrape: each exporter
+            reports on its own, so one scrape may hold some of them and not others."""
             depth, held = (
                 value(s, "ray_raymq_queue_depth", **q),
                 value(s, "ray_raymq_queue_in_flight", **q),
             )
             lag = value(s, "ray_raymq_consumer_lag", consumer=cid, **q)
+            threshold = value(s, "ray_raymq_governor_threshold_bytes", broker=BROKER) or 0
+            shares = [
+                value(s, "ray_raymq_governor_queue_share_bytes", broker=BROKER, queue=name)
+                for name in ("orders", "full", "drops")
+            ]
             return (
-                depth == 3000
+                {"ray_" + n for n in METRIC_NAMES} <= {x["name"] for x in s}
+                and all(x is not None and x > 0 for x in shares)
+                and sum(shares) <= threshold
+                and depth == 3000
                 and value(s, "ray_raymq_queue_messages_in", **q) == 5000
                 and value(s, "ray_raymq_queue_messages_acked", **q) == 2000
                 and held is not None
                 and lag == depth - held
                 and value(s, "ray_raymq_consumer_watermark", consumer=cid, **q) is not None
                 and value(s, "ray_raymq_consumer_handed_out", consumer=cid, **q) == 2000
+                and value(s, "ray_raymq_consumer_acked", consumer=cid, **q) == 2000
                 and value(s, "ray_raymq_queue_blocked_producers", queue="full") == 1
                 and value(s, "ray_raymq_queue_messages_dropped", queue="drops") == 11
-                and value(s, "ray_raymq_governor_consumer_direct_bytes", consumer=cid) is not None
-                and (value(s, "ray_raymq_governor_threshold_bytes", broker=BROKER) or 0) > 0
+                and (value(s, "ray_raymq_governor_consumer_direct_bytes", consumer=cid) or 0) > 0
+                and threshold > 0
             )
 
         out["samples"], out["settle_seconds"] = _poll(port, settled, "traffic")
         # a BLOCKed producer goes when an ack frees room
         with full.consumer(prefetch=1) as c:
-            c.ack(c.receive(1, timeout=10))
-            blocked.join(timeout=30)
+            freed, deadline = [], time.monotonic() + SETTLE_SECONDS
+            while not freed:  # the queue holds 9 messages: one comes, however late
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"nothing received from 'full' in {SETTLE_SECONDS} s")
+                freed = c.receive(1, timeout=1)
+            c.ack(freed)
+            blocked.join(timeout=SETTLE_SECONDS)
+            if blocked.is_alive():
+                raise TimeoutError(f"the BLOCKed send still waits {SETTLE_SECONDS} s after an ack")
+        out["unblocked_offset"] = unblocked[0] if unblocked else None
         out["unblocked"], _ = _poll(
             port,
             lambda s: value(s, "ray_raymq_queue_blocked_producers", queue="full") == 0,
@@ -256,6 +275,7 @@ def test_blocked_producers_and_drops(observed):
     assert value(s, "ray_raymq_queue_blocked_producers", broker=BROKER, queue="full") == 1
     assert value(s, "ray_raymq_queue_blocked_seconds", broker=BROKER, queue="full") > 0
     assert value(u, "ray_raymq_queue_blocked_producers", broker=BROKER, queue="full") == 0
+    assert observed["unblocked_offset"] == 9  # stored once room was made, after the 9
     assert value(s, "ray_raymq_queue_messages_dropped", broker=BROKER, queue="drops") == 11
     assert value(s, "ray_raymq_queue_depth", broker=BROKER, queue="drops") == 9
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 import numpy as np
 import pyarrow as pa
@@ -17,14 +18,34 @@ from raymq.client import _call
 DURABILITY = pytest.mark.parametrize("durable", [True, False], ids=["durable", "memory"])
 
 
-def drain(consumer, expected: int, timeout: float = 10.0) -> list:
+#: Bound on receiving what a queue holds: only a wedge takes this long, not a slow machine.
+DEADLINE_SECONDS = 120.0
+
+
+def drain(consumer, expected: int) -> list:
+    """Receive and ack until ``expected`` messages came or the queue has nothing more
+    for ``consumer`` (its backlog is 0): an empty receive alone is no proof of that."""
     got = []
+    deadline = time.monotonic() + DEADLINE_SECONDS
     while len(got) < expected:
-        msgs = consumer.receive(max_messages=1000, timeout=timeout)
-        if not msgs:
+        msgs = consumer.receive(max_messages=1000, timeout=1)
+        if msgs:
+            got.extend(msgs)
+            consumer.ack(msgs)
+        elif consumer.backlog() == 0:
             break
-        got.extend(msgs)
-        consumer.ack(msgs)
+        assert time.monotonic() < deadline, f"{len(got)} of {expected} after {DEADLINE_SECONDS} s"
+    return got
+
+
+def receive_n(consumer, n: int) -> list:
+    """Receive (without acking) until ``n`` messages came, however many receives that
+    takes: a TargetList may load its credit in several fetches."""
+    got = []
+    deadline = time.monotonic() + DEADLINE_SECONDS
+    while len(got) < n:
+        got += consumer.receive(max_messages=n, timeout=1)
+        assert time.monotonic() < deadline, f"{len(got)} of {n} after {DEADLINE_SECONDS} s"
     return got
 
 
@@ -108,13 +129,16 @@ def test_redelivery_after_nack_and_close(broker, durable):
 def test_prefetch_bounds_what_a_consumer_holds(broker):
     q = broker.create_queue("prefetch")
     q.send_batch([b"m"] * 50)
-    with q.consumer(prefetch=10) as c, q.consumer(prefetch=100) as other:
-        first = c.receive(max_messages=50, timeout=5)
-        assert len(first) == 10
+    with q.consumer(prefetch=10) as c:
+        first = receive_n(c, 10)
+        assert len(first) == 10  # not more: 10 is all its credit
         assert c.receive(max_messages=50, timeout=0.2) == []  # no credit left
-        assert len(other.receive(max_messages=100, timeout=5)) == 40
-        c.ack(first[:5])
-        assert len(c.receive(max_messages=50, timeout=0.2)) == 0  # the other holds the rest
+        # Only now the second consumer: had it come first, it could take all 50.
+        with q.consumer(prefetch=100) as other:
+            assert len(receive_n(other, 40)) == 40
+            assert other.backlog() == 0  # the 10 c holds are not for it
+            c.ack(first[:5])
+            assert len(c.receive(max_messages=50, timeout=0.2)) == 0  # the other holds the rest
 
 
 def test_prefetched_but_not_received_is_not_counted_as_delivered(broker):
@@ -205,10 +229,16 @@ def test_sigkill_of_the_queue_actor_loses_no_acknowledged_send(broker):
     kill_mid_stream(q, [threading.Thread(target=produce)], sent, stop, before=5000, after=3000)
     with q.consumer(prefetch=5000) as c:
         got = {}
-        while True:
-            batch = c.receive_batch(5000, timeout=2)
+        deadline = time.monotonic() + DEADLINE_SECONDS
+        # Until every acknowledged send came, or the queue has nothing more (backlog 0):
+        # an empty receive alone may be a slow restart, not the end.
+        while not sent.keys() <= got.keys():
+            batch = c.receive_batch(5000, timeout=1)
             if batch.num_rows == 0:
-                break
+                if c.backlog() == 0:
+                    break
+                assert time.monotonic() < deadline, f"{len(got)} received in {DEADLINE_SECONDS} s"
+                continue
             got.update(
                 zip(
                     batch.column("offset").to_pylist(),
