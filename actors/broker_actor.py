@@ -18,7 +18,7 @@ from raymq.actors.queue_actor import QueueActor, queue_actor_name
 from raymq.placement.nodes import choose_queue_node, pinned_to
 
 from raymq.config import BrokerConfig, QueueConfig, validate_queue_name
-from raymq.errors import QueueExists, QueueNotFound
+from raymq.errors import BrokerUnavailable, QueueExists, QueueNotFound
 from raymq.storage import create_queue_directory, write_file_atomic
 from raymq.storage.format import QUEUE_CONFIG_NAME
 
@@ -51,15 +51,36 @@ class BrokerActor:
         """The broker settings."""
         return self.broker_config
 
+    def pid(self) -> int:
+        """The actor's process id (for fault tests and diagnostics)."""
+        return os.getpid()
+
     def _actor(self, name: str, cfg: QueueConfig, node_id: str):
-        node_id = choose_queue_node(node_id)  # gone: here, if its files are reachable
+        home = choose_queue_node(node_id)
+        if home != node_id:
+            self._move_here(name, cfg, node_id, home)
         return QueueActor.options(
             name=queue_actor_name(name),
             namespace=self.namespace,
             lifetime="detached",
             get_if_exists=True,
-            scheduling_strategy=pinned_to(node_id),
+            scheduling_strategy=pinned_to(home),
         ).remote(cfg, self.broker_config, self.namespace)
+
+    def _move_here(self, name: str, cfg: QueueConfig, gone: str, here: str) -> None:
+        """A queue's node is not alive: start it on this node only if its files are here
+        (one machine whose Ray restarted with a new node id, or a paging directory every
+        node mounts), and record the move; else refuse, rather than start it empty."""
+        directory = os.path.join(self.broker_config.paging_directory, name)
+        if not os.path.isfile(os.path.join(directory, QUEUE_CONFIG_NAME)):
+            raise BrokerUnavailable(
+                f"queue {name!r} lives on node {gone[:12] or '?'}, which is not alive, and"
+                f" its files are not in {directory} on this node: it is unavailable until"
+                " that node is back"
+            )
+        saved = {"config": cfg.to_dict(), "node_id": here}
+        write_file_atomic(os.path.join(directory, QUEUE_CONFIG_NAME), json.dumps(saved).encode())
+        self._queues[name] = (cfg, here)
 
     async def create_queue(self, cfg: QueueConfig, node_id: str | None = None):
         """Create (or return, for equal settings) a queue; returns its actor handle."""

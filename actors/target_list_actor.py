@@ -59,6 +59,8 @@ class TargetListActor:
         self.loader_error: str | None = None
         self._refused: ConsumerClosed | None = None
         self._tasks: Supervisor | None = None
+        #: The loader's fetch under way (its small (offsets, bytes) result), if any.
+        self._in_flight = None
 
     def ready(self) -> bool:
         """True once the process is up (a spare is warm)."""
@@ -129,7 +131,9 @@ class TargetListActor:
                 meta_ref, batch_ref = self.queue_actor.fetch_batch.options(num_returns=2).remote(
                     self.consumer_id, room, LOADER_POLL_SECONDS, self.prefetch, self.selector
                 )
+                self._in_flight = meta_ref
                 offsets, nbytes = await meta_ref
+                self._in_flight = None
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
                 self.loader_error = f"queue {self.queue!r} unavailable: {exc}"
                 await asyncio.sleep(0.5)  # the queue actor restarts; ask again
@@ -204,6 +208,9 @@ class TargetListActor:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._loader
         rest = self.targets.drain()
+        fetched = await self._unreceived_fetch()
+        if len(fetched):  # taken for us by the queue, never seen by the application
+            rest = np.concatenate([rest, fetched])
         if not_received is not None and len(not_received):
             rest = np.concatenate([np.asarray(not_received, dtype=np.int64), rest])
         deadline = time.monotonic() + CLOSE_RETRY_SECONDS
@@ -218,6 +225,19 @@ class TargetListActor:
                 await asyncio.sleep(0.2)
             except ray.exceptions.RayActorError:
                 return 0  # the queue is gone for good (deleted): nothing to give back
+
+    async def _unreceived_fetch(self) -> np.ndarray:
+        """Offsets of the fetch the loader had under way when it was cancelled: the queue
+        counts them as held by us, so they are given back as not received (else their
+        delivery count would rise without any application having seen them)."""
+        ref, self._in_flight = self._in_flight, None
+        if ref is None:
+            return np.zeros(0, dtype=np.int64)
+        try:
+            offsets, _nbytes = await asyncio.wait_for(ref, LOADER_POLL_SECONDS + 5.0)
+        except Exception:  # the queue restarted or is slow: it forgot or counts them
+            return np.zeros(0, dtype=np.int64)
+        return np.asarray(offsets, dtype=np.int64)
 
     def ping(self) -> bool:
         """Liveness check by the queue actor."""

@@ -102,14 +102,30 @@ def rss_of(pids: list[int]) -> int:
     return total
 
 
+#: The cluster a benchmark joins (``raymq bench NAME --address ...`` sets it). Unset, a
+#: benchmark starts a Ray of its own even when a cluster runs on this machine or
+#: ``RAY_ADDRESS`` names one: ``ray.init()`` without an address would join it, and a
+#: benchmark would load a production broker by accident.
+BENCH_ADDRESS_ENV = "RAYMQ_BENCH_ADDRESS"
+
+
+def bench_ray_address() -> str:
+    """``ray.init``'s address for a benchmark: ``$RAYMQ_BENCH_ADDRESS``, else ``"local"``
+    (always a new local Ray; Ray ignores ``RAY_ADDRESS`` and ``ray_current_cluster`` then)."""
+    return os.environ.get(BENCH_ADDRESS_ENV) or "local"
+
+
 def start_broker(namespace: str, **settings):
-    """Start an embedded Ray and a broker with its own temporary paging directory
-    (under ``$RAYMQ_BENCH_DIR`` if set); returns the ``Broker``. ``stop_broker`` undoes it."""
+    """Start a Ray of its own (or join ``$RAYMQ_BENCH_ADDRESS``) and a broker with its own
+    temporary paging directory (under ``$RAYMQ_BENCH_DIR`` if set); returns the
+    ``Broker``. ``stop_broker`` undoes it."""
     import ray
 
     import raymq
 
-    ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+    address = bench_ray_address()
+    own = {"include_dashboard": False} if address == "local" else {}
+    ray.init(address=address, log_to_driver=False, configure_logging=False, **own)
     paging = tempfile.mkdtemp(prefix="raymq-bench-", dir=os.environ.get("RAYMQ_BENCH_DIR"))
     return raymq.connect(namespace=namespace, paging_directory=paging, **settings)
 

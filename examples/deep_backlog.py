@@ -1,20 +1,21 @@
 """A backlog many times the memory budget, printing memory and disk as it goes.
 
-With ``flow_to_disk_threshold`` of 16 MiB, 200,000 x 1 KiB messages (about 200 MiB)
-are sent with no consumer, then consumed. Memory stays within the budget the
-MemoryGovernor gives the queue; the rest is on disk and still delivered in order.
+200,000 x 1 KiB messages (about 200 MiB) are sent with no consumer, then consumed in
+order. Memory stays within the budget the MemoryGovernor gives the queue; the rest is
+on disk and still delivered in order.
 
-Run it on an embedded local Ray with ``python examples/deep_backlog.py``, or against a
-cluster with ``ray job submit --working-dir . -- python examples/deep_backlog.py``
-(on a cluster the running broker's settings apply).
+``python examples/deep_backlog.py`` runs it on an embedded local Ray of its own, with a
+broker whose ``flow_to_disk_threshold`` is 16 MiB, so most of the backlog is on disk
+only. ``ray job submit --working-dir examples -- python deep_backlog.py`` (or ``--join``)
+joins the running broker instead, and that broker's settings apply: with its default
+threshold (75 % of the object stores) the 200 MiB may fit in memory; start it with
+``raymq start --flow-to-disk-threshold 16MiB`` to watch it page. Either way its queue
+``example.deep_backlog`` is deleted at the end.
 """
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-
-import raymq
+from _common import example_broker
 
 MIB = 2**20
 MESSAGES = 200_000
@@ -33,39 +34,38 @@ def show(queue, what: str) -> None:
 
 
 def main() -> None:
-    paging = tempfile.mkdtemp(prefix="raymq-deep-")
-    broker = raymq.connect(
-        namespace="raymq-deep-backlog",
-        paging_directory=paging,
-        flow_to_disk_threshold=16 * MIB,
-        housekeeping_period=0.5,
-    )
-    try:
-        q = broker.create_queue("deep", page_size_bytes=4 * MIB)
-        body = b"x" * 1024
-        for sent in range(BATCH, MESSAGES + 1, BATCH):
-            q.send_batch([body] * BATCH)
-            if sent % 50_000 == 0:
-                broker.rebalance()  # as the governor does every housekeeping period
-                show(q, f"sent {sent:,}")
-        received, expected = 0, 0
-        with q.consumer(prefetch=BATCH) as consumer:
-            while received < MESSAGES:
-                batch = consumer.receive_batch(BATCH, timeout=10)
-                if batch.num_rows == 0:
-                    break
-                offsets = batch.column("offset").to_pylist()
-                assert offsets == list(range(expected, expected + len(offsets))), "out of order"
-                expected += len(offsets)
-                consumer.ack(batch)
-                received += batch.num_rows
-                if received % 50_000 == 0:
-                    show(q, f"received {received:,}")
-        print(f"received all {received:,} in order; {broker.governor_stats()['rounds']} rounds")
-    finally:
-        broker.delete_queue("deep")
-        broker.shutdown()
-        shutil.rmtree(paging, ignore_errors=True)
+    with example_broker(
+        "deep-backlog", flow_to_disk_threshold=16 * MIB, housekeeping_period=0.5
+    ) as example:
+        broker = example.broker
+        threshold = broker.rebalance()["threshold"]  # a governor round now: its plan
+        print(f"the broker's flow_to_disk_threshold: {threshold / MIB:,.0f} MiB")
+        q = broker.create_queue("example.deep_backlog", page_size_bytes=4 * MIB)
+        try:
+            body = b"x" * 1024
+            for sent in range(BATCH, MESSAGES + 1, BATCH):
+                q.send_batch([body] * BATCH)
+                if sent % 50_000 == 0:
+                    broker.rebalance()  # as the governor does every housekeeping period
+                    show(q, f"sent {sent:,}")
+            received, expected = 0, q.stats()["next_offset"] - MESSAGES
+            with q.consumer(prefetch=BATCH) as consumer:
+                while received < MESSAGES:
+                    batch = consumer.receive_batch(BATCH, timeout=10)
+                    if batch.num_rows == 0:
+                        break
+                    offsets = batch.column("offset").to_pylist()
+                    assert offsets == list(range(expected, expected + len(offsets))), "disorder"
+                    expected += len(offsets)
+                    consumer.ack(batch)
+                    received += batch.num_rows
+                    if received % 50_000 == 0:
+                        show(q, f"received {received:,}")
+            rounds = broker.governor_stats()["rounds"]
+            print(f"received all {received:,} in order; {rounds} governor rounds")
+            assert received == MESSAGES, f"received {received:,} of {MESSAGES:,}"
+        finally:
+            broker.delete_queue("example.deep_backlog")  # 200 MiB: not left on a cluster
 
 
 if __name__ == "__main__":

@@ -5,16 +5,14 @@ Each consumer receives only what its selector matches, each message goes to one 
 them, and a message nobody selects waits for a consumer that will. A red message behind
 thousands of blue ones is found without anyone consuming the blue.
 
-Run it on an embedded local Ray with ``python examples/message_selectors.py``, or against a
-cluster with ``ray job submit --working-dir . -- python examples/message_selectors.py``.
+``python examples/message_selectors.py`` runs it on an embedded local Ray of its own;
+``ray job submit --working-dir examples -- python message_selectors.py`` (or ``--join``)
+joins the running broker and leaves its queue ``example.events`` there, drained.
 """
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-
-import raymq
+from _common import example_broker
 
 
 def receive_all(consumer) -> list:
@@ -31,10 +29,8 @@ def receive_all(consumer) -> list:
 
 
 def main() -> None:
-    paging = tempfile.mkdtemp(prefix="raymq-selectors-")
-    broker = raymq.connect(namespace="raymq-selectors", paging_directory=paging)
-    try:
-        events = broker.create_queue("events")
+    with example_broker("selectors") as example:
+        events = example.broker.create_queue("example.events")
         colors = ["blue"] * 8 + ["green", "red"]
         events.send_batch(
             [f"event {i}".encode() for i in range(10_000)],
@@ -58,10 +54,6 @@ def main() -> None:
         with events.consumer(selector="color = 'blue'") as blue:
             print(f"'color = blue' received {len(receive_all(blue)):,}")
         print(f"queue depth now {events.stats()['depth']}")
-    finally:
-        broker.delete_queue("events")
-        broker.shutdown()
-        shutil.rmtree(paging, ignore_errors=True)
 
 
 if __name__ == "__main__":

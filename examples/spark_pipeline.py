@@ -8,16 +8,18 @@ Spark reads the EU purchases and the alerts back as DataFrames and aggregates th
 remaining events become a Ray Dataset. Spark on Ray (RayDP) is started by RayMQ, with
 the JVM options Java 17 needs.
 
-Run it on an embedded local Ray with ``python examples/spark_pipeline.py``.
+``python examples/spark_pipeline.py`` runs it on an embedded local Ray of its own;
+``ray job submit --working-dir examples -- python spark_pipeline.py`` (or ``--join``)
+joins the running broker and leaves its queues ``example.shop_events`` and
+``example.fraud_alerts`` there, drained. Java 17 must be on the node that runs it.
 """
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from collections import Counter
 
-import raymq
+from _common import example_broker
+
 import raymq.data
 import raymq.spark
 
@@ -62,45 +64,45 @@ def fraud_check(events, alerts) -> int:
 
 
 def main() -> None:
-    paging = tempfile.mkdtemp(prefix="raymq-spark-example-")
-    broker = raymq.connect(namespace="raymq-spark-example", paging_directory=paging)
-    print("starting Spark on Ray ...")
-    spark = raymq.spark.init_spark(app_name="raymq-spark-example")
-    spark.sparkContext.setLogLevel("ERROR")
-    try:
-        events = broker.create_queue("events")
-        alerts = broker.create_queue("alerts")
-        df = make_events(spark)
-        want = {r["kind"]: r["count"] for r in df.groupBy("kind").count().collect()}
-        sent = raymq.spark.send_dataframe(df, events)
-        print(f"sent {sent} events from Spark; queue depth {events.stats()['depth']}")
+    with example_broker("spark-example") as example:
+        broker = example.broker
+        print("starting Spark on Ray ...")
+        spark = raymq.spark.init_spark(app_name="raymq-spark-example")
+        spark.sparkContext.setLogLevel("ERROR")
+        try:
+            run(spark, broker)
+        finally:
+            raymq.spark.stop_spark()
 
-        flagged = fraud_check(events, alerts)
-        print(f"fraud check: {flagged} purchases over 90 raised alerts")
 
-        eu = raymq.spark.read_queue(spark, events, selector="kind = 'purchase' AND region = 'eu'")
-        print(f"Spark read {eu.count()} EU purchases (the big ones went to the fraud check):")
-        eu.groupBy("user").sum("amount").orderBy("sum(amount)", ascending=False).show(3)
+def run(spark, broker) -> None:
+    events = broker.create_queue("example.shop_events")
+    alerts = broker.create_queue("example.fraud_alerts")
+    df = make_events(spark)
+    want = {r["kind"]: r["count"] for r in df.groupBy("kind").count().collect()}
+    sent = raymq.spark.send_dataframe(df, events)
+    print(f"sent {sent} events from Spark; queue depth {events.stats()['depth']}")
 
-        per_region = raymq.spark.read_queue(spark, alerts).groupBy("region").count()
-        print("alerts per region, in Spark:")
-        per_region.orderBy("region").show()
+    flagged = fraud_check(events, alerts)
+    print(f"fraud check: {flagged} purchases over 90 raised alerts")
 
-        rest = raymq.data.read_queue(events)  # views, clicks, the other purchases
-        kinds = Counter(row["kind"] for row in rest.iter_rows())
-        print(f"the remaining {rest.count()} events as a Ray Dataset {rest.schema().names}:")
-        print(f"  {dict(sorted(kinds.items()))}")
+    eu = raymq.spark.read_queue(spark, events, selector="kind = 'purchase' AND region = 'eu'")
+    print(f"Spark read {eu.count()} EU purchases (the big ones went to the fraud check):")
+    eu.groupBy("user").sum("amount").orderBy("sum(amount)", ascending=False).show(3)
 
-        assert sent == EVENTS and flagged + eu.count() + rest.count() == EVENTS
-        assert kinds["view"] == want["view"] and kinds["click"] == want["click"]
-        assert events.stats()["depth"] == 0 and alerts.stats()["depth"] == 0
-        print("every event consumed exactly once; both queues are empty")
-    finally:
-        broker.delete_queue("events")
-        broker.delete_queue("alerts")
-        raymq.spark.stop_spark()
-        broker.shutdown()
-        shutil.rmtree(paging, ignore_errors=True)
+    per_region = raymq.spark.read_queue(spark, alerts).groupBy("region").count()
+    print("alerts per region, in Spark:")
+    per_region.orderBy("region").show()
+
+    rest = raymq.data.read_queue(events)  # views, clicks, the other purchases
+    kinds = Counter(row["kind"] for row in rest.iter_rows())
+    print(f"the remaining {rest.count()} events as a Ray Dataset {rest.schema().names}:")
+    print(f"  {dict(sorted(kinds.items()))}")
+
+    assert sent == EVENTS and flagged + eu.count() + rest.count() == EVENTS
+    assert kinds["view"] == want["view"] and kinds["click"] == want["click"]
+    assert events.stats()["depth"] == 0 and alerts.stats()["depth"] == 0
+    print("every event consumed exactly once; both queues are empty")
 
 
 if __name__ == "__main__":

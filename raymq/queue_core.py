@@ -455,7 +455,11 @@ class QueueCore:
         if self.config.durable:
             undelivered = self.area.head() if self.area.selective else self.area.cursor
             self.head_cache.trim(undelivered)
-            self.head_cache.refill(self.log.read, undelivered, self.log.next_offset)
+            # Around the read cache: the HeadQueueCache keeps what it reads (no message
+            # held twice, and bytes_in_memory + head_cache_bytes is a true sum).
+            self.head_cache.refill(
+                lambda a, b: self.log.read(a, b, cache=False), undelivered, self.log.next_offset
+            )
         self._forget_damaged()
 
     # -- memory budget ---------------------------------------------------------------

@@ -113,3 +113,20 @@ def test_a_sigkill_mid_move_leaves_every_message_in_the_source_or_the_dlq(broker
     assert not lost, f"{len(lost)} messages in neither queue, e.g. {sorted(lost)[:5]}"
     if kill == "dead-letter queue":  # the source's moves were retried until all landed
         assert not in_source and set(in_dlq) == set(sent)
+
+
+def test_closing_right_after_a_nack_does_not_count_an_unseen_delivery(broker):
+    """The TargetList re-fetches a nacked message at once; closing then must give it back
+    as not received, or its delivery count rises unseen (and a dead letter comes early)."""
+    q = broker.create_queue("recount", max_delivery_attempts=2)
+    for round_ in range(5):
+        q.send(f"m{round_}".encode())
+        with q.consumer(prefetch=1) as c:
+            [m] = c.receive(1, timeout=60)
+            assert m.delivery_count == 1
+            c.nack(m)
+        with q.consumer(prefetch=1) as again:
+            [m2] = again.receive(1, timeout=60)
+            assert (m2.offset, m2.delivery_count) == (m.offset, 2)
+            again.ack(m2)
+    assert q.stats()["messages_dead_lettered"] == 0

@@ -215,3 +215,18 @@ def test_acknowledged_transient_records_free_their_memory(tmp_path):
         assert await drain(q) == list(range(300, 500))
 
     run(scenario, q)
+
+
+def test_a_head_cache_refill_does_not_also_fill_the_read_cache(tmp_path):
+    q = core(tmp_path)
+
+    async def scenario():
+        q.set_budget(0)  # nothing cached as it arrives: the messages are on disk only
+        await q.send_batch(batch_of(200))
+        assert q.head_cache.bytes == 0 and q.log.read_cache_used == 0
+        q.set_budget(8 * 2**20)  # room again: housekeeping refills from the files
+        return q.stats()
+
+    stats = run(scenario, q)
+    assert stats.head_cache_messages == 200
+    assert stats.read_cache_bytes == 0  # so memory figures add up, nothing counted twice

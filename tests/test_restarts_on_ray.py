@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 
+import pytest
+import ray
+
+from raymq.actors.broker_actor import BROKER_ACTOR_NAME
 from raymq.client import _call
+from raymq.errors import BrokerUnavailable
 
 
 def test_get_queue_right_after_a_kill_waits_for_the_restart(broker):
@@ -17,3 +23,27 @@ def test_get_queue_right_after_a_kill_waits_for_the_restart(broker):
     assert _call(again._actor.pid) != pid
     assert again.send(b"after") == 1
     assert [m.body for m in again.browse()] == [b"before", b"after"]
+
+
+def test_a_queue_whose_node_is_gone_starts_here_only_with_its_files(broker, paging_dir):
+    for name in ("moved", "lost"):
+        broker.create_queue(name).send(name.encode())
+        ray.kill(broker.get_queue(name)._actor, no_restart=True)
+        meta = os.path.join(paging_dir, name, "queue.json")
+        with open(meta) as f:
+            saved = json.load(f)
+        saved["node_id"] = "ff" * 28  # a node that is not alive
+        with open(meta, "w") as f:
+            json.dump(saved, f)
+    # The broker actor restarts and reads the registry again from the files.
+    registry = ray.get_actor(BROKER_ACTOR_NAME, namespace=broker.namespace)
+    pid = _call(registry.pid)
+    os.kill(pid, signal.SIGKILL)
+    while _call(registry.pid) == pid:  # a call may still reach the dying process
+        pass
+    os.rename(os.path.join(paging_dir, "lost"), os.path.join(paging_dir, "elsewhere"))
+    assert [m.body for m in broker.get_queue("moved").browse()] == [b"moved"]
+    with open(os.path.join(paging_dir, "moved", "queue.json")) as f:
+        assert json.load(f)["node_id"] == ray.get_runtime_context().get_node_id()
+    with pytest.raises(BrokerUnavailable, match="'lost' lives on node ffffffffffff"):
+        broker.get_queue("lost")  # never started empty where its files are not

@@ -167,9 +167,10 @@ class SegmentLog:
 
     # -- reading (see Reader) -----------------------------------------------------------
 
-    def read(self, start: int, end: int) -> list[MessageBatch]:
-        """Messages of offsets [start, end) as batches in offset order (gaps skipped)."""
-        return self._reader.read(start, end)
+    def read(self, start: int, end: int, *, cache: bool = True) -> list[MessageBatch]:
+        """Messages of offsets [start, end) as batches in offset order (gaps skipped);
+        ``cache`` False leaves the read cache unfilled (see ``Reader.read``)."""
+        return self._reader.read(start, end, cache=cache)
 
     def properties(self, start: int, end: int) -> list[MessageBatch]:
         """Like ``read`` but with empty bodies: timestamps and properties only."""

@@ -26,12 +26,14 @@ class Reader:
         self.cache = cache
         self.quarantine = quarantine
 
-    def read(self, start: int, end: int) -> list[MessageBatch]:
+    def read(self, start: int, end: int, *, cache: bool = True) -> list[MessageBatch]:
         """Messages of offsets [start, end), all published, as batches in offset order.
 
-        Offsets in gaps (deleted segments, damaged records) are skipped.
+        Offsets in gaps (deleted segments, damaged records) are skipped. ``cache`` False
+        reads around the read cache (uses it, never fills it): for a reader that keeps
+        what it reads itself (the HeadQueueCache), so no message is in both.
         """
-        return self._collect(start, end, self._record)
+        return self._collect(start, end, self._record if cache else self._record_uncached)
 
     def properties(self, start: int, end: int) -> list[MessageBatch]:
         """Like ``read`` but with empty bodies: timestamps and properties only.
@@ -77,6 +79,12 @@ class Reader:
             return seg.batches[k]
         rec = self.cache.peek((seg.base_offset, k))
         return rec if rec is not None else seg.read_properties(k)
+
+    def _record_uncached(self, seg: Segment, k: int) -> MessageBatch | None:
+        if seg.fd is None:
+            return seg.batches[k]
+        rec = self.cache.peek((seg.base_offset, k))
+        return rec if rec is not None else seg.read_record(k)
 
     def _record(self, seg: Segment, k: int) -> MessageBatch | None:
         if seg.fd is None:
