@@ -8,8 +8,8 @@ import signal
 
 import pytest
 import ray
-
 from raymq.actors.broker_actor import BROKER_ACTOR_NAME
+
 from raymq.client import _call
 from raymq.errors import BrokerUnavailable
 
