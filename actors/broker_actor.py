@@ -9,7 +9,6 @@ message: a crash of it loses nothing and it rebuilds its registry from the files
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import shutil
 
@@ -18,9 +17,8 @@ from raymq.actors.queue_actor import QueueActor, queue_actor_name
 from raymq.placement.nodes import choose_queue_node, pinned_to
 
 from raymq.config import BrokerConfig, QueueConfig, validate_queue_name
+from raymq.core.registry import QueueEntry, QueueRegistry
 from raymq.errors import BrokerUnavailable, QueueExists, QueueNotFound
-from raymq.storage import create_queue_directory, write_file_atomic
-from raymq.storage.format import QUEUE_CONFIG_NAME
 
 BROKER_ACTOR_NAME = "raymq.broker"
 
@@ -33,19 +31,8 @@ class BrokerActor:
         self.broker_config = config
         self.namespace = namespace
         self._lock = asyncio.Lock()
-        self._queues: dict[str, tuple[QueueConfig, str]] = {}
-        os.makedirs(config.paging_directory, exist_ok=True)
-        self._load_existing()
-
-    def _load_existing(self) -> None:
-        root = self.broker_config.paging_directory
-        for name in sorted(os.listdir(root)):
-            meta = os.path.join(root, name, QUEUE_CONFIG_NAME)
-            if not os.path.isfile(meta):
-                continue
-            with open(meta) as f:
-                saved = json.load(f)
-            self._queues[name] = (QueueConfig(**saved["config"]), saved.get("node_id", ""))
+        self._registry = QueueRegistry(config.paging_directory)
+        self._queues: dict[str, QueueEntry] = self._registry.load()
 
     def config(self) -> BrokerConfig:
         """The broker settings."""
@@ -71,40 +58,33 @@ class BrokerActor:
         """A queue's node is not alive: start it on this node only if its files are here
         (one machine whose Ray restarted with a new node id, or a paging directory every
         node mounts), and record the move; else refuse, rather than start it empty."""
-        directory = os.path.join(self.broker_config.paging_directory, name)
-        if not os.path.isfile(os.path.join(directory, QUEUE_CONFIG_NAME)):
+        if not self._registry.has_files(name):
             raise BrokerUnavailable(
                 f"queue {name!r} lives on node {gone[:12] or '?'}, which is not alive, and"
-                f" its files are not in {directory} on this node: it is unavailable until"
-                " that node is back"
+                f" its files are not in {self._registry.directory(name)} on this node: it is"
+                " unavailable until that node is back"
             )
-        saved = {"config": cfg.to_dict(), "node_id": here}
-        write_file_atomic(os.path.join(directory, QUEUE_CONFIG_NAME), json.dumps(saved).encode())
-        self._queues[name] = (cfg, here)
+        self._queues[name] = QueueEntry(cfg, here)
+        self._registry.save(self._queues[name])
 
     async def create_queue(self, cfg: QueueConfig, node_id: str | None = None):
         """Create (or return, for equal settings) a queue; returns its actor handle."""
         async with self._lock:
             existing = self._queues.get(cfg.name)
             if existing is not None:
-                if existing[0] != cfg:
+                if existing.config != cfg:
                     raise QueueExists(
-                        f"queue {cfg.name!r} exists with settings {existing[0].to_dict()},"
+                        f"queue {cfg.name!r} exists with settings {existing.config.to_dict()},"
                         f" not {cfg.to_dict()}"
                     )
-                handle = self._actor(cfg.name, existing[0], existing[1])
+                handle = self._actor(cfg.name, existing.config, existing.node_id)
             else:
                 per_node: dict[str, int] = {}
-                for _cfg, node in self._queues.values():
-                    per_node[node] = per_node.get(node, 0) + 1
+                for entry in self._queues.values():
+                    per_node[entry.node_id] = per_node.get(entry.node_id, 0) + 1
                 node = choose_queue_node(node_id, per_node)
-                directory = os.path.join(self.broker_config.paging_directory, cfg.name)
-                create_queue_directory(directory)  # 0700, and durable in its parent
-                saved = {"config": cfg.to_dict(), "node_id": node}
-                write_file_atomic(
-                    os.path.join(directory, QUEUE_CONFIG_NAME), json.dumps(saved).encode()
-                )
-                self._queues[cfg.name] = (cfg, node)
+                self._queues[cfg.name] = QueueEntry(cfg, node)
+                self._registry.save(self._queues[cfg.name])
                 handle = self._actor(cfg.name, cfg, node)
             await handle.ready.remote()
             return handle
@@ -117,7 +97,7 @@ class BrokerActor:
             raise QueueNotFound(
                 f"queue {name!r} does not exist in {self.broker_config.paging_directory}"
             )
-        handle = self._actor(name, entry[0], entry[1])
+        handle = self._actor(name, entry.config, entry.node_id)
         await handle.ready.remote()
         return handle
 
@@ -137,7 +117,7 @@ class BrokerActor:
 
     def queue_nodes(self) -> dict[str, str]:
         """The node each queue was placed on, by queue name."""
-        return {name: node for name, (_cfg, node) in sorted(self._queues.items())}
+        return {name: entry.node_id for name, entry in sorted(self._queues.items())}
 
     async def delete_queue(self, name: str) -> None:
         """Stop a queue's actor and delete its files and messages."""
@@ -149,9 +129,7 @@ class BrokerActor:
             await handle.shutdown.remote(delete_files=True)
             ray.kill(handle, no_restart=True)
             del self._queues[name]
-            shutil.rmtree(
-                os.path.join(self.broker_config.paging_directory, name), ignore_errors=True
-            )
+            shutil.rmtree(self._registry.directory(name), ignore_errors=True)
 
     async def stop_queues(self) -> None:
         """Stop every queue actor, keeping the files (``raymq stop``, test teardown)."""

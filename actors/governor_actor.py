@@ -2,7 +2,7 @@
 
 One detached, named actor per broker (``raymq.governor``), restarted if it dies. Each
 round it asks every running queue actor for its usage and its consumers, asks every
-consumer's TargetList actor for its usage, lets ``raymq.budget.BudgetPlanner`` compute
+consumer's TargetList actor for its usage, lets ``raymq.core.budget.BudgetPlanner`` compute
 the shares (Qpid's proportional split, per node, with floors) and the linked-cache split
 (ActiveMQ), and pushes the budgets out. It holds no state that matters: after a restart
 the next round finds queues through the broker's registry and consumers through their
@@ -21,8 +21,8 @@ from raymq.actors.queue_actor import queue_actor_name
 from raymq.placement.nodes import object_store_by_node
 
 from raymq import metrics
-from raymq.budget import BudgetPlanner, ConsumerUsage, Plan, QueueUsage
 from raymq.config import BrokerConfig
+from raymq.core.budget import BudgetPlanner, ConsumerUsage, Plan, QueueUsage
 
 GOVERNOR_ACTOR_NAME = "raymq.governor"
 log = logging.getLogger("raymq.governor")

@@ -1,4 +1,4 @@
-"""QueueActor: one async Ray actor per queue, wrapping ``raymq.queue_core.QueueCore``.
+"""QueueActor: one async Ray actor per queue, wrapping ``raymq.core.queue.QueueCore``.
 
 Named ``raymq.queue.<name>``, detached, restarted forever (``max_restarts=-1``) and
 pinned to the node holding its files; on restart it recovers from those files. Calls
@@ -27,7 +27,7 @@ import ray
 from raymq import metrics
 from raymq.batch import MessageBatch, warm_arrow_conversions
 from raymq.config import BrokerConfig, QueueConfig
-from raymq.queue_core import QueueCore, QueueStats
+from raymq.core.queue import QueueCore, QueueStats
 from raymq.send_channel import SendChannelServer
 
 QUEUE_ACTOR_PREFIX = "raymq.queue."

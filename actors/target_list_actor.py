@@ -1,4 +1,4 @@
-"""TargetListActor: one Ray actor per consumer, wrapping ``raymq.target_list.TargetList``.
+"""TargetListActor: one Ray actor per consumer, wrapping ``raymq.core.target_list.TargetList``.
 
 Placed by ``raymq.placement`` on the consumer's node so that the delivery batches it
 references are read from the local object store without a copy. It is owned by the
@@ -22,9 +22,9 @@ import ray
 from raymq.actors.queue_actor import queue_actor_name
 
 from raymq import metrics
+from raymq.core.supervisor import Supervisor
+from raymq.core.target_list import DirectEntry, TargetList
 from raymq.errors import ConsumerClosed
-from raymq.supervisor import Supervisor
-from raymq.target_list import DirectEntry, TargetList
 
 log = logging.getLogger("raymq.consumer")
 

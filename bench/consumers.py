@@ -20,7 +20,7 @@ from raymq.placement import spares
 from rich.progress import track
 
 from bench.common import console, print_table, start_broker, stop_broker
-from raymq.offset_set import OffsetSet
+from raymq.core.offset_set import OffsetSet
 
 BODY = b"x" * 100
 BATCH = 1000

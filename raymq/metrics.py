@@ -69,7 +69,7 @@ def _specs(prefix: str, tags: tuple[str, ...], rows: list[tuple[str, str, str]])
     return [MetricSpec(prefix + name, text, tags, field) for name, field, text in rows]
 
 
-#: From ``QueueStats`` (``raymq.queue_core``), by each queue actor.
+#: From ``QueueStats`` (``raymq.core.queue``), by each queue actor.
 QUEUE_METRICS: list[MetricSpec] = _specs(
     "raymq_queue_",
     QUEUE,
@@ -205,7 +205,7 @@ CONSUMER_QUEUE_SIDE_METRICS: list[MetricSpec] = _specs(
     ],
 )
 
-#: From ``TargetList.stats`` (``raymq.target_list``), by each TargetList actor.
+#: From ``TargetList.stats`` (``raymq.core.target_list``), by each TargetList actor.
 CONSUMER_METRICS: list[MetricSpec] = _specs(
     "raymq_consumer_",
     CONSUMER,
@@ -231,7 +231,7 @@ CONSUMER_METRICS: list[MetricSpec] = _specs(
     ],
 )
 
-#: From the MemoryGovernor's stats and plan (``raymq.budget.Plan.to_dict``).
+#: From the MemoryGovernor's stats and plan (``raymq.core.budget.Plan.to_dict``).
 GOVERNOR_METRICS: list[MetricSpec] = [
     MetricSpec(
         "raymq_governor_threshold_bytes",

@@ -1,4 +1,4 @@
-"""Tests of raymq.budget: node thresholds, per-queue shares and the linked-cache split."""
+"""Tests of raymq.core.budget: node thresholds, per-queue shares and the linked-cache split."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from raymq.budget import (
+from raymq.core.budget import (
     DEFAULT_FLOOR_FRACTION,
     DEFAULT_THRESHOLD_FRACTION,
     BudgetPlanner,

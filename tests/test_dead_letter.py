@@ -10,16 +10,16 @@ import pytest
 
 from raymq.batch import MessageBatch
 from raymq.config import BrokerConfig, QueueConfig
-from raymq.dead_letter import (
+from raymq.core.dead_letter import (
     DEAD_LETTER_REASON,
     ORIGINAL_OFFSET,
     ORIGINAL_QUEUE,
     REASON_MAX_DELIVERY_ATTEMPTS,
     REASON_REJECTED,
 )
+from raymq.core.queue import QueueCore
 from raymq.errors import InvalidAck, InvalidSetting
 from raymq.properties import decode_properties
-from raymq.queue_core import QueueCore
 
 #: Bound on waiting for a background move (seconds): a wedge fails, it is not a timing.
 MOVE_DEADLINE_SECONDS = 30.0

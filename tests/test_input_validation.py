@@ -12,8 +12,8 @@ import pytest
 
 from raymq.batch import MessageBatch
 from raymq.config import BrokerConfig, QueueConfig
+from raymq.core.queue import QueueCore
 from raymq.errors import InvalidProperties, MessageTooLarge
-from raymq.queue_core import QueueCore
 
 
 def forged(bodies: list[bytes], props: list[bytes]) -> MessageBatch:

@@ -13,8 +13,8 @@ import pytest
 
 from raymq.batch import MessageBatch
 from raymq.config import BrokerConfig, QueueConfig
+from raymq.core.queue import QueueCore
 from raymq.errors import AddressFull
-from raymq.queue_core import QueueCore
 
 KIB = 1024
 

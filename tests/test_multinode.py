@@ -16,7 +16,7 @@ import tempfile
 
 import pytest
 
-from raymq.budget import BudgetPlanner
+from raymq.core.budget import BudgetPlanner
 
 MIB = 2**20
 SCENARIO = os.path.join(os.path.dirname(__file__), "multinode_scenario.py")

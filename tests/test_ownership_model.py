@@ -30,8 +30,8 @@ from hypothesis.stateful import (
 
 from raymq.batch import MessageBatch
 from raymq.config import BrokerConfig, QueueConfig
-from raymq.queue_core import QueueCore
-from raymq.target_area import DEAD_LETTER_HOLDER
+from raymq.core.queue import QueueCore
+from raymq.core.target_area import DEAD_LETTER_HOLDER
 
 COLOURS = ["red", "blue"]
 SELECTORS = [None, "colour = 'red'", "colour = 'blue'"]

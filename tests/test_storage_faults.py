@@ -19,8 +19,8 @@ import pytest
 
 from raymq.batch import MessageBatch
 from raymq.config import BrokerConfig, QueueConfig
+from raymq.core.queue import QueueCore
 from raymq.errors import StorageError
-from raymq.queue_core import QueueCore
 from raymq.storage import SegmentLog
 from raymq.storage.files import create_queue_directory
 from raymq.storage.format import RECORD_HEADER, SEGMENT_SUFFIX, segment_name

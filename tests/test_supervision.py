@@ -9,8 +9,8 @@ import pytest
 
 from raymq.batch import MessageBatch
 from raymq.config import BrokerConfig, QueueConfig
-from raymq.queue_core import QueueCore
-from raymq.supervisor import Supervisor
+from raymq.core.queue import QueueCore
+from raymq.core.supervisor import Supervisor
 
 #: Bound on a call that must return (seconds): a wedge fails the test.
 ANSWER_SECONDS = 30.0

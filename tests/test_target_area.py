@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 
 from raymq.batch import MessageBatch
 from raymq.config import BrokerConfig, QueueConfig
+from raymq.core.offset_set import OffsetSet
+from raymq.core.queue import QueueCore
 from raymq.errors import ConsumerClosed, SelectorError
-from raymq.offset_set import OffsetSet
-from raymq.queue_core import QueueCore
 
 PAGE = 64 * 1024
 

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 import msgpack
 import numpy as np
 
-from raymq.storage.files import create_file, fsync_directory, pwritev_all
+from raymq.storage.files import fsync_directory, write_synced
 from raymq.storage.format import (
     CHECKPOINT_HEADER,
     CHECKPOINT_MAGIC,
@@ -64,12 +64,7 @@ def checkpoint_path(directory: str) -> str:
 def stage_checkpoint(directory: str, data: bytes) -> str:
     """Write ``data`` to ``checkpoint.tmp`` and fsync it; returns its path."""
     tmp = checkpoint_path(directory) + ".tmp"
-    fd = create_file(tmp, exclusive=False)
-    try:
-        pwritev_all(fd, [data], 0)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    write_synced(tmp, data)
     return tmp
 
 

@@ -74,16 +74,21 @@ def create_queue_directory(directory: str) -> None:
         os.chmod(directory, DIRECTORY_MODE)
 
 
-def write_file_atomic(path: str, data: bytes) -> None:
-    """Replace ``path`` with ``data`` atomically and durably: ``path.tmp`` (0600),
-    fsync, rename, fsync of the directory."""
-    tmp = path + ".tmp"
-    fd = create_file(tmp, exclusive=False)
+def write_synced(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` (created or truncated, 0600) and fsync it."""
+    fd = create_file(path, exclusive=False)
     try:
         pwritev_all(fd, [data], 0)
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_file_atomic(path: str, data: bytes) -> None:
+    """Replace ``path`` with ``data`` atomically and durably: ``path.tmp`` (0600),
+    fsync, rename, fsync of the directory."""
+    tmp = path + ".tmp"
+    write_synced(tmp, data)
     os.replace(tmp, path)
     fsync_directory(os.path.dirname(os.path.abspath(path)))
 

@@ -26,14 +26,14 @@ import pyarrow as pa
 
 from raymq.batch import EMPTY_DELIVERY, MessageBatch, check_sizes
 from raymq.config import BrokerConfig, QueueConfig
-from raymq.dead_letter import MOVE_BATCH_MESSAGES, REASON_REJECTED, dead_letter_batch
+from raymq.core.dead_letter import MOVE_BATCH_MESSAGES, REASON_REJECTED, dead_letter_batch
+from raymq.core.head_cache import HeadQueueCache
+from raymq.core.supervisor import Supervisor
+from raymq.core.target_area import DEAD_LETTER_HOLDER, TargetArea
 from raymq.errors import AddressFull, ConsumerClosed, StorageError
-from raymq.head_cache import HeadQueueCache
 from raymq.properties import check_encoded_properties
 from raymq.selector import Selector
 from raymq.storage import RecoveryReport, SegmentLog
-from raymq.supervisor import Supervisor
-from raymq.target_area import DEAD_LETTER_HOLDER, TargetArea
 
 log = logging.getLogger("raymq.queue")
 

@@ -18,7 +18,7 @@ at a time (``_holder``); released messages (nack, close, death) go to a heap for
 shared cursor and back into every matching selector consumer's candidates, unless they
 have been delivered ``max_delivery_attempts`` times: those, and rejected ones, are held
 by ``DEAD_LETTER_HOLDER`` (so no consumer takes them) until the queue has moved them to
-its dead-letter queue (``raymq.dead_letter``).
+its dead-letter queue (``raymq.core.dead_letter``).
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from raymq.batch import MessageBatch, PropertyGroups, stored_property_groups
-from raymq.dead_letter import REASON_MAX_DELIVERY_ATTEMPTS
+from raymq.core.dead_letter import REASON_MAX_DELIVERY_ATTEMPTS
+from raymq.core.offset_set import OffsetSet
 from raymq.errors import InvalidAck
-from raymq.offset_set import OffsetSet
 from raymq.selector import HEADER_DELIVERY_COUNT, HEADER_OFFSET, HEADER_TIMESTAMP, Selector
 from raymq.storage import SegmentLog
 

@@ -1,0 +1,38 @@
+"""The layout is the architecture: the cores, the storage engine and the selectors are
+plain Python that imports without Ray (tested logic without Ray, wiring with Ray)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+NO_RAY = """
+import importlib, pkgutil, sys
+
+class NoRay:
+    def find_spec(self, name, path=None, target=None):
+        if name == "ray" or name.startswith("ray."):
+            raise ImportError(f"{name} imported by a module that must not need Ray")
+        return None
+
+sys.meta_path.insert(0, NoRay())
+import raymq.core, raymq.storage, raymq.selector
+for package in (raymq.core, raymq.storage, raymq.selector):
+    for info in pkgutil.iter_modules(package.__path__, package.__name__ + "."):
+        importlib.import_module(info.name)
+print(sorted(m for m in sys.modules if m.startswith("raymq")))
+"""
+
+
+def test_cores_storage_and_selectors_import_without_ray():
+    done = subprocess.run([sys.executable, "-c", NO_RAY], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    loaded = done.stdout
+    for module in (
+        "raymq.core.queue",
+        "raymq.core.target_list",
+        "raymq.core.registry",
+        "raymq.storage.writer",
+        "raymq.selector.evaluate",
+    ):
+        assert f"'{module}'" in loaded
