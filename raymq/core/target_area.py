@@ -95,6 +95,8 @@ class TargetArea:
         self._redeliver: list[int] = []  # heap of released offsets (shared cursor side)
         self._previous: dict[int, int] = {}  # offset -> deliveries so far, when > 0
         self._holder: dict[int, str] = {}
+        #: The highest offset ever taken (-1: none): no offset above it is held.
+        self._highest_taken = -1
         #: offset -> reason, for messages held by DEAD_LETTER_HOLDER until moved.
         self.dead_letters: dict[int, str] = {}
         self.consumers: dict[str, ConsumerTarget] = {}
@@ -257,6 +259,8 @@ class TargetArea:
         else:
             offsets = self._take_candidates(target, want)
         as_list = offsets.tolist()
+        if as_list:
+            self._highest_taken = max(self._highest_taken, as_list[-1])
         target.held.update(as_list)
         self._holder.update(dict.fromkeys(as_list, consumer_id))
         target.delivered += len(as_list)
@@ -271,9 +275,11 @@ class TargetArea:
         picked = self._pop_redeliverable(want)
         fresh: list[int] = []
         holder = self._holder
-        # Only selector consumers take offsets beyond the shared cursor; without them
-        # nothing there is held and the per-offset check is skipped.
-        ahead_may_be_held = bool(self.selective) or bool(self.dead_letters)
+        # Offsets beyond the shared cursor are held only if something was taken there: by
+        # a selector consumer, or from the redelivery heap after one released it (found by
+        # the ownership model: skipping the check then delivered such an offset twice).
+        # Below that mark nothing ahead is held and the per-offset check is skipped.
+        ahead_may_be_held = self._highest_taken >= self.cursor
         while len(picked) + len(fresh) < want and self.cursor < self.log.next_offset:
             need = want - len(picked) - len(fresh)
             got = self.log.unacked(self.cursor, need)
