@@ -4,7 +4,12 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench fuzz clean
+
+# make fuzz SEEDS=10000 FIRST=0: the fault simulator on many seeds (a fixed few run in
+# make test); a failing seed prints the command that replays it.
+SEEDS ?= 1000
+FIRST ?= 0
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +29,9 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/python -m bench.throughput
+
+fuzz: $(STAMP)
+	$(VENV)/bin/python -m raymq.sim --seeds $(SEEDS) --first $(FIRST)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

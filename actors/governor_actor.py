@@ -1,10 +1,11 @@
 """MemoryGovernorActor: one broker-wide memory budget, rebalanced every housekeeping period.
 
 One detached, named actor per broker (``raymq.governor``), restarted if it dies. Each
-round it asks every running queue actor for its usage and its consumers, asks every
-consumer's TargetList actor for its usage, lets ``raymq.core.budget.BudgetPlanner`` compute
-the shares (Qpid's proportional split, per node, with floors) and the linked-cache split
-(ActiveMQ), and pushes the budgets out. It holds no state that matters: after a restart
+round it asks every running queue actor for its usage (a ``QueueUsage`` record, bytes)
+and its consumers, asks every consumer's TargetList actor for its usage (a
+``ConsumerUsage``), lets ``raymq.core.budget.BudgetPlanner`` compute the shares (Qpid's
+proportional split, per node, with floors) and the linked-cache split (ActiveMQ), and
+pushes the budgets out. It holds no state that matters: after a restart
 the next round finds queues through the broker's registry and consumers through their
 queues, so nothing has to re-register; meanwhile everyone keeps its last budget.
 """
@@ -12,6 +13,7 @@ queues, so nothing has to re-register; meanwhile everyone keeps its last budget.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 
@@ -42,7 +44,7 @@ class MemoryGovernorActor:
         self.round_started = 0.0  # wall-clock seconds of the last round's start and end
         self.round_finished = 0.0
         self.errors: list[str] = []
-        self._usage: dict[str, dict] = {}
+        self._usage: dict[str, QueueUsage] = {}  # of the last round, by queue name
         self._lock = asyncio.Lock()
         self._task = asyncio.get_running_loop().create_task(self._run())
         self._metrics = asyncio.get_running_loop().create_task(self._export_metrics())
@@ -79,43 +81,23 @@ class MemoryGovernorActor:
     async def _round(self) -> Plan:
         timeout = max(self.config.housekeeping_period, 1.0)
         queues = await self._queue_handles()
-        usages = await _gather({name: h.usage.remote() for name, h in queues.items()}, timeout)
-        consumer_handles = {cid: handle for u in usages.values() for cid, handle in u["consumers"]}
-        consumer_usage = await _gather(
+        # Each queue actor answers (QueueUsage, [(consumer id, TargetList handle)]).
+        reports = await _gather({name: h.usage.remote() for name, h in queues.items()}, timeout)
+        consumer_handles = {cid: h for _u, consumers in reports.values() for cid, h in consumers}
+        consumer_usage: dict[str, ConsumerUsage] = await _gather(
             {cid: h.usage.remote() for cid, h in consumer_handles.items()}, timeout
         )
-        nodes = object_store_by_node()
-        plan = self.planner.plan(
-            [
-                QueueUsage(
-                    name=name,
-                    node_id=u["node_id"],
-                    size_bytes=u["size_bytes"],
-                    memory_bytes=u["memory_bytes"],
-                    index_bytes=u["index_bytes"],
-                    active=u["active"],
-                    delivering=u["delivering"],
-                    max_size_bytes=u["max_size_bytes"],
-                    transient_bytes=u["transient_bytes"],
-                    consumers=tuple(
-                        ConsumerUsage(
-                            consumer_id=cid,
-                            direct_bytes=consumer_usage[cid]["direct_bytes"],
-                            pending_bytes=consumer_usage[cid]["pending_bytes"],
-                            want_direct_bytes=consumer_usage[cid]["want_direct_bytes"],
-                            want_pending_bytes=consumer_usage[cid]["want_pending_bytes"],
-                        )
-                        for cid, _h in u["consumers"]
-                        if cid in consumer_usage
-                    ),
-                )
-                for name, u in usages.items()
-            ],
-            nodes,
-        )
-        self._usage = {
-            name: {k: v for k, v in u.items() if k != "consumers"} for name, u in usages.items()
-        }
+        usages = [
+            dataclasses.replace(
+                usage,
+                consumers=tuple(
+                    consumer_usage[cid] for cid, _h in consumers if cid in consumer_usage
+                ),
+            )
+            for usage, consumers in reports.values()
+        ]
+        plan = self.planner.plan(usages, object_store_by_node())
+        self._usage = {u.name: u for u in usages}
         pushes = {}
         for name, budget in plan.queues.items():
             pushes[f"queue {name}"] = queues[name].set_budget.remote(budget.queue_bytes)
@@ -150,7 +132,7 @@ class MemoryGovernorActor:
             "round_finished": self.round_finished,
             "housekeeping_period": self.config.housekeeping_period,
             "plan": None if self.plan is None else self.plan.to_dict(),
-            "usage": self._usage,
+            "usage": {name: u.to_dict() for name, u in self._usage.items()},
             "errors": list(self.errors),
         }
 

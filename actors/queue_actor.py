@@ -27,6 +27,7 @@ import ray
 from raymq import metrics
 from raymq.batch import MessageBatch, warm_arrow_conversions
 from raymq.config import BrokerConfig, QueueConfig
+from raymq.core.budget import QueueUsage
 from raymq.core.queue import QueueCore, QueueStats
 from raymq.send_channel import SendChannelServer
 
@@ -244,19 +245,16 @@ class QueueActor:
             watch.cancel()
         return self.core.close_consumer(consumer_id, not_received)
 
-    async def usage(self) -> dict:
-        """For the MemoryGovernor: the queue's usage (bytes), its node and its consumers'
-        TargetList actors as (consumer id, handle)."""
+    async def usage(self) -> tuple[QueueUsage, list[tuple[str, object]]]:
+        """For the MemoryGovernor: the queue's usage (a ``QueueUsage``, bytes) on this
+        node, and its consumers' TargetList actors as (consumer id, handle)."""
         await self._ensure_started()
-        return {
-            **self.core.usage(),
-            "node_id": ray.get_runtime_context().get_node_id(),
-            "consumers": [
-                (t.consumer_id, t.watch)
-                for t in self.core.area.consumers.values()
-                if t.watch is not None
-            ],
-        }
+        consumers = [
+            (t.consumer_id, t.watch)
+            for t in self.core.area.consumers.values()
+            if t.watch is not None
+        ]
+        return self.core.usage(ray.get_runtime_context().get_node_id()), consumers
 
     async def set_budget(self, queue_bytes: int) -> None:
         """The MemoryGovernor's budget for this actor's caches (bytes)."""

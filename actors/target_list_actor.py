@@ -5,8 +5,17 @@ references are read from the local object store without a copy. It is owned by t
 process that created the consumer, so it dies with it; the queue actor notices (it pings
 consumers it has not heard from) and delivers what it held again.
 
-Its eager loader keeps the direct references filled up to the high watermark: from the
-PendingCache first, else by fetching from the queue actor, whose batches it owns.
+Its eager loader (``raymq.core.target_list.EagerLoader``, a supervised task) keeps the
+direct references filled up to the high watermark: from the PendingCache first, else by
+fetching from the queue actor, whose batches it owns. This shell turns Ray's failures of
+a fetch into typed errors naming the queue; the loader retries them with backoff, and
+one that persists (a ``StorageError`` of the queue, a queue actor that is dead or away
+longer than a restart takes) is raised by ``take``, so the consumer's ``receive()``
+raises it instead of returning nothing forever. A queue actor that died for good is
+looked up again by name: once the queue is started again, loading resumes.
+
+Interleaving: ``take``, ``set_budget``, ``set_high_watermark``, ``usage`` and ``stats``
+may interleave with the loader at its awaits; ``close`` cancels the loader first.
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import time
 
 import numpy as np
@@ -22,18 +32,21 @@ import ray
 from raymq.actors.queue_actor import queue_actor_name
 
 from raymq import metrics
+from raymq.core.budget import ConsumerUsage
 from raymq.core.supervisor import Supervisor
-from raymq.core.target_list import DirectEntry, TargetList
-from raymq.errors import ConsumerClosed
+from raymq.core.target_list import DirectEntry, EagerLoader, FetchFailed, TargetList
+from raymq.errors import BrokerUnavailable, RayMQError
 
 log = logging.getLogger("raymq.consumer")
 
 #: Longest one fetch waits in the queue actor (seconds); the loader simply asks again.
 LOADER_POLL_SECONDS = 1.0
-#: Wait before the loader asks again after an unexpected error (seconds).
-LOADER_ERROR_BACKOFF_SECONDS = 1.0
+#: A fetch not answered in this long counts as a failure of a restarting queue actor;
+#: the loader waits for the same fetch again rather than ask twice (seconds).
+FETCH_ANSWER_SECONDS = LOADER_POLL_SECONDS + 10.0
 #: How long ``close`` keeps asking a restarting queue actor (seconds).
 CLOSE_RETRY_SECONDS = 30.0
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 @ray.remote(num_cpus=0, max_restarts=0, max_concurrency=64)
@@ -50,17 +63,22 @@ class TargetListActor:
         self.prefetch = 0
         self.selector: str | None = None
         self.targets = TargetList(0, 0, 0)
-        self._filled = asyncio.Event()
-        self._space = asyncio.Event()
+        self.loader = EagerLoader(self.targets, self._fetch, queue="")
         self._loader: asyncio.Task | None = None
         self._metrics: asyncio.Task | None = None
         self._closed = False
         self._closed_event = asyncio.Event()
-        self.loader_error: str | None = None
-        self._refused: ConsumerClosed | None = None
         self._tasks: Supervisor | None = None
-        #: The loader's fetch under way (its small (offsets, bytes) result), if any.
-        self._in_flight = None
+        #: The loader's fetch under way, if any: the references to its small (offsets,
+        #: bytes) result and to its batch.
+        self._in_flight: tuple | None = None
+        #: Register again before the next fetch (after a failure: the queue actor may
+        #: have restarted and forgotten us).
+        self._register_again = False
+        #: The queue actor died: look it up by name before the next fetch.
+        self._queue_dead = False
+        self._death = ""  # Ray's reason for that death
+        self._namespace: str | None = None  # the broker's, once known
 
     def ready(self) -> bool:
         """True once the process is up (a spare is warm)."""
@@ -85,9 +103,10 @@ class TargetListActor:
         self.prefetch = prefetch
         self.selector = selector
         self.targets = TargetList(high_watermark, high_watermark_bytes, pending_cache_bytes)
+        self.loader = EagerLoader(self.targets, self._fetch, queue=queue)
         await self._register()
         self._tasks = Supervisor(f"consumer {consumer_id} of queue {queue!r}", log)
-        self._loader = self._tasks.spawn("eager loader", self._eager_load)
+        self._loader = self._tasks.spawn("eager loader", self.loader.run)
         self._metrics = self._tasks.spawn("metrics", self._export_metrics)
 
     async def _register(self) -> None:
@@ -98,74 +117,99 @@ class TargetListActor:
             self.consumer_id, self.prefetch, self.selector, me
         )
 
+    async def _broker_namespace(self) -> str:
+        """The broker's Ray namespace, found once (blocking GCS calls, off the loop) while
+        the queue actor is alive (``metrics.broker_of``)."""
+        if self._namespace is None:
+            queue_id = self.queue_actor._actor_id.hex()
+            name = queue_actor_name(self.queue)
+            self._namespace = await asyncio.to_thread(metrics.broker_of, name, queue_id)
+        return self._namespace
+
     async def _export_metrics(self) -> None:
         """Every ``metrics.EXPORT_PERIOD_SECONDS`` until closed, set this consumer's
         levels (``raymq.metrics``); its lag is exported by the queue actor."""
         node_id = ray.get_runtime_context().get_node_id()
         broker = ray.get_runtime_context().namespace
         with metrics.guard(f"consumer {self.consumer_id}"):
-            queue_id = self.queue_actor._actor_id.hex()
-            name = queue_actor_name(self.queue)
-            broker = await asyncio.to_thread(metrics.broker_of, name, queue_id)
+            broker = await self._broker_namespace()
         while not self._closed:
             with metrics.guard(f"consumer {self.consumer_id}"):
                 stats = self.targets.stats()
                 metrics.export_consumer(self.consumer_id, self.queue, stats, node_id, broker)
             await asyncio.sleep(metrics.EXPORT_PERIOD_SECONDS)
 
-    async def _eager_load(self) -> None:
-        """Raise the watermark toward the high watermark, forever."""
-        while not self._closed:
-            room = self.targets.room()
-            if room <= 0:
-                self._space.clear()
-                await self._space.wait()
-                continue
-            if self.targets.load_from_pending():
-                self._filled.set()
-                continue
-            try:
-                if self.loader_error is not None:
-                    # The queue actor restarted: register again so that it watches us.
-                    await self._register()
-                meta_ref, batch_ref = self.queue_actor.fetch_batch.options(num_returns=2).remote(
-                    self.consumer_id, room, LOADER_POLL_SECONDS, self.prefetch, self.selector
-                )
-                self._in_flight = meta_ref
-                offsets, nbytes = await meta_ref
-                self._in_flight = None
-            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
-                self.loader_error = f"queue {self.queue!r} unavailable: {exc}"
-                await asyncio.sleep(0.5)  # the queue actor restarts; ask again
-                continue
-            except ray.exceptions.RayTaskError as exc:
-                if isinstance(exc.cause, ConsumerClosed):
-                    self._refused = exc.cause  # the queue closed us: say so to receive()
-                    self._filled.set()
-                    return
-                # Never let the loader die silently: log, show in stats, ask again.
-                self.loader_error = f"queue {self.queue!r}: {exc.cause!r}"
-                log.warning("consumer %s: fetch failed: %s", self.consumer_id, self.loader_error)
-                await asyncio.sleep(LOADER_ERROR_BACKOFF_SECONDS)
-                continue
-            self.loader_error = None
-            if len(offsets):
-                self.targets.loaded(DirectEntry(batch_ref, offsets, nbytes))
-                self._filled.set()
+    async def _fetch(self, room: int) -> DirectEntry | None:
+        """The loader's fetch: up to ``room`` messages from the queue actor. Ray's
+        failures become typed errors naming the queue (``FetchFailed``); the queue's own
+        typed errors pass as they are, ``ConsumerClosed`` included."""
+        try:
+            return await self._fetch_once(room)
+        except ray.exceptions.RayTaskError as exc:
+            self._in_flight, self._register_again = None, True
+            if isinstance(exc.cause, RayMQError):
+                raise exc.cause from None
+            error = BrokerUnavailable(f"queue {self.queue!r}: fetch failed: {exc.cause!r}")
+            raise FetchFailed(error) from None
+        except ray.exceptions.ActorUnavailableError as exc:
+            self._in_flight, self._register_again = None, True
+            error = BrokerUnavailable(f"queue {self.queue!r} is unavailable: {_reason(exc)}")
+            raise FetchFailed(error, restarting=True) from None
+        except ray.exceptions.RayActorError as exc:
+            # Dead: for good if it could not start again (its files gone, say) or was
+            # killed; a crash it restarts from ends the fetch under way the same way.
+            self._in_flight, self._register_again, self._queue_dead = None, True, True
+            how = "could not start again" if exc.actor_init_failed else "died"
+            self._death = f"its actor {how}: {_reason(exc)}"
+            error = BrokerUnavailable(f"queue {self.queue!r}: {self._death}")
+            raise FetchFailed(error, restarting=not exc.actor_init_failed) from None
+        except ray.exceptions.RayError as exc:
+            self._in_flight, self._register_again = None, True
+            error = BrokerUnavailable(f"queue {self.queue!r}: fetch failed: {_reason(exc)}")
+            raise FetchFailed(error) from None
+
+    async def _fetch_once(self, room: int) -> DirectEntry | None:
+        if self._in_flight is None:
+            if self._queue_dead:
+                self.queue_actor = await self._find_queue()
+                self._queue_dead = False
+            if self._register_again:
+                await self._register()  # the queue actor watches us again
+                self._register_again = False
+            self._in_flight = self.queue_actor.fetch_batch.options(num_returns=2).remote(
+                self.consumer_id, room, LOADER_POLL_SECONDS, self.prefetch, self.selector
+            )
+        meta_ref, batch_ref = self._in_flight
+        try:
+            offsets, nbytes = await asyncio.wait_for(meta_ref, FETCH_ANSWER_SECONDS)
+        except asyncio.TimeoutError:
+            # Still in flight: the next attempt waits for this same fetch.
+            error = BrokerUnavailable(
+                f"queue {self.queue!r} did not answer a fetch in {FETCH_ANSWER_SECONDS:.0f} s"
+            )
+            raise FetchFailed(error, restarting=True) from None
+        self._in_flight = None
+        return DirectEntry(batch_ref, offsets, nbytes)
+
+    async def _find_queue(self):
+        """The queue's actor, looked up by name: started again (by the broker, on the
+        next ``get_queue``) it is a new actor. Raises ``FetchFailed`` if none runs."""
+        name = queue_actor_name(self.queue)
+        namespace = await self._broker_namespace()
+        try:
+            return await asyncio.to_thread(ray.get_actor, name, namespace)
+        except ValueError:
+            error = BrokerUnavailable(
+                f"queue {self.queue!r} is not running (no actor {name!r}; {self._death})"
+            )
+            raise FetchFailed(error) from None
 
     async def take(self, max_messages: int, timeout: float) -> list[tuple[object, int, int]]:
         """Up to ``max_messages`` as (batch reference, first row, rows), waiting up to
-        ``timeout`` seconds for the first."""
-        if not self.targets.direct and self._refused is None:
-            self._filled.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._filled.wait(), max(timeout, 0.0))
-        out = self.targets.take(max_messages)
-        if not out and self._refused is not None:
-            raise self._refused
-        if out:
-            self._space.set()
-        return out
+        ``timeout`` seconds for the first. With nothing to hand out, raises
+        ``ConsumerClosed`` if the queue closed us, or the loader's persistent error (a
+        ``RayMQError`` naming the queue: ``StorageError``, ``BrokerUnavailable``...)."""
+        return await self.loader.take(max_messages, timeout)
 
     async def set_high_watermark(self, messages: int, max_bytes: int) -> int:
         """Change the high watermark; returns how many messages went back to the queue."""
@@ -179,23 +223,27 @@ class TargetListActor:
     async def _give_back(self, released: np.ndarray) -> int:
         if len(released):
             await self.queue_actor.give_back.remote(self.consumer_id, released)
-        self._space.set()
+        self.loader.wake()
         return len(released)
 
-    def usage(self) -> dict:
+    def usage(self) -> ConsumerUsage:
         """Bytes held and wanted, for the MemoryGovernor."""
-        return {"consumer_id": self.consumer_id, **self.targets.usage()}
+        return self.targets.usage(self.consumer_id)
 
     async def stats(self) -> dict:
         """The TargetList's levels and the queue's view of this consumer."""
         queue_side = await self.queue_actor.consumer_stats.remote(self.consumer_id)
+        failures = self.loader.failures.stats()
         return {
             "consumer_id": self.consumer_id,
             "queue": self.queue,
             "node_id": ray.get_runtime_context().get_node_id(),
             **self.targets.stats(),
             **queue_side,
-            "loader_error": self.loader_error,
+            "loader_error": failures.last_error or None,
+            "loader_failures": failures.failures,
+            "loader_failures_total": failures.failures_total,
+            "loader_error_persistent": failures.persistent,
             "task_restarts": 0 if self._tasks is None else self._tasks.restarts,
         }
 
@@ -203,6 +251,7 @@ class TargetListActor:
         """Stop loading and give back everything not acknowledged; returns how many."""
         self._closed = True
         self._closed_event.set()
+        self.loader.close()
         if self._loader is not None:
             self._loader.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -230,11 +279,11 @@ class TargetListActor:
         """Offsets of the fetch the loader had under way when it was cancelled: the queue
         counts them as held by us, so they are given back as not received (else their
         delivery count would rise without any application having seen them)."""
-        ref, self._in_flight = self._in_flight, None
-        if ref is None:
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is None:
             return np.zeros(0, dtype=np.int64)
         try:
-            offsets, _nbytes = await asyncio.wait_for(ref, LOADER_POLL_SECONDS + 5.0)
+            offsets, _nbytes = await asyncio.wait_for(in_flight[0], LOADER_POLL_SECONDS + 5.0)
         except Exception:  # the queue restarted or is slow: it forgot or counts them
             return np.zeros(0, dtype=np.int64)
         return np.asarray(offsets, dtype=np.int64)
@@ -251,3 +300,10 @@ class TargetListActor:
     def pid(self) -> int:
         """This actor's process id (benchmarks sample its memory)."""
         return os.getpid()
+
+
+def _reason(exc: BaseException) -> str:
+    """The last line of Ray's message for ``exc`` (where it puts the cause), without
+    colour codes, at most 300 characters."""
+    lines = [line.strip() for line in _ANSI.sub("", str(exc)).splitlines() if line.strip()]
+    return (lines[-1] if lines else type(exc).__name__)[:300]

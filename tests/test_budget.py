@@ -3,20 +3,25 @@
 from __future__ import annotations
 
 import json
+import pickle
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from raymq.config import BrokerConfig, QueueConfig
 from raymq.core.budget import (
     DEFAULT_FLOOR_FRACTION,
     DEFAULT_THRESHOLD_FRACTION,
     BudgetPlanner,
     ConsumerUsage,
     Plan,
+    QueueMemory,
     QueueUsage,
+    split_queue_bytes,
     split_share,
 )
+from raymq.core.queue import QueueCore
 from raymq.errors import InvalidSetting
 
 MB = 10**6
@@ -403,3 +408,105 @@ def test_queues_that_keep_up_keep_their_working_set_beside_a_huge_slow_one():
         assert plan.queues[q.name].queue_bytes >= 2 * mib  # its messages stay in memory
     assert plan.queues["slow"].share >= 8 * mib  # the floor, and the rest
     assert plan.node_total("n") <= 32 * mib
+
+
+# -- the queue actor's part: read cache, HeadQueueCache, transient messages -----------
+
+
+def split_before_issue_12(
+    budget: int | None, durable: bool, page_cache: int, max_size: int, default: int
+) -> tuple[int, int]:
+    """``QueueCore._apply_memory_limits`` as it was before the split moved here:
+    (read cache, rest) in bytes. The reference the figures must stay equal to."""
+    cap = max_size if max_size > 0 else None
+    if budget is None:
+        read, rest = page_cache, default
+        if cap is not None:
+            read = min(read, cap // 4)
+            rest = min(rest, cap - read)
+    else:
+        total = budget if cap is None else min(budget, cap)
+        read = min(page_cache, total // (4 if durable else 8))
+        rest = total - read
+    return read, rest
+
+
+def test_queue_bytes_split_between_read_cache_and_head_cache_or_transient() -> None:
+    kw = {"read_cache_max_bytes": 4 * MB, "max_size_bytes": -1, "default_bytes": 10 * MB}
+    # Durable: a quarter to the read cache, the HeadQueueCache gets the rest.
+    assert split_queue_bytes(8 * MB, durable=True, **kw) == QueueMemory(2 * MB, 6 * MB, 0)
+    # Non-durable: an eighth; its messages in memory get the rest.
+    assert split_queue_bytes(8 * MB, durable=False, **kw) == QueueMemory(1 * MB, 0, 7 * MB)
+    # The read cache never exceeds its pages (page_max_cache_size * page_size_bytes).
+    assert split_queue_bytes(100 * MB, durable=True, **kw) == QueueMemory(4 * MB, 96 * MB, 0)
+    # A budget of 0 leaves nothing for anyone.
+    assert split_queue_bytes(0, durable=True, **kw) == QueueMemory(0, 0, 0)
+    # Before the governor speaks: the read cache's pages and the broker's default.
+    assert split_queue_bytes(None, durable=True, **kw) == QueueMemory(4 * MB, 10 * MB, 0)
+    # max_size_bytes caps it all, with or without a budget.
+    capped = {**kw, "max_size_bytes": 4 * MB}
+    assert split_queue_bytes(8 * MB, durable=True, **capped) == QueueMemory(1 * MB, 3 * MB, 0)
+    assert split_queue_bytes(None, durable=False, **capped) == QueueMemory(1 * MB, 0, 3 * MB)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    budget=st.none() | st.integers(0, 10 * GB),
+    durable=st.booleans(),
+    page_cache=st.integers(1, GB),
+    max_size=st.integers(-1, 10 * GB),
+    default=st.integers(0, GB),
+)
+def test_property_queue_bytes_split_keeps_the_figures_and_the_total(
+    budget: int | None, durable: bool, page_cache: int, max_size: int, default: int
+) -> None:
+    got = split_queue_bytes(
+        budget,
+        durable=durable,
+        read_cache_max_bytes=page_cache,
+        max_size_bytes=max_size,
+        default_bytes=default,
+    )
+    read, rest = split_before_issue_12(budget, durable, page_cache, max_size, default)
+    assert got == QueueMemory(read, rest if durable else 0, 0 if durable else rest)
+    assert min(got.read_cache_bytes, got.head_cache_bytes, got.transient_bytes) >= 0
+    assert got.read_cache_bytes <= page_cache
+    if budget is not None:
+        total = got.read_cache_bytes + got.head_cache_bytes + got.transient_bytes
+        assert total == (budget if max_size <= 0 else min(budget, max_size))
+
+
+@pytest.mark.parametrize("durable", [True, False])
+def test_queue_core_applies_the_split_and_reports_a_typed_usage(tmp_path, durable) -> None:
+    """QueueCore takes its limits from split_queue_bytes (no split of its own) and
+    reports a QueueUsage that survives pickling (it travels through Ray)."""
+    cfg = QueueConfig("q", durable=durable, page_size_bytes=64 * 1024, page_max_cache_size=5)
+    core = QueueCore(cfg, BrokerConfig(paging_directory=str(tmp_path), head_cache_bytes=MB))
+    for budget in (None, 0, 200_000, 10 * MB):
+        if budget is not None:
+            core.set_budget(budget)
+        want = split_queue_bytes(
+            budget,
+            durable=durable,
+            read_cache_max_bytes=5 * 64 * 1024,
+            max_size_bytes=-1,
+            default_bytes=MB,
+        )
+        assert core.log._cache.limit_bytes == want.read_cache_bytes
+        if durable:
+            assert core.head_cache.max_bytes == want.head_cache_bytes
+        else:
+            assert core.log.memory_limit == want.transient_bytes
+    usage = core.usage("node-1")
+    assert isinstance(usage, QueueUsage)
+    assert (usage.name, usage.node_id, usage.consumers) == ("q", "node-1", ())
+    assert (usage.size_bytes, usage.max_size_bytes, usage.active) == (0, -1, False)
+    assert pickle.loads(pickle.dumps(usage)) == usage
+    assert json.loads(json.dumps(usage.to_dict())) == usage.to_dict()
+    assert "consumers" not in usage.to_dict()
+
+
+def test_usage_records_pickle_with_their_consumers() -> None:
+    usage = q("a", 10, consumers=(c("c1", 100, 50),))
+    back = pickle.loads(pickle.dumps(usage))
+    assert back == usage and back.consumers[0].want_pending_bytes == 50

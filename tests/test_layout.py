@@ -1,5 +1,6 @@
-"""The layout is the architecture: the cores, the storage engine and the selectors are
-plain Python that imports without Ray (tested logic without Ray, wiring with Ray)."""
+"""The layout is the architecture: the cores, the storage engine, the selectors and the
+fault simulator are plain Python that imports without Ray (tested logic without Ray,
+wiring with Ray)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ class NoRay:
         return None
 
 sys.meta_path.insert(0, NoRay())
-import raymq.core, raymq.storage, raymq.selector
-for package in (raymq.core, raymq.storage, raymq.selector):
+import raymq.core, raymq.storage, raymq.selector, raymq.sim
+for package in (raymq.core, raymq.storage, raymq.selector, raymq.sim):
     for info in pkgutil.iter_modules(package.__path__, package.__name__ + "."):
         importlib.import_module(info.name)
 print(sorted(m for m in sys.modules if m.startswith("raymq")))
@@ -34,5 +35,6 @@ def test_cores_storage_and_selectors_import_without_ray():
         "raymq.core.registry",
         "raymq.storage.writer",
         "raymq.selector.evaluate",
+        "raymq.sim.run",
     ):
         assert f"'{module}'" in loaded

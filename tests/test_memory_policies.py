@@ -157,10 +157,10 @@ def test_durable_budget_bounds_head_cache_and_read_cache(tmp_path):
         q.set_budget(100 * KIB)
         s = q.stats()
         assert s.head_cache_bytes <= 75 * KIB and s.memory_budget == 100 * KIB
-        assert q.usage()["index_bytes"] >= 1000  # one ack flag a message at least
+        assert q.usage().index_bytes >= 1000  # one ack flag a message at least
         assert await drain(q) == list(range(1000))
         assert q.log.read_cache_used <= 25 * KIB + 60 * KIB  # at most one record over
-        assert q.usage()["memory_bytes"] <= 100 * KIB + 60 * KIB
+        assert q.usage().memory_bytes <= 100 * KIB + 60 * KIB
 
     run(scenario, q)
 
@@ -171,10 +171,10 @@ def test_usage_reports_size_and_activity(tmp_path):
     async def scenario():
         await q.send_batch(batch_of(100))
         u = q.usage()
-        assert u["active"] and 100 * KIB <= u["size_bytes"] <= 110 * KIB
-        assert not q.usage()["active"]  # nothing happened since
+        assert u.active and 100 * KIB <= u.size_bytes <= 110 * KIB
+        assert not q.usage().active  # nothing happened since
         await drain(q)
-        assert q.usage()["size_bytes"] == 0
+        assert q.usage().size_bytes == 0
 
     run(scenario, q)
 

@@ -1,11 +1,32 @@
 """TargetList without Ray: watermark and high watermark, the PendingCache, the
-MemoryGovernor's budget, handing out in order and giving back what was never received."""
+MemoryGovernor's budget, handing out in order and giving back what was never received;
+and its eager loader, with a fake queue and a fake clock: failures are retried, and only
+one that persists reaches ``take`` (the consumer's ``receive()``) as a typed error."""
 
 from __future__ import annotations
 
-import numpy as np
+import asyncio
+import logging
 
-from raymq.core.target_list import DirectEntry, TargetList
+import numpy as np
+import pytest
+
+from raymq.core.budget import ConsumerUsage
+from raymq.core.supervisor import Supervisor
+from raymq.core.target_list import (
+    PERSISTENT_FAILURES,
+    QUEUE_ERROR_PATIENCE_SECONDS,
+    RESTART_PATIENCE_SECONDS,
+    DirectEntry,
+    EagerLoader,
+    FailureStreak,
+    FetchFailed,
+    TargetList,
+)
+from raymq.errors import BrokerUnavailable, ConsumerClosed, StorageError
+
+#: Bound on a take that must return, in real seconds: only a wedge takes this long.
+ANSWER_SECONDS = 30.0
 
 
 def entry(first: int, n: int, nbytes: int | None = None) -> DirectEntry:
@@ -67,7 +88,10 @@ def test_the_governors_budget_lowers_the_limits_and_settings_stay_upper_bounds()
     assert t.pending_bytes <= 500
     held = t.watermark + t.pending_messages + len(released)
     assert held == 50  # nothing lost: kept, cached or given back
-    assert t.usage()["want_direct_bytes"] <= 10_000
+    usage = t.usage("c")
+    assert isinstance(usage, ConsumerUsage) and usage.consumer_id == "c"
+    assert usage.want_direct_bytes <= 10_000 and usage.want_pending_bytes == 500
+    assert usage.direct_bytes == t.direct_bytes and usage.pending_bytes == t.pending_bytes
 
 
 def test_drain_returns_everything_not_handed_out():
@@ -78,3 +102,256 @@ def test_drain_returns_everything_not_handed_out():
     t.set_high_watermark(2, 10**6)
     assert sorted(t.drain().tolist()) == list(range(3, 10))
     assert t.watermark == 0 and t.pending_messages == 0
+
+
+# -- the eager loader --------------------------------------------------------------------
+
+
+class FakeTime:
+    """A clock that only the loader's backoff sleeps move (seconds)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def clock(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.now += seconds
+        await asyncio.sleep(0)
+
+
+class FakeQueue:
+    """A queue that delivers ``batch`` messages a fetch, numbered from 0; ``fail_with``
+    makes fetches raise an error (after ``ok_first`` more good ones; the next ``times``
+    of them, or all while ``times`` is None) until ``heal``; ``stall`` moves the clock
+    by that many seconds a fetch."""
+
+    def __init__(self, time: FakeTime, batch: int = 5) -> None:
+        self.time = time
+        self.batch = batch
+        self.next = 0
+        self.fetches = 0
+        self.error: Exception | None = None
+        self.times: int | None = None
+        self.stall = 0.0
+        self.ok_first = 0
+
+    def fail_with(self, error: Exception, times: int | None = None, ok_first: int = 0) -> None:
+        self.error, self.times, self.ok_first = error, times, ok_first
+
+    def heal(self) -> None:
+        self.error = None
+
+    async def fetch(self, room: int) -> DirectEntry | None:
+        self.fetches += 1
+        self.time.now += self.stall
+        await asyncio.sleep(0)
+        if self.error is not None and self.ok_first:
+            self.ok_first -= 1
+        elif self.error is not None:
+            error = self.error
+            if self.times is not None:
+                self.times -= 1
+                if self.times == 0:
+                    self.error = None
+            raise error
+        n = min(room, self.batch)
+        self.next += n
+        return entry(self.next - n, n)
+
+
+def storage_error() -> StorageError:
+    return StorageError(5, "queue 'orders': reading failed: Input/output error", "/p/seg")
+
+
+def loader_of(queue: FakeQueue, high_watermark: int = 10) -> EagerLoader:
+    targets = TargetList(high_watermark, 10**9, 0)
+    t = queue.time
+    return EagerLoader(targets, queue.fetch, queue="orders", clock=t.clock, sleep=t.sleep)
+
+
+def run_loader(scenario, queue: FakeQueue, high_watermark: int = 10):
+    """Run ``scenario(loader)`` beside the loader's task; returns what it returns."""
+
+    async def main():
+        loader = loader_of(queue, high_watermark)
+        task = asyncio.get_running_loop().create_task(loader.run())
+        try:
+            return await asyncio.wait_for(scenario(loader), ANSWER_SECONDS)
+        finally:
+            loader.close()
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    return asyncio.run(main())
+
+
+def offsets_of(taken) -> list[int]:
+    return [int(ref[3:]) + start + i for ref, start, n in taken for i in range(n)]
+
+
+async def until(predicate) -> None:
+    while not predicate():
+        await asyncio.sleep(0.001)
+
+
+def test_a_persistent_queue_error_reaches_take_and_clears_when_the_queue_heals():
+    time = FakeTime()
+    queue = FakeQueue(time)
+    queue.fail_with(storage_error())
+
+    async def scenario(loader):
+        with pytest.raises(StorageError, match="orders"):
+            await loader.take(5, timeout=ANSWER_SECONDS)  # woken by the error, not the timeout
+        failures = loader.failures.stats()
+        assert failures.persistent and failures.failures >= PERSISTENT_FAILURES
+        assert failures.failing_seconds >= QUEUE_ERROR_PATIENCE_SECONDS
+        assert "StorageError" in failures.last_error
+        with pytest.raises(StorageError):  # every receive, not just the first
+            await loader.take(5, timeout=0)
+        tried = queue.fetches
+        await until(lambda: queue.fetches > tried + 2)  # the loader keeps trying
+        queue.heal()
+        await until(lambda: loader.failures.count == 0)
+        got = await loader.take(5, timeout=ANSWER_SECONDS)
+        return got, loader.failures.stats()
+
+    got, failures = run_loader(scenario, queue)
+    assert offsets_of(got) == [0, 1, 2, 3, 4]
+    assert not failures.persistent and failures.last_error == ""
+
+
+@pytest.mark.parametrize("failures", [1, 4])
+def test_failures_that_clear_within_the_bounds_never_reach_take(failures):
+    """One failure, or a few within the patience (backoffs 0.25 + 0.5 + 1 s < 2 s)."""
+    time = FakeTime()
+    queue = FakeQueue(time)
+    queue.fail_with(storage_error(), times=failures)
+
+    async def scenario(loader):
+        got = []
+        while len(got) < 10:
+            got += offsets_of(await loader.take(10, timeout=ANSWER_SECONDS))
+        return got, loader.failures.stats()
+
+    got, stats = run_loader(scenario, queue)
+    assert got == list(range(10))
+    assert stats.failures_total == failures and stats.failures == 0
+
+
+def test_one_long_failure_is_not_persistent_few_quick_ones_are_not_either():
+    """Both bounds must hold: a single failure however long it took, and many failures
+    within less than the patience, stay inside the loader."""
+    time = FakeTime()
+    queue = FakeQueue(time)
+    queue.stall = 100.0  # one fetch that takes 100 s and fails
+    queue.fail_with(storage_error(), times=1)
+
+    async def scenario(loader):
+        got = await loader.take(5, timeout=ANSWER_SECONDS)
+        return got, loader.failures
+
+    got, failures = run_loader(scenario, queue)
+    assert offsets_of(got) == [0, 1, 2, 3, 4] and failures.total == 1
+    quick = FakeTime()
+    streak = FailureStreak(quick.clock)
+    for _ in range(10):
+        streak.failed(FetchFailed(storage_error()))
+    assert streak.persistent() is None  # ten failures, no time passed
+    quick.now = QUEUE_ERROR_PATIENCE_SECONDS
+    assert isinstance(streak.persistent(), StorageError)
+
+
+def test_a_restarting_queue_is_given_the_restart_patience():
+    time = FakeTime()
+    queue = FakeQueue(time)
+    restarting = BrokerUnavailable("queue 'orders' is unavailable: restarting")
+    queue.fail_with(FetchFailed(restarting, restarting=True))
+
+    async def scenario(loader):
+        with pytest.raises(BrokerUnavailable, match="orders"):
+            await loader.take(5, timeout=ANSWER_SECONDS)
+        return time.now
+
+    raised_at = run_loader(scenario, queue)
+    assert raised_at >= RESTART_PATIENCE_SECONDS
+
+
+def test_buffered_messages_are_handed_out_before_the_error():
+    time = FakeTime()
+    queue = FakeQueue(time, batch=5)
+    queue.fail_with(storage_error(), ok_first=1)  # one batch, then failures
+
+    async def scenario(loader):
+        await until(lambda: loader.error() is not None)
+        first = offsets_of(await loader.take(3, timeout=0))
+        rest = offsets_of(await loader.take(10, timeout=0))
+        with pytest.raises(StorageError):
+            await loader.take(10, timeout=0)
+        return first, rest
+
+    assert run_loader(scenario, queue) == ([0, 1, 2], [3, 4])
+
+
+def test_pending_cache_entries_are_handed_out_before_the_error():
+    time = FakeTime()
+    queue = FakeQueue(time, batch=5)
+    queue.fail_with(storage_error(), ok_first=1)
+
+    async def scenario(loader):
+        await until(lambda: loader.error() is not None)
+        targets = loader.targets
+        targets.max_pending_cache_bytes = 10**9
+        targets.set_high_watermark(0, 10**9)  # all of it to the PendingCache
+        targets.high_watermark = 10
+        assert (targets.watermark, targets.pending_messages) == (0, 5)
+        got = offsets_of(await loader.take(10, timeout=0))
+        with pytest.raises(StorageError):
+            await loader.take(10, timeout=0)
+        return got
+
+    assert run_loader(scenario, queue) == [0, 1, 2, 3, 4]
+
+
+def test_consumer_closed_by_the_queue_ends_loading_after_the_buffer():
+    time = FakeTime()
+    queue = FakeQueue(time, batch=2)
+    queue.fail_with(ConsumerClosed("consumer c of queue 'orders' is closed"), ok_first=1)
+
+    async def scenario(loader):
+        await until(lambda: loader.refused is not None)
+        got = offsets_of(await loader.take(10, timeout=0))
+        with pytest.raises(ConsumerClosed):
+            await loader.take(10, timeout=ANSWER_SECONDS)
+        return got, queue.fetches
+
+    got, fetches = run_loader(scenario, queue)
+    assert got == [0, 1] and fetches == 2  # no fetch after the refusal
+
+
+def test_a_loader_bug_is_restarted_by_its_supervisor_and_reaches_take_if_it_persists():
+    """An unexpected exception is not swallowed: the supervisor logs, counts and
+    restarts the loader; while it goes on, take raises BrokerUnavailable naming it."""
+    time = FakeTime()
+    queue = FakeQueue(time)
+    queue.stall = 1.0
+    queue.fail_with(KeyError("a bug in fetch"))
+
+    async def main():
+        loader = loader_of(queue)
+        tasks = Supervisor("consumer c of queue 'orders'", logging.getLogger("test"))
+        tasks.spawn("eager loader", loader.run)
+        try:
+            with pytest.raises(BrokerUnavailable, match="orders.*a bug in fetch"):
+                await asyncio.wait_for(loader.take(5, ANSWER_SECONDS), ANSWER_SECONDS)
+            restarts = tasks.restarts
+            queue.heal()
+            await until(lambda: loader.failures.count == 0)  # the restarted loader fetched
+            return restarts, await asyncio.wait_for(loader.take(5, 0), ANSWER_SECONDS)
+        finally:
+            loader.close()
+            await tasks.cancel_all()
+
+    restarts, got = asyncio.run(main())
+    assert restarts >= PERSISTENT_FAILURES - 1 and offsets_of(got) == [0, 1, 2, 3, 4]

@@ -18,6 +18,12 @@ Vocabulary and rules:
 * ActiveMQ linked caches: within a queue's share, indexes come first, then the consumers'
   direct references, then their PendingCaches, and the HeadQueueCache (with the read cache
   and transient messages) gets what is left, shrinking to zero under consumer demand.
+* The queue actor's part (``QueueBudget.queue_bytes``) is split once more, by the queue
+  itself, into its read cache and its HeadQueueCache or transient messages
+  (``split_queue_bytes``): every split of the budget is in this module.
+
+Usage travels as records: a queue actor reports a ``QueueUsage`` (``QueueCore.usage``),
+a consumer's TargetList actor a ``ConsumerUsage`` (``TargetList.usage``).
 
 Shares are computed exactly with ``Fraction`` (water-filling) and rounded down with a
 largest-remainder pass, so rounding never pushes a total above its limit.
@@ -87,7 +93,7 @@ class ConsumerUsage:
 
 @dataclass(frozen=True)
 class QueueUsage:
-    """Usage of one queue as the governor measured it (all sizes in bytes).
+    """Usage of one queue as its actor reports it to the governor (all sizes in bytes).
 
     ``size_bytes`` counts unacknowledged messages in memory and on disk (Qpid's queue
     size, the weight of the proportional split); ``memory_bytes`` what the queue actor
@@ -124,6 +130,21 @@ class QueueUsage:
         ids = [c.consumer_id for c in self.consumers]
         if len(set(ids)) != len(ids):
             raise ValueError(f"queue {self.name!r} lists a consumer id twice: {ids!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The queue's own figures as plain strs, ints (bytes) and bools, for stats and
+        JSON; its consumers are left out (the plan shows their budgets)."""
+        return {
+            "name": self.name,
+            "node_id": self.node_id,
+            "size_bytes": self.size_bytes,
+            "memory_bytes": self.memory_bytes,
+            "index_bytes": self.index_bytes,
+            "transient_bytes": self.transient_bytes,
+            "active": self.active,
+            "delivering": self.delivering,
+            "max_size_bytes": self.max_size_bytes,
+        }
 
 
 @dataclass(frozen=True)
@@ -337,6 +358,57 @@ def split_share(usage: QueueUsage, share: int) -> QueueBudget:
         direct=direct,
         pending=pending,
         queue_bytes=transient + left,
+    )
+
+
+@dataclass(frozen=True)
+class QueueMemory:
+    """What a queue actor may hold in memory, by use (all values in bytes).
+
+    ``read_cache_bytes`` for the log's read cache (records read back from segment files);
+    ``head_cache_bytes`` for the HeadQueueCache of a durable queue (0 for a non-durable
+    one); ``transient_bytes`` for a non-durable queue's own messages before they flow to
+    disk (0 for a durable one). Their sum never exceeds what the queue was given.
+    """
+
+    read_cache_bytes: int
+    head_cache_bytes: int
+    transient_bytes: int
+
+
+def split_queue_bytes(
+    queue_bytes: int | None,
+    *,
+    durable: bool,
+    read_cache_max_bytes: int,
+    max_size_bytes: int,
+    default_bytes: int,
+) -> QueueMemory:
+    """Split a queue actor's part of its budget (``QueueBudget.queue_bytes``, bytes).
+
+    The read cache gets at most a quarter of ``queue_bytes`` (an eighth for a non-durable
+    queue, whose messages in memory matter more: it reads from files only what flowed)
+    and at most ``read_cache_max_bytes`` (``page_max_cache_size`` pages); the
+    HeadQueueCache (durable) or the transient messages (non-durable) get the rest.
+    ``queue_bytes`` None means the governor has not spoken yet: the read cache gets
+    ``read_cache_max_bytes`` and the rest ``default_bytes`` (the broker's
+    ``head_cache_bytes``). ``max_size_bytes`` > 0 caps it all (Artemis: beyond it, the
+    queue pages); <= 0 means no cap.
+    """
+    cap = max_size_bytes if max_size_bytes > 0 else None
+    if queue_bytes is None:
+        read, rest = read_cache_max_bytes, default_bytes
+        if cap is not None:
+            read = min(read, cap // 4)
+            rest = min(rest, cap - read)
+    else:
+        total = queue_bytes if cap is None else min(queue_bytes, cap)
+        read = min(read_cache_max_bytes, total // (4 if durable else 8))
+        rest = total - read
+    return QueueMemory(
+        read_cache_bytes=read,
+        head_cache_bytes=rest if durable else 0,
+        transient_bytes=0 if durable else rest,
     )
 
 

@@ -26,6 +26,7 @@ import pyarrow as pa
 
 from raymq.batch import EMPTY_DELIVERY, MessageBatch, check_sizes
 from raymq.config import BrokerConfig, QueueConfig
+from raymq.core.budget import QueueUsage, split_queue_bytes
 from raymq.core.dead_letter import MOVE_BATCH_MESSAGES, REASON_REJECTED, dead_letter_batch
 from raymq.core.head_cache import HeadQueueCache
 from raymq.core.supervisor import Supervisor
@@ -457,9 +458,12 @@ class QueueCore:
             self.head_cache.trim(undelivered)
             # Around the read cache: the HeadQueueCache keeps what it reads (no message
             # held twice, and bytes_in_memory + head_cache_bytes is a true sum).
-            self.head_cache.refill(
-                lambda a, b: self.log.read(a, b, cache=False), undelivered, self.log.next_offset
-            )
+            try:
+                self.head_cache.refill(
+                    lambda a, b: self.log.read(a, b, cache=False), undelivered, self.log.next_offset
+                )
+            except StorageError as exc:  # a cache fill is best effort; reads try again
+                log.warning("queue %r: HeadQueueCache refill: %s", self.name, exc)
         self._forget_damaged()
 
     # -- memory budget ---------------------------------------------------------------
@@ -472,34 +476,28 @@ class QueueCore:
         self.housekeeping()
 
     def _apply_memory_limits(self) -> None:
-        """Split the budget: the read cache gets at most a quarter (an eighth for a
-        non-durable queue), and at most
-        ``page_max_cache_size`` pages); the HeadQueueCache (durable) or the transient
-        messages (non-durable) get the rest. Without a budget yet, ``head_cache_bytes``
-        stands in. ``max_size_bytes`` caps it all (Artemis: beyond it, PAGE pages)."""
+        """Give the log's read cache, the HeadQueueCache (durable) or the transient
+        messages (non-durable) their parts of the budget, as ``split_queue_bytes``
+        divides it (bytes); before the governor speaks, ``head_cache_bytes`` stands in."""
         cfg = self.config
-        page_cache = max(cfg.page_max_cache_size, 1) * cfg.page_size_bytes
-        cap = cfg.max_size_bytes if cfg.max_size_bytes > 0 else None
-        if self.memory_budget is None:
-            read, rest = page_cache, self.broker.head_cache_bytes
-            if cap is not None:
-                read = min(read, cap // 4)
-                rest = min(rest, cap - read)
-        else:
-            total = self.memory_budget if cap is None else min(self.memory_budget, cap)
-            # A transient queue reads from files only what flowed: its messages in
-            # memory matter more than its read cache.
-            read = min(page_cache, total // (4 if cfg.durable else 8))
-            rest = total - read
-        self.log.set_read_cache_bytes(read)
+        memory = split_queue_bytes(
+            self.memory_budget,
+            durable=cfg.durable,
+            read_cache_max_bytes=max(cfg.page_max_cache_size, 1) * cfg.page_size_bytes,
+            max_size_bytes=cfg.max_size_bytes,
+            default_bytes=self.broker.head_cache_bytes,
+        )
+        self.log.set_read_cache_bytes(memory.read_cache_bytes)
         if cfg.durable:
-            self.head_cache.resize(rest)
+            self.head_cache.resize(memory.head_cache_bytes)
         else:
-            self.log.memory_limit = rest
+            self.log.memory_limit = memory.transient_bytes
 
-    def usage(self) -> dict:
-        """What the MemoryGovernor needs of this queue (bytes), and whether it is active
-        (consumers, or messages in, out or acked since the last call)."""
+    def usage(self, node_id: str = "") -> QueueUsage:
+        """What the MemoryGovernor needs of this queue (sizes in bytes), on ``node_id``
+        (the shell knows its node), with no consumers (the governor asks them itself).
+        It is active with consumers, or with messages in, out or acked since the last
+        call; ``transient_bytes`` is the most a non-durable queue held since then."""
         counters = (self._counters["in"], self._counters["out"], self._counters["acked"])
         active = bool(self.area.consumers) or counters != self._active_counters
         delivering = counters[1] != self._active_counters[1]
@@ -508,16 +506,17 @@ class QueueCore:
         if not self.config.durable:
             transient = max(self._peak_transient, self.log.bytes_queued)
             self._peak_transient = self.log.bytes_queued
-        return {
-            "transient_bytes": transient,
-            "name": self.name,
-            "size_bytes": self.log.bytes_queued,
-            "memory_bytes": self.head_cache.bytes + self.log.bytes_in_memory,
-            "index_bytes": self.log.index_bytes + self.area.index_bytes,
-            "active": active,
-            "delivering": delivering,
-            "max_size_bytes": self.config.max_size_bytes,
-        }
+        return QueueUsage(
+            name=self.name,
+            node_id=node_id,
+            size_bytes=self.log.bytes_queued,
+            memory_bytes=self.head_cache.bytes + self.log.bytes_in_memory,
+            index_bytes=self.log.index_bytes + self.area.index_bytes,
+            active=active,
+            delivering=delivering,
+            max_size_bytes=self.config.max_size_bytes,
+            transient_bytes=transient,
+        )
 
     def _wake_consumers(self) -> None:
         self._arrival.set()
@@ -565,7 +564,13 @@ class QueueCore:
             arrival = self._arrival
             offsets, counts = self.area.take(consumer_id, max_messages)
             if len(offsets):
-                batch = self._materialize(offsets, counts)
+                try:
+                    batch = self._materialize(offsets, counts)
+                except BaseException:
+                    # Unread, so not delivered: nobody may hold them (uncounted).
+                    self.area.release(consumer_id, offsets, count_delivery=False)
+                    self._wake_consumers()
+                    raise
                 self._forget_damaged()  # what could not be read is not held by anyone
                 self._counters["out"] += batch.num_rows
                 self._counters["bytes_out"] += batch.nbytes

@@ -24,6 +24,7 @@ its dead-letter queue (``raymq.core.dead_letter``).
 from __future__ import annotations
 
 import heapq
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -32,9 +33,11 @@ import numpy as np
 from raymq.batch import MessageBatch, PropertyGroups, stored_property_groups
 from raymq.core.dead_letter import REASON_MAX_DELIVERY_ATTEMPTS
 from raymq.core.offset_set import OffsetSet
-from raymq.errors import InvalidAck
+from raymq.errors import InvalidAck, StorageError
 from raymq.selector import HEADER_DELIVERY_COUNT, HEADER_OFFSET, HEADER_TIMESTAMP, Selector
 from raymq.storage import SegmentLog
+
+log = logging.getLogger("raymq.queue")
 
 #: Offsets a late consumer's scan examines per step before yielding (messages).
 SCAN_STEP_MESSAGES = 200_000
@@ -93,6 +96,9 @@ class TargetArea:
         self.max_delivery_attempts = max_delivery_attempts
         self.cursor = self.head()
         self._redeliver: list[int] = []  # heap of released offsets (shared cursor side)
+        #: Released offsets whose properties could not be read to offer them to the
+        #: selector consumers; offered again by ``housekeeping``.
+        self._unoffered: list[np.ndarray] = []
         self._previous: dict[int, int] = {}  # offset -> deliveries so far, when > 0
         self._holder: dict[int, str] = {}
         #: The highest offset ever taken (-1: none): no offset above it is held.
@@ -450,7 +456,15 @@ class TargetArea:
         targets = self.selective
         if not targets:
             return
-        for batch in self._properties_of(offsets):
+        try:
+            batches = self._properties_of(offsets)
+        except StorageError as exc:
+            # The release stands (it happened); the selectors see these once they can
+            # be read. Raising here would leave the caller's transition half done.
+            self._unoffered.append(offsets)
+            log.warning("queue %r: offering released messages to selectors: %s", self.queue, exc)
+            return
+        for batch in batches:
             groups = batch.property_groups()
             for t in targets:
                 t.candidates.add(self._match(t, batch, groups))
@@ -492,3 +506,9 @@ class TargetArea:
         head = self.head()
         for t in self.selective:
             t.candidates.discard_below(head)
+        if self._unoffered:
+            pending = np.unique(np.concatenate(self._unoffered))
+            self._unoffered = []
+            pending = pending[~self.log.is_acked(pending)]
+            if len(pending):
+                self._offer_to_selectors(pending)

@@ -9,15 +9,42 @@ watermark toward the high watermark, first from the PendingCache, then from the 
 When the high watermark drops, direct entries above it move to the PendingCache; what
 does not fit there is given back to the queue (as never received).
 
+``EagerLoader`` is that loader, given the fetch as a function: it retries failed fetches
+with backoff forever, and once a failure persists (``FailureStreak``) the consumer's
+``take`` raises it as a typed error naming the queue, until a fetch succeeds again.
+
 Plain Python, no Ray: references are opaque objects here.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import numpy as np
+
+from raymq.core.budget import ConsumerUsage
+from raymq.errors import BrokerUnavailable, ConsumerClosed, RayMQError
+
+log = logging.getLogger("raymq.consumer")
+
+#: Fetches that fail this many times in a row, for at least the patience of their kind
+#: (below), make the consumer's ``receive()`` raise the last error (fetches).
+PERSISTENT_FAILURES = 3
+#: Patience with a queue that answers fetches with an error of its own, such as a
+#: ``StorageError``, or whose actor is dead for good (seconds).
+QUEUE_ERROR_PATIENCE_SECONDS = 2.0
+#: Patience with a queue actor that is restarting or does not answer: as long as the
+#: client waits for a restarting actor (``raymq.client.RESTART_GRACE_SECONDS``) (seconds).
+RESTART_PATIENCE_SECONDS = 60.0
+#: First and longest wait before the loader fetches again after a failure (seconds).
+RETRY_BACKOFF_SECONDS = 0.25
+RETRY_BACKOFF_MAX_SECONDS = 2.0
 
 
 @dataclass
@@ -153,20 +180,21 @@ class TargetList:
         self.budget = (max(0, direct_bytes), max(0, pending_bytes))
         return self._apply_limits()
 
-    def usage(self) -> dict:
-        """What the MemoryGovernor needs of this consumer (bytes). It wants direct
-        references for ``high_watermark`` messages of the size seen so far, at most its
-        ``high_watermark_bytes``: asking for the cap alone would starve the
+    def usage(self, consumer_id: str) -> ConsumerUsage:
+        """What the MemoryGovernor needs of consumer ``consumer_id`` (bytes). It wants
+        direct references for ``high_watermark`` messages of the size seen so far, at
+        most its ``high_watermark_bytes``: asking for the cap alone would starve the
         HeadQueueCache of memory the consumer never fills."""
         want = self.max_high_watermark_bytes
         if self.message_bytes:
             want = min(want, int(self.high_watermark * self.message_bytes * 1.25) + 1)
-        return {
-            "direct_bytes": self.direct_bytes,
-            "pending_bytes": self.pending_bytes,
-            "want_direct_bytes": want,
-            "want_pending_bytes": self.max_pending_cache_bytes,
-        }
+        return ConsumerUsage(
+            consumer_id=consumer_id,
+            direct_bytes=self.direct_bytes,
+            pending_bytes=self.pending_bytes,
+            want_direct_bytes=want,
+            want_pending_bytes=self.max_pending_cache_bytes,
+        )
 
     def _apply_limits(self) -> np.ndarray:
         """Set effective byte limits from settings and budget, evicting above them."""
@@ -206,3 +234,209 @@ class TargetList:
             "pending_cache_misses": self.pending_misses,
             "handed_out": self.handed_out,
         }
+
+
+# -- the eager loader ------------------------------------------------------------------
+
+
+class FetchFailed(Exception):
+    """A fetch of the eager loader failed.
+
+    ``error`` is the typed error, naming the queue, that ``take`` raises once failures
+    persist; ``restarting`` says the queue actor is restarting or silent, which is given
+    ``RESTART_PATIENCE_SECONDS`` to come back (else ``QUEUE_ERROR_PATIENCE_SECONDS``).
+    """
+
+    def __init__(self, error: RayMQError, *, restarting: bool = False):
+        super().__init__(str(error))
+        self.error = error
+        self.restarting = restarting
+
+
+@dataclass(frozen=True)
+class LoaderStats:
+    """The loader's failures: ``failures`` in a row now (fetches), ``failures_total``
+    since start, ``failing_seconds`` since the first of the row, the ``last_error``
+    (``""`` when the last fetch succeeded) and whether it is ``persistent`` (``take``
+    raises it)."""
+
+    failures: int
+    failures_total: int
+    failing_seconds: float
+    last_error: str
+    persistent: bool
+
+
+class FailureStreak:
+    """Consecutive failed fetches, and when they persist: at least
+    ``PERSISTENT_FAILURES`` in a row, the first at least the patience of the last one's
+    kind ago. One failure then a success never persists. ``clock`` gives seconds."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self._clock = clock
+        self.count = 0
+        self.total = 0
+        self.since = 0.0  # clock at the first failure of the row
+        self.error: RayMQError | None = None
+        self.patience = QUEUE_ERROR_PATIENCE_SECONDS
+
+    def failed(self, failure: FetchFailed) -> float:
+        """Count ``failure``; returns the seconds to wait before fetching again
+        (doubling from ``RETRY_BACKOFF_SECONDS`` up to ``RETRY_BACKOFF_MAX_SECONDS``)."""
+        if self.count == 0:
+            self.since = self._clock()
+        self.count += 1
+        self.total += 1
+        self.error = failure.error
+        restarting = failure.restarting
+        self.patience = RESTART_PATIENCE_SECONDS if restarting else QUEUE_ERROR_PATIENCE_SECONDS
+        return min(RETRY_BACKOFF_SECONDS * 2 ** min(self.count - 1, 16), RETRY_BACKOFF_MAX_SECONDS)
+
+    def succeeded(self) -> None:
+        """A fetch succeeded: the row is over."""
+        self.count = 0
+        self.error = None
+
+    def persistent(self) -> RayMQError | None:
+        """The last error if the failures persist now, else None."""
+        if self.count < PERSISTENT_FAILURES or self._clock() - self.since < self.patience:
+            return None
+        return self.error
+
+    def stats(self) -> LoaderStats:
+        """A snapshot of the failures."""
+        return LoaderStats(
+            failures=self.count,
+            failures_total=self.total,
+            failing_seconds=self._clock() - self.since if self.count else 0.0,
+            last_error="" if self.error is None else f"{type(self.error).__name__}: {self.error}",
+            persistent=self.persistent() is not None,
+        )
+
+
+#: ``fetch(room)``: up to ``room`` messages from the queue as a ``DirectEntry`` (None,
+#: or no offsets, when none came within its poll).
+Fetch = Callable[[int], Awaitable[DirectEntry | None]]
+
+
+class EagerLoader:
+    """Keeps a TargetList filled toward its high watermark and hands out what it holds.
+
+    ``fetch`` raises ``ConsumerClosed`` when the queue closed this consumer (loading
+    ends; ``take`` raises it once nothing is buffered), ``FetchFailed`` or another
+    ``RayMQError`` when it failed. Failures are retried with backoff forever; while they
+    persist (``FailureStreak``), ``take`` raises the last one whenever nothing is
+    buffered, and once a fetch succeeds it hands out messages again. Any other exception
+    is a bug: it is counted as a failure and raised, for the task's supervisor to log
+    and restart ``run``.
+
+    Interleaving: ``run`` (one task) and any number of ``take`` calls interleave at their
+    awaits; each state change between two awaits is one synchronous step. ``clock`` and
+    ``sleep`` (seconds) are injectable for tests.
+    """
+
+    def __init__(
+        self,
+        targets: TargetList,
+        fetch: Fetch,
+        *,
+        queue: str,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ):
+        self.targets = targets
+        self.queue = queue
+        self._fetch = fetch
+        self._sleep = sleep
+        self.failures = FailureStreak(clock)
+        #: Set when the queue closed this consumer: loading is over.
+        self.refused: ConsumerClosed | None = None
+        self.closed = False
+        self._filled = asyncio.Event()  # something to hand out, or an error to raise
+        self._space = asyncio.Event()  # room below the high watermark again
+
+    def error(self) -> RayMQError | None:
+        """What ``take`` raises when it has nothing to hand out, if anything."""
+        return self.refused or self.failures.persistent()
+
+    async def run(self) -> None:
+        """Raise the watermark toward the high watermark until closed or refused."""
+        while not self.closed and self.refused is None:
+            room = self.targets.room()
+            if room <= 0:
+                self._space.clear()
+                await self._space.wait()
+                continue
+            if self.targets.load_from_pending():
+                self._filled.set()
+                continue
+            try:
+                entry = await self._fetch(room)
+            except ConsumerClosed as exc:
+                self.refused = exc  # the queue closed us: take() says so
+                self._filled.set()
+                return
+            except FetchFailed as exc:
+                await self._sleep(self._failed(exc))
+                continue
+            except RayMQError as exc:
+                await self._sleep(self._failed(FetchFailed(exc)))
+                continue
+            except Exception as exc:
+                error = BrokerUnavailable(
+                    f"queue {self.queue!r}: the consumer's loader failed: {exc!r}"
+                )
+                self._failed(FetchFailed(error))
+                raise  # a bug: the supervisor logs it and runs us again after a backoff
+            if self.failures.count:
+                log.info("queue %r: fetches work again", self.queue)
+            self.failures.succeeded()
+            if entry is not None and len(entry.offsets):
+                self.targets.loaded(entry)
+                self._filled.set()
+
+    def _failed(self, failure: FetchFailed) -> float:
+        """Count a failure, wake waiting takes if it now persists; returns the backoff."""
+        was_persistent = self.failures.persistent() is not None
+        backoff = self.failures.failed(failure)
+        if self.failures.persistent() is not None:
+            self._filled.set()  # takes waiting for messages raise the error now
+            if not was_persistent:
+                log.error(
+                    "queue %r: fetches failed %d times in %.1f s, receive() raises: %s",
+                    self.queue,
+                    self.failures.count,
+                    self.failures.stats().failing_seconds,
+                    failure.error,
+                )
+        elif self.failures.count == 1:
+            log.warning("queue %r: fetch failed (retrying): %s", self.queue, failure.error)
+        return backoff
+
+    async def take(self, max_messages: int, timeout: float) -> list[tuple[object, int, int]]:
+        """Up to ``max_messages`` as (reference, first row, rows), waiting up to
+        ``timeout`` seconds for the first. With nothing to hand out, raises the queue's
+        ``ConsumerClosed`` or a persistent fetch error (``FailureStreak``)."""
+        if not self.targets.direct:
+            self.targets.load_from_pending()  # buffered here: hand it out before any error
+        if not self.targets.direct and self.error() is None:
+            self._filled.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._filled.wait(), max(timeout, 0.0))
+        out = self.targets.take(max_messages)
+        if out:
+            self._space.set()
+            return out
+        error = self.error()
+        if error is not None:
+            raise error.with_traceback(None)  # raised again and again: no growing traceback
+        return out
+
+    def wake(self) -> None:
+        """The high watermark or the budget changed: look for room again."""
+        self._space.set()
+
+    def close(self) -> None:
+        """Load nothing more (the owner cancels the ``run`` task)."""
+        self.closed = True
+        self._space.set()

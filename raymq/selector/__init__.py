@@ -75,11 +75,27 @@ class Selector:
     ) -> np.ndarray:
         """``match`` over messages whose encoded properties are ``distinct[index[i]]``:
         a selector on properties alone is evaluated once per distinct encoding."""
-        decoded = [decode_properties(b) for b in distinct]
+        decoded = [_decoded_or_none(b) for b in distinct]
+        unreadable = np.array([d is None for d in decoded], dtype=np.bool_)
+        if unreadable.any():
+            decoded = [{} if d is None else d for d in decoded]
         if self.uses_headers:  # headers differ per message
-            return self.match([decoded[i] for i in index.tolist()], headers)
-        mask = self.match(decoded)
+            mask = self.match([decoded[i] for i in index.tolist()], headers)
+            return mask & ~unreadable[index] if len(index) else mask
+        mask = self.match(decoded) & ~unreadable
         return mask[index] if len(index) else np.zeros(0, dtype=np.bool_)
+
+
+def _decoded_or_none(blob: bytes) -> dict | None:
+    """The properties map, or None if the bytes are not one: properties read for
+    matching are not checksummed (delivery checks the whole record), so rot can reach
+    here; such a message matches nothing, and the read that delivers it, or the scrub,
+    finds the damage."""
+    try:
+        props = decode_properties(blob)
+    except Exception:
+        return None
+    return props if isinstance(props, dict) else None
 
 
 __all__ = [

@@ -1,0 +1,4 @@
+"""The seeded fault simulator: a queue core under random load on a disk that crashes,
+rots, fills up and fails (``raymq.sim.disk``), with invariants checked at every step
+(``raymq.sim.run``). ``python -m raymq.sim --seeds N`` runs seeds 0..N-1; a failing
+seed prints the one command that replays it. Never imports Ray."""

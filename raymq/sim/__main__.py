@@ -1,0 +1,76 @@
+"""``python -m raymq.sim``: run seeds of the fault simulator, print what they found.
+
+python -m raymq.sim --seeds 1000          # seeds 0..999, on every core
+python -m raymq.sim --seed 42 -v          # replay one seed, step by step
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import sys
+import time
+import traceback
+
+from raymq.sim.run import Violation, repro_command, run_seed
+
+
+def _one(args: tuple[int, int]) -> tuple[int, dict | None, str]:
+    seed, steps = args
+    try:
+        return seed, run_seed(seed, steps), ""
+    except Violation as exc:
+        return seed, None, str(exc)
+    except Exception:  # a crash of the simulated queue is a finding too
+        return seed, None, traceback.format_exc()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the seeds asked for; exit status 1 if any broke an invariant."""
+    parser = argparse.ArgumentParser(prog="python -m raymq.sim", description=__doc__.split("\n")[0])
+    parser.add_argument("--seeds", type=int, default=100, help="run seeds FIRST..FIRST+N-1")
+    parser.add_argument("--first", type=int, default=0, help="the first seed")
+    parser.add_argument("--seed", type=int, help="run only this seed")
+    parser.add_argument("--steps", type=int, default=300, help="operations per seed")
+    parser.add_argument("--jobs", type=int, default=multiprocessing.cpu_count())
+    parser.add_argument("-v", "--verbose", action="store_true", help="print every step")
+    args = parser.parse_args(argv)
+    if args.seed is not None:
+        try:
+            summary = run_seed(args.seed, args.steps, verbose=args.verbose)
+        except Violation as exc:
+            print(f"VIOLATION {exc}")
+            return 1
+        print(f"seed {args.seed}: ok {summary}")
+        return 0
+    seeds = range(args.first, args.first + args.seeds)
+    started = time.monotonic()
+    failed: list[int] = []
+    totals: dict[str, int] = {}
+    with multiprocessing.Pool(args.jobs) as pool:
+        for done, (seed, summary, error) in enumerate(
+            pool.imap_unordered(_one, [(s, args.steps) for s in seeds]), 1
+        ):
+            if summary is None:
+                failed.append(seed)
+                print(f"seed {seed} FAILED: {error}")
+                print(f"  reproduce: {repro_command(seed, args.steps)}")
+            else:
+                for k, v in summary.items():
+                    totals[k] = totals.get(k, 0) + v
+            if done % 100 == 0 or done == len(seeds):
+                print(
+                    f"{done}/{len(seeds)} seeds, {len(failed)} failed, "
+                    f"{time.monotonic() - started:.0f} s",
+                    flush=True,
+                )
+    print("totals:", ", ".join(f"{k}={v:,}" for k, v in sorted(totals.items())))
+    if failed:
+        print(f"{len(failed)} of {len(seeds)} seeds broke an invariant: {sorted(failed)[:20]}")
+        return 1
+    print(f"all {len(seeds)} seeds held every invariant")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,593 @@
+"""One seeded run of the fault simulator: a queue core driven by random producers,
+consumers, acks, nacks, restarts and crashes, on a ``SimDisk`` that drops unsynced
+data at a crash after any system call, flips bits, fails calls with ENOSPC or EIO, and
+fills up. Invariants are checked after every step and at every quiet point.
+
+The invariants (a broken one raises ``Violation`` with the step and what was seen):
+
+* Nothing is served that was not sent, byte for byte (body, properties and offset),
+  and nothing whose send raised.
+* Offsets are never reused: an offset once served or acknowledged to a producer names
+  that message for ever, whatever was damaged or crashed since.
+* No message is held by two consumers at once.
+* At every quiet point (consumers gone, faults healed), nothing is in flight, and a
+  fresh consumer receives every message acknowledged to its producer and not yet
+  acknowledged by a consumer, except at most the number of messages the queue counted
+  as damaged; without bit flips, nothing is counted as damaged. Sends and acks work.
+* A message whose ack returned is not delivered again (unless bits were flipped).
+* Every call returns or raises within ``CALL_BOUND`` seconds, and raises only typed
+  errors from ``raymq.errors``.
+
+What a call observes after the crash point (the syscall after which the crash image
+was taken) happened in a timeline the crash erased: its outcome is "in doubt" (a send
+may or may not be stored, an ack may or may not be durable), never an invariant.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import random
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+
+import msgpack
+import numpy as np
+
+from raymq.batch import MessageBatch
+from raymq.config import BrokerConfig, QueueConfig
+from raymq.core import queue as queue_module
+from raymq.core.queue import QueueCore
+from raymq.errors import RayMQError, StorageError
+from raymq.sim.disk import SimDisk
+
+#: Seconds any one call may take before the run calls it a wedge.
+CALL_BOUND = 20.0
+QUEUE = "simq"
+COLORS = ("red", "green", "blue")
+
+
+class Violation(AssertionError):
+    """An invariant did not hold."""
+
+
+@dataclass
+class Message:
+    """What the simulator knows of one message it sent."""
+
+    index: int
+    body: bytes
+    properties: bytes
+    #: "sending", "stored" (acknowledged to its producer), "failed" (its send raised),
+    #: "doubt" (the outcome came after a crash point).
+    state: str = "sending"
+    offset: int | None = None
+    #: Its ack returned (durably acked); "doubt" if the ack's outcome is not known.
+    acked: str = ""
+
+
+@dataclass
+class SimConsumer:
+    cid: str
+    prefetch: int
+    selector: str | None
+    held: set[int] = field(default_factory=set)
+
+
+@dataclass
+class Settings:
+    """What a seed chose for its run."""
+
+    page_size_bytes: int
+    checkpoint_interval: float
+    fail_rate: float
+    flips: bool
+    crashes: bool
+    max_body: int
+
+    @classmethod
+    def draw(cls, rng: random.Random) -> Settings:
+        return cls(
+            page_size_bytes=rng.choice([4096, 8192, 32768]),
+            checkpoint_interval=rng.choice([0.001, 0.001, 3600.0]),
+            fail_rate=rng.choice([0.0, 0.0, 0.002, 0.01, 0.03]),
+            flips=rng.random() < 0.35,
+            crashes=rng.random() < 0.8,
+            max_body=rng.choice([64, 600, 3000]),
+        )
+
+
+class Simulation:
+    """One run: ``Simulation(seed).run()`` returns a summary or raises ``Violation``."""
+
+    def __init__(self, seed: int, steps: int = 300, root: str | None = None, verbose: bool = False):
+        self.seed = seed
+        self.steps = steps
+        self.rng = random.Random(seed)
+        self.settings = Settings.draw(self.rng)
+        self.verbose = verbose
+        self._own_root = root is None
+        # In memory where there is a tmpfs: the disk's behaviour is simulated anyway.
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+        self.root = root or tempfile.mkdtemp(prefix=f"raymq-sim-{seed}-", dir=shm)
+        self.disk = SimDisk(self.root, self.rng)
+        self.messages: list[Message] = []
+        self.by_offset: dict[int, int] = {}  # offset -> message index, for ever
+        self.consumers: dict[str, SimConsumer] = {}
+        self.background: list[asyncio.Task] = []
+        self.core: QueueCore | None = None
+        self.step = 0
+        self.cids = 0
+        self.damage_allowed = 0  # messages the queue counted as damaged, all incarnations
+        self.flipped: list[str] = []
+        self.trace: list[str] = []
+        self.clock = SimClock()
+        self.counts = {"crashes": 0, "restarts": 0, "quiet_points": 0, "served": 0}
+
+    # -- running ------------------------------------------------------------------------
+
+    def run(self) -> dict:
+        """Run every step and the final checks; the summary of what happened."""
+        quiet = logging.getLogger("raymq")
+        level = quiet.level
+        if not self.verbose:
+            quiet.setLevel(logging.CRITICAL)
+        to_thread, clock = asyncio.to_thread, queue_module.time
+        # The queue hands big writes and unlinks to threads; here they run inline, and
+        # its clock is the simulator's (a step is 10 ms), so that a seed replays exactly.
+        asyncio.to_thread = _inline
+        queue_module.time = self.clock
+        try:
+            with self.disk.installed():
+                asyncio.run(self._run())
+        except Violation as exc:
+            raise Violation(f"seed {self.seed}, step {self.step}: {exc}") from None
+        finally:
+            asyncio.to_thread, queue_module.time = to_thread, clock
+            quiet.setLevel(level)
+            if self._own_root:
+                shutil.rmtree(self.root, ignore_errors=True)
+        return {
+            **self.counts,
+            "messages": len(self.messages),
+            "stored": sum(m.state == "stored" for m in self.messages),
+            "injected_errors": len(self.disk.injected),
+            "flips": len(self.flipped),
+            "damaged": self.damage_allowed,
+        }
+
+    async def _run(self) -> None:
+        self._open()
+        ops = [
+            (self._op_send, 30),
+            (self._op_open_consumer, 6),
+            (self._op_fetch, 30),
+            (self._op_ack, 20),
+            (self._op_nack, 5),
+            (self._op_give_back, 2),
+            (self._op_close_consumer, 5),
+            (self._op_housekeeping, 4),
+            (self._op_faults, 3),
+            (self._op_restart, 1),
+            (self._op_crash, 3 if self.settings.crashes else 0),
+            (self._op_flip, 2 if self.settings.flips else 0),
+        ]
+        funcs, weights = zip(*ops, strict=True)
+        for step in range(self.steps):
+            self.step = step
+            self.clock.now += 0.01
+            op = self.rng.choices(funcs, weights)[0]
+            self._note(op.__name__[4:])
+            await self._bounded(op(), op.__name__)
+            if self.disk.image is not None:
+                await self._crash()
+            self._check_holds()
+            if self.step % 100 == 99:
+                await self._quiet_point()
+        await self._quiet_point()
+        await self._close()
+
+    def _note(self, what: str) -> None:
+        self.trace.append(f"{self.step}: {what}")
+        if self.verbose:
+            print(f"step {self.step}: {what}")
+
+    async def _bounded(self, awaitable, what: str):
+        try:
+            return await asyncio.wait_for(awaitable, CALL_BOUND)
+        except asyncio.TimeoutError:
+            raise Violation(f"{what} did not return within {CALL_BOUND} s (a wedge)") from None
+
+    def _open(self) -> None:
+        s = self.settings
+        broker = BrokerConfig(
+            paging_directory=self.root,
+            checkpoint_interval=s.checkpoint_interval,
+            max_message_size=1 << 20,
+        )
+        config = QueueConfig(QUEUE, page_size_bytes=s.page_size_bytes, page_max_cache_size=2)
+        while True:
+            try:
+                core = QueueCore(config, broker)
+                break
+            except RayMQError as exc:  # an injected error while opening: try again
+                self._note(f"open failed: {exc}")
+                if self.disk.image is not None:
+                    self._restore()
+        if self.disk.image is not None:  # the crash point came while opening
+            self.core = core
+            return
+        recovery = core.recovery
+        if (recovery.damaged or recovery.kept_aside) and not self.flipped:
+            raise Violation(f"recovery found damage with no bit flipped: {recovery.damage}")
+        self.damage_allowed += recovery.damaged
+        self._counted = core.log.damaged_messages  # recovery.damaged of it is added
+        # Housekeeping runs when the simulator says, not on the wall clock: a seed replays.
+        core._tick_loop = _forever
+        core.start()
+        self.core = core
+        self._check_offsets_not_reused()
+        self.consumers.clear()
+
+    def _restore(self) -> None:
+        image = self.disk.image
+        self.disk.fail_rate = 0.0
+        self.disk.full = False
+        self.disk.restore(image)
+        self.counts["crashes"] += 1
+        for note in image.notes:
+            self._note(f"  crash image: {note}")
+
+    async def _stop_core(self) -> None:
+        """Cancel everything that runs against the current core."""
+        for task in self.background:
+            task.cancel()
+        for task in self.background:
+            with contextlib.suppress(BaseException):
+                await task
+        self.background.clear()
+        core = self.core
+        if core is not None:
+            self._count_damage(core)
+            await core._tasks.cancel_all()
+
+    def _count_damage(self, core: QueueCore) -> None:
+        """Add what ``core`` counted as damaged since the last call."""
+        found = core.log.damaged_messages
+        if found > self._counted:
+            self.damage_allowed += found - self._counted
+            self._counted = found
+
+    async def _crash(self) -> None:
+        self._note("crash")
+        await self._stop_core()
+        self._restore()
+        for m in self.messages:
+            if m.state == "sending":
+                m.state = "doubt"
+        self._open()
+        while self.disk.image is not None:  # crashed again while recovering
+            self._restore()
+            self._open()
+
+    async def _close(self) -> None:
+        await self._stop_core()
+        if self.core is not None:
+            self.core.log.close()
+
+    # -- operations ---------------------------------------------------------------------
+
+    def _new_message(self) -> Message:
+        rng = self.rng
+        n = len(self.messages)
+        size = rng.randrange(self.settings.max_body + 1)
+        body = f"{n}|".encode() + rng.randbytes(size)
+        props = {"color": rng.choice(COLORS), "n": n} if rng.random() < 0.7 else None
+        m = Message(n, body, msgpack.packb(props) if props else b"")
+        self.messages.append(m)
+        return m
+
+    async def _send(self, count: int) -> None:
+        msgs = [self._new_message() for _ in range(count)]
+        props = [msgpack.unpackb(m.properties) if m.properties else None for m in msgs]
+        batch = MessageBatch.from_bodies(
+            [m.body for m in msgs], props, max_message_size=1 << 20, queue=QUEUE
+        )
+        try:
+            first, stored = await self.core.send_batch(batch)
+        except RayMQError as exc:
+            state = "doubt" if self.disk.image is not None else "failed"
+            for m in msgs:
+                m.state = state
+            self._note(f"  send of {count} raised {type(exc).__name__}: {exc}")
+            return
+        if self.disk.image is not None:
+            for m in msgs:
+                m.state = "doubt"
+            return
+        if stored != count:
+            raise Violation(f"a PAGE queue stored {stored} of {count}")
+        for i, m in enumerate(msgs):
+            self._record_offset(m, first + i, "stored")
+            m.state = "stored"
+
+    def _record_offset(self, m: Message, offset: int, how: str) -> None:
+        index = m.index
+        if m.offset is not None:
+            if m.offset != offset:
+                raise Violation(f"message {m.body[:12]!r} at offset {offset}, was at {m.offset}")
+            return
+        owner = self.by_offset.get(offset)
+        if owner is not None and owner != index:
+            raise Violation(f"offset {offset} reused: was message {owner}, now {index} ({how})")
+        m.offset = offset
+        self.by_offset[offset] = index
+
+    async def _op_send(self) -> None:
+        rng = self.rng
+        sizes = [rng.choice([1, 1, 3, 10, 40, 200]) for _ in range(rng.randint(1, 4))]
+        await asyncio.gather(*(self._send(n) for n in sizes))
+
+    async def _op_open_consumer(self) -> None:
+        self.cids += 1
+        selector = "color = 'red'" if self.rng.random() < 0.3 else None
+        c = SimConsumer(f"c{self.cids}", self.rng.choice([1, 5, 20, 100]), selector)
+        self.core.register_consumer(c.cid, c.prefetch, c.selector)
+        self.consumers[c.cid] = c
+
+    def _pick_consumer(self, holding: bool = False) -> SimConsumer | None:
+        options = [c for c in self.consumers.values() if c.held or not holding]
+        return self.rng.choice(options) if options else None
+
+    async def _op_fetch(self) -> None:
+        c = self._pick_consumer()
+        if c is None:
+            return await self._op_open_consumer()
+        try:
+            rows = await self.core.fetch(
+                c.cid, self.rng.choice([1, 10, 60]), 0.0, c.prefetch, c.selector
+            )
+        except StorageError as exc:
+            self._note(f"  fetch raised {exc}")
+            return
+        self._check_delivery(c, rows)
+
+    def _check_delivery(self, c: SimConsumer, rows) -> None:
+        offsets = rows.column("offset").to_pylist()
+        bodies = rows.column("body").to_pylist()
+        props = rows.column("properties").to_pylist()
+        after_crash = self.disk.image is not None
+        for offset, body, prop in zip(offsets, bodies, props, strict=True):
+            m = self._message_of(body)
+            if m is None or m.body != body or m.properties != prop:
+                raise Violation(f"served offset {offset} was never sent: {body[:40]!r}")
+            if m.state == "failed":
+                raise Violation(f"served offset {offset}, whose send raised")
+            if c.selector and msgpack.unpackb(prop or b"\x80").get("color") != "red":
+                raise Violation(f"selector consumer {c.cid} got offset {offset}: {prop!r}")
+            if m.acked == "yes" and not self.flipped:
+                raise Violation(f"offset {offset} delivered again after its ack returned")
+            if after_crash:
+                continue
+            self._record_offset(m, offset, "served")
+            for other in self.consumers.values():
+                if offset in other.held:
+                    raise Violation(f"offset {offset} held by {other.cid} given to {c.cid}")
+            c.held.add(offset)
+            self.counts["served"] += 1
+        target = self.core.area.consumers.get(c.cid)
+        if not after_crash and target is not None and len(target.held) > c.prefetch:
+            raise Violation(f"{c.cid} holds {len(target.held)} > prefetch {c.prefetch}")
+
+    def _message_of(self, body: bytes) -> Message | None:
+        head, sep, _ = body.partition(b"|")
+        if not sep or not head.isdigit() or int(head) >= len(self.messages):
+            return None
+        return self.messages[int(head)]
+
+    def _take_some(self, c: SimConsumer) -> list[int]:
+        held = sorted(c.held)
+        picked = sorted(self.rng.sample(held, self.rng.randint(1, len(held))))
+        c.held.difference_update(picked)
+        return picked
+
+    async def _op_ack(self) -> None:
+        c = self._pick_consumer(holding=True)
+        if c is None:
+            return await self._op_fetch()
+        picked = self._take_some(c)
+        if self.rng.random() < 0.5:
+            await self._ack(c, picked)
+        else:  # pipelined: the consumer goes on before the ack returns
+            self.background.append(asyncio.create_task(self._ack(c, picked)))
+
+    async def _ack(self, c: SimConsumer, offsets: list[int]) -> None:
+        msgs = [self.messages[self.by_offset[o]] for o in offsets]
+        for m in msgs:
+            m.acked = m.acked or "doubt"
+        try:
+            await self.core.ack(c.cid, np.array(offsets, dtype=np.int64))
+        except StorageError as exc:
+            self._note(f"  ack raised {exc}")
+            return
+        if self.disk.image is None:
+            for m in msgs:
+                m.acked = "yes"
+
+    async def _op_nack(self) -> None:
+        c = self._pick_consumer(holding=True)
+        if c is not None:
+            self.core.nack(c.cid, np.array(self._take_some(c), dtype=np.int64))
+
+    async def _op_give_back(self) -> None:
+        c = self._pick_consumer(holding=True)
+        if c is not None:
+            self.core.give_back(c.cid, np.array(self._take_some(c), dtype=np.int64))
+
+    async def _op_close_consumer(self) -> None:
+        c = self._pick_consumer()
+        if c is None:
+            return
+        not_received = None
+        if c.held and self.rng.random() < 0.5:
+            not_received = np.array(self._take_some(c), dtype=np.int64)
+        self.core.close_consumer(c.cid, not_received)  # or its death: the same call
+        del self.consumers[c.cid]
+
+    async def _op_housekeeping(self) -> None:
+        core = self.core
+        core.set_budget(self.rng.choice([0, 4096, 1 << 16, 1 << 22]))
+        core.housekeeping()
+        core._scrub(1.0)
+
+    async def _op_faults(self) -> None:
+        disk = self.disk
+        choice = self.rng.random()
+        if choice < 0.4:
+            disk.fail_rate = self.settings.fail_rate if not disk.fail_rate else 0.0
+        elif choice < 0.7:
+            disk.full = not disk.full
+        else:
+            disk.fail_rate, disk.full = 0.0, False
+        self._note(f"  fail_rate={disk.fail_rate} full={disk.full}")
+
+    async def _op_restart(self) -> None:
+        for task in self.background:  # a clean stop: what is under way ends first
+            with contextlib.suppress(RayMQError):
+                await task
+        self.background.clear()
+        self._count_damage(self.core)
+        with contextlib.suppress(StorageError):
+            await self.core.close()
+        if self.disk.image is None:
+            self.counts["restarts"] += 1
+            self.core.log.close()
+            self._open()
+
+    async def _op_crash(self) -> None:
+        if self.disk.crash_after is None:
+            self.disk.crash_after = self.rng.randrange(1, 80)
+
+    async def _op_flip(self) -> None:
+        where = self.disk.flip()
+        if where:
+            self.flipped.append(where)
+            self._note(f"  flipped a bit of {where}")
+
+    # -- checks -------------------------------------------------------------------------
+
+    def _check_holds(self) -> None:
+        area = self.core.area
+        for c in self.consumers.values():
+            target = area.consumers.get(c.cid)
+            held = set() if target is None else set(target.held)
+            # The queue may have released what was found damaged; never more than that.
+            if not held <= c.held:
+                raise Violation(f"{c.cid} is held {sorted(held - c.held)[:5]} it never got")
+
+    def _check_offsets_not_reused(self) -> None:
+        top = max(self.by_offset, default=-1)
+        if self.core.log.next_offset <= top:
+            raise Violation(
+                f"after recovery next_offset={self.core.log.next_offset} but offset {top}"
+                " was given before"
+            )
+
+    async def _quiet_point(self) -> None:
+        """Heal, let everything under way end, close every consumer; then nothing may
+        be in flight and a fresh consumer must get every outstanding message."""
+        self._note("quiet point")
+        self.counts["quiet_points"] += 1
+        disk = self.disk
+        disk.fail_rate, disk.full = 0.0, False
+        for task in self.background:
+            with contextlib.suppress(StorageError):
+                await self._bounded(task, "a pipelined ack")
+        self.background.clear()
+        if disk.image is not None:
+            await self._crash()
+        disk.crash_after = None
+        for c in list(self.consumers.values()):
+            self.core.close_consumer(c.cid)
+        self.consumers.clear()
+        self.core.housekeeping()
+        stats = self.core.stats()
+        if stats.in_flight:
+            raise Violation(f"{stats.in_flight} messages in flight with no consumer")
+        # Sends work again by themselves once the disk is healthy.
+        await self._bounded(self._send(1), "a send after healing")
+        if self.messages[-1].state != "stored":
+            raise Violation("a send failed after the disk was healed")
+        drained = await self._drain()
+        self._count_damage(self.core)
+        outstanding = [
+            i
+            for i, m in enumerate(self.messages)
+            if m.state == "stored" and not m.acked and i not in drained
+        ]
+        if len(outstanding) > self.damage_allowed:
+            sample = [(i, self.messages[i].offset) for i in outstanding[:5]]
+            raise Violation(
+                f"{len(outstanding)} stored messages never delivered again (damaged: "
+                f"{self.damage_allowed}); (message, offset): {sample}"
+            )
+        if self.damage_allowed and not self.flipped:
+            raise Violation(f"{self.damage_allowed} messages counted damaged, no bit flipped")
+
+    async def _drain(self) -> set[int]:
+        self.cids += 1
+        c = SimConsumer(f"drain{self.cids}", 1000, None)
+        self.core.register_consumer(c.cid, c.prefetch, None)
+        self.consumers[c.cid] = c
+        got: set[int] = set()
+        while True:
+            rows = await self._bounded(self.core.fetch(c.cid, 1000, 0.0, 1000), "drain fetch")
+            if not rows.num_rows:
+                break
+            self._check_delivery(c, rows)
+            for body in rows.column("body").to_pylist():
+                got.add(int(body.partition(b"|")[0]))
+            picked = sorted(c.held)
+            c.held.clear()
+            await self._bounded(self._ack(c, picked), "drain ack")
+            if any(self.messages[self.by_offset[o]].acked != "yes" for o in picked):
+                raise Violation("an ack failed after the disk was healed")
+        self.core.close_consumer(c.cid)
+        del self.consumers[c.cid]
+        if self.core.log.depth:
+            raise Violation(f"drained, yet depth is {self.core.log.depth}")
+        return got
+
+
+class SimClock:
+    """Stands in for the ``time`` module in the queue core: seconds move with steps."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def time(self) -> float:
+        return 1_700_000_000.0 + self.now
+
+
+async def _inline(func, /, *args, **kwargs):
+    return func(*args, **kwargs)
+
+
+async def _forever() -> None:
+    await asyncio.Event().wait()
+
+
+def run_seed(seed: int, steps: int = 300, verbose: bool = False) -> dict:
+    """Run one seed in a temporary directory; raises ``Violation`` with the seed."""
+    return Simulation(seed, steps, verbose=verbose).run()
+
+
+def repro_command(seed: int, steps: int) -> str:
+    """The command that replays ``seed``."""
+    return f"{os.path.basename(os.sys.executable)} -m raymq.sim --seed {seed} --steps {steps} -v"
