@@ -7,6 +7,8 @@ from __future__ import annotations
 import functools
 import os
 import random
+import subprocess
+import sys
 import types
 
 import pytest
@@ -90,3 +92,25 @@ def test_a_name_never_synced_in_its_directory_may_vanish(tmp_path):
         images = [disk.crash_image() for _ in range(40)]
         os.close(fd)
     assert {("new" in img.files) for img in images} == {True, False}
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_make_fuzz_and_the_replay_command_run_as_the_readme_says():
+    fuzz = subprocess.run(
+        ["make", "-s", "fuzz", "SEEDS=2", "FIRST=40"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert fuzz.returncode == 0, fuzz.stdout[-2000:] + fuzz.stderr[-2000:]
+    assert "all 2 seeds held every invariant" in fuzz.stdout
+    replay = repro_command(41, 60).split()
+    assert replay[1:3] == ["-m", "raymq.sim"]
+    one = subprocess.run(
+        [sys.executable, *replay[1:]], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+    assert one.returncode == 0, one.stdout[-2000:] + one.stderr[-2000:]
+    assert "seed 41: ok" in one.stdout and "step 59:" in one.stdout

@@ -123,6 +123,7 @@ class Simulation:
         self.cids = 0
         self.damage_allowed = 0  # messages the queue counted as damaged, all incarnations
         self.flipped: list[str] = []
+        self.holes = False  # a crash image had unsynced pages zeroed
         self.trace: list[str] = []
         self.clock = SimClock()
         self.counts = {"crashes": 0, "restarts": 0, "quiet_points": 0, "served": 0}
@@ -221,7 +222,7 @@ class Simulation:
             self.core = core
             return
         recovery = core.recovery
-        if (recovery.damaged or recovery.kept_aside) and not self.flipped:
+        if (recovery.damaged or recovery.kept_aside) and not (self.flipped or self.holes):
             raise Violation(f"recovery found damage with no bit flipped: {recovery.damage}")
         self.damage_allowed += recovery.damaged
         self._counted = core.log.damaged_messages  # recovery.damaged of it is added
@@ -240,6 +241,9 @@ class Simulation:
         self.counts["crashes"] += 1
         for note in image.notes:
             self._note(f"  crash image: {note}")
+            # Unsynced pages written back out of order leave a hole with valid records
+            # after it: recovery cannot tell it from rot, and reports it as damage.
+            self.holes = self.holes or "zeroed" in note
 
     async def _stop_core(self) -> None:
         """Cancel everything that runs against the current core."""
@@ -328,7 +332,7 @@ class Simulation:
 
     async def _op_send(self) -> None:
         rng = self.rng
-        sizes = [rng.choice([1, 1, 3, 10, 40, 200]) for _ in range(rng.randint(1, 4))]
+        sizes = [rng.choice([1, 1, 3, 10, 40]) for _ in range(rng.randint(1, 4))]
         await asyncio.gather(*(self._send(n) for n in sizes))
 
     async def _op_open_consumer(self) -> None:
@@ -528,13 +532,14 @@ class Simulation:
             for i, m in enumerate(self.messages)
             if m.state == "stored" and not m.acked and i not in drained
         ]
-        if len(outstanding) > self.damage_allowed:
+        # Only rot may take a stored message (an unsynced hole never held one).
+        if len(outstanding) > (self.damage_allowed if self.flipped else 0):
             sample = [(i, self.messages[i].offset) for i in outstanding[:5]]
             raise Violation(
                 f"{len(outstanding)} stored messages never delivered again (damaged: "
                 f"{self.damage_allowed}); (message, offset): {sample}"
             )
-        if self.damage_allowed and not self.flipped:
+        if self.damage_allowed and not (self.flipped or self.holes):
             raise Violation(f"{self.damage_allowed} messages counted damaged, no bit flipped")
 
     async def _drain(self) -> set[int]:
