@@ -74,6 +74,18 @@ def create_queue_directory(directory: str) -> None:
         os.chmod(directory, DIRECTORY_MODE)
 
 
+def remove_file(path: str) -> OSError | None:
+    """Unlink ``path`` (already gone is fine); the ``OSError`` if it could not be
+    removed, for the caller to log and try again: a file left behind is never fatal."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return exc
+    return None
+
+
 def write_synced(path: str, data: bytes) -> None:
     """Write ``data`` to ``path`` (created or truncated, 0600) and fsync it."""
     fd = create_file(path, exclusive=False)

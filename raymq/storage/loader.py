@@ -31,7 +31,7 @@ from raymq.storage.checkpoint import (
     restore_segment,
     write_checkpoint,
 )
-from raymq.storage.files import copy_aside, fsync_directory
+from raymq.storage.files import copy_aside, fsync_directory, remove_file
 from raymq.storage.format import (
     CHECKPOINT_NAME,
     DAMAGED_SUFFIX,
@@ -183,11 +183,8 @@ class Loader:
         """Close and unlink a segment nobody needs; if the unlink fails, the checkpoint
         names it so that a later recovery removes it."""
         seg.close()
-        try:
-            os.unlink(seg.path)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
+        exc = remove_file(seg.path)
+        if exc is not None:
             self._undeleted.append(seg.path)
             self.report.damage.append(f"{seg.path}: cannot be removed ({exc})")
 
@@ -195,11 +192,8 @@ class Loader:
         """A segment deleted (fully acknowledged) whose unlink had failed: remove it
         unread (its acks may be in ack logs no longer replayed)."""
         path = os.path.join(self.directory, segment_name(base))
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
+        exc = remove_file(path)
+        if exc is not None:
             self._undeleted.append(path)
             self.report.damage.append(f"{path}: deleted segment still cannot be removed ({exc})")
 

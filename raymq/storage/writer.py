@@ -41,7 +41,7 @@ from raymq.storage.checkpoint import (
     encode_checkpoint,
     stage_checkpoint,
 )
-from raymq.storage.files import fsync_directory, pwritev_all, storage_error
+from raymq.storage.files import fsync_directory, pwritev_all, remove_file, storage_error
 from raymq.storage.flow import Flow
 from raymq.storage.format import RECORD_HEADER, SEGMENT_SUFFIX, ack_log_name, segment_name
 from raymq.storage.read_cache import ReadCache
@@ -506,25 +506,15 @@ class Writer:
         """
         paths, self.unlinkable = self.unlinkable, []
         for path in paths:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
+            exc = remove_file(path)
+            if exc is not None:
                 self.undeleted.append(path)
                 self._note(storage_error(self.queue, "unlink", path, exc), what="unlink")
 
     def _still_undeleted(self) -> list[int]:
         """Base offsets of deleted segments whose file is still there (unlinks that
         failed are tried again first)."""
-        left = []
-        for path in self.undeleted:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-            except OSError:
-                left.append(path)
+        left = [path for path in self.undeleted if remove_file(path) is not None]
         self.undeleted = left
         return [int(os.path.basename(p)[: -len(SEGMENT_SUFFIX)]) for p in left]
 
@@ -539,11 +529,8 @@ class Writer:
         for gen in generations:
             if gen < generation:
                 path = os.path.join(self.directory, ack_log_name(gen))
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    pass
-                except OSError as exc:
+                exc = remove_file(path)
+                if exc is not None:
                     self._note(storage_error(self.queue, "unlink", path, exc), what="unlink")
 
     def close(self) -> None:
