@@ -21,7 +21,6 @@ may interleave with the loader at its awaits; ``close`` cancels the loader first
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import re
@@ -252,10 +251,8 @@ class TargetListActor:
         self._closed = True
         self._closed_event.set()
         self.loader.close()
-        if self._loader is not None:
-            self._loader.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._loader
+        if self._tasks is not None:  # the loader and the metrics: none left pending at kill
+            await self._tasks.cancel_all()
         rest = self.targets.drain()
         fetched = await self._unreceived_fetch()
         if len(fetched):  # taken for us by the queue, never seen by the application

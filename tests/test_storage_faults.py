@@ -386,13 +386,15 @@ def test_a_full_disk_through_the_queue_core(tmp_path):
 
 
 def _drained_queue(path) -> None:
-    """50 messages sent, all acknowledged, their segment deleted, then a checkpoint."""
-    log, _ = open_log(path)
-    commit(log, [b"m"] * 50)
+    """50 messages sent over several segments, all acknowledged, then a checkpoint: the
+    older segments are deleted, the newest stays (its name keeps the highest offset)."""
+    log, _ = open_log(path, page=4096)
+    for _ in range(5):
+        commit(log, [b"m" * 400] * 10)
     log.ack(np.arange(50))
     commit(log)
     commit(log, checkpoint=True)
-    assert segment_files(path) == []
+    assert len(segment_files(path)) == 1
     log.close()
 
 
@@ -405,11 +407,28 @@ def test_offsets_never_go_back_whatever_byte_of_the_checkpoint_or_ack_log_is_dam
             work = copy_queue(str(src), str(tmp_path / f"t{trials}"))
             flip(os.path.join(work, name), position)
             log, report = open_log(work)
-            assert log.next_offset == 50, (name, position, report.damage)
-            assert commit(log, [b"next"]) == [50]
+            if name.endswith(".seg"):  # its count unknown: what it could hold is skipped
+                assert log.next_offset >= 50, (name, position, report.damage)
+            else:
+                assert log.next_offset == 50, (name, position, report.damage)
+            assert commit(log, [b"next"]) == [log.next_offset - 1]
             log.close()
             trials += 1
     assert trials > 60
+
+
+def test_offsets_never_go_back_when_checkpoint_and_ack_log_are_both_damaged(tmp_path):
+    """Found by the simulator (seed 1545): the ack log's records and the checkpoint
+    damaged, every segment acknowledged: the kept newest segment still knows."""
+    _drained_queue(tmp_path)
+    for name in os.listdir(tmp_path):
+        if name.startswith("acks-") or name == "checkpoint":
+            size = os.path.getsize(tmp_path / name)
+            for position in range(0, size, 7):
+                flip(str(tmp_path / name), position)
+    log, report = open_log(tmp_path)
+    assert log.next_offset == 50, report.damage
+    assert commit(log, [b"next"]) == [50]
 
 
 def test_offsets_never_go_back_when_the_checkpoint_is_lost_after_more_sends(tmp_path):

@@ -35,11 +35,12 @@ from raymq.storage.files import copy_aside, fsync_directory, remove_file
 from raymq.storage.format import (
     CHECKPOINT_NAME,
     DAMAGED_SUFFIX,
+    RECORD_HEADER,
     SEGMENT_SUFFIX,
     ack_log_name,
     segment_name,
 )
-from raymq.storage.scanner import ScanResult, scan
+from raymq.storage.scanner import ScanResult, crash_explains_tail, scan
 from raymq.storage.segment import BadSegmentHeader, Segment, Segments
 
 #: Above this many offsets, a lost range is counted whole (not checked against acks).
@@ -124,7 +125,8 @@ class Loader:
         last_end = self.segments[-1].end_offset if self.segments else 0
         next_offset = max(self._durable_high, self._floor, last_end)
         self.acks.recount()
-        for seg in [s for s in self.segments if s.fully_acked]:
+        # The newest stays (its name keeps the highest offset: see Writer.prepare).
+        for seg in [s for s in list(self.segments)[:-1] if s.fully_acked]:
             self.segments.remove(seg)  # acks durable in the ack logs: delete first (room)
             self._delete(seg)
         ack_log = self._start_ack_log(max([first_gen, *generations]) + 1, next_offset, logs)
@@ -253,7 +255,7 @@ class Loader:
                 f"{region.lost[0]}..{region.lost[1]}) not served{kept}"
             )
         if result.tail is not None:
-            self._tail(seg, f, result, len(data))
+            self._tail(seg, f, result, data)
         seg.size = seg.planned_size = result.valid_end
         if seg.salt is None:
             seg.appendable = False  # version 1: new records go to a new (version 2) file
@@ -262,20 +264,28 @@ class Loader:
             return None
         return seg
 
-    def _tail(self, seg: Segment, f: _SegmentFile, result: ScanResult, size: int) -> None:
+    def _tail(self, seg: Segment, f: _SegmentFile, result: ScanResult, data: bytes) -> None:
         """Bytes at the end that hold no valid record: a torn write, or damage."""
+        size = len(data)
         tail, n = result.tail, size - result.tail
         claimed = max(
             result.tail_offsets[1] if result.tail_offsets else result.end_offset,
             result.tail_claimed,
         )
-        published = self._durable_high > result.end_offset or result.tail_followed
+        published = (
+            self._durable_high > result.end_offset
+            or result.tail_followed
+            or not crash_explains_tail(data, tail, seg.salt)  # e.g. a flipped bit
+        )
         if not f.sealed and not published:
             os.ftruncate(seg.fd, tail)
             os.fsync(seg.fd)
             self.report.truncated_bytes += n
             self.report.damage.append(f"{seg.path}: torn tail of {n} bytes at {tail} truncated")
             return
+        if result.tail_offsets is None and not result.tail_claimed:
+            # No header to say how many messages the bytes held: as many as they could.
+            claimed = result.end_offset + _most(n)
         end = f.next_base if f.sealed else max(self._durable_high, claimed)
         end = max(end, result.end_offset)
         kept = self._keep_aside(seg, tail, size)
@@ -292,14 +302,15 @@ class Loader:
 
     def _bad_header(self, f: _SegmentFile, exc: BadSegmentHeader) -> None:
         path = os.path.join(self.directory, segment_name(f.base))
-        if not f.sealed and self._durable_high <= f.base:
+        if not f.sealed and self._durable_high <= f.base and exc.torn:
             # The newest file, of which nothing was ever published: its creation (or
             # first write) was torn by a crash.
             os.unlink(path)
             self.report.truncated_bytes += exc.size
             self.report.damage.append(f"{exc}; torn at creation, removed")
             return
-        end = f.next_base if f.sealed else max(self._durable_high, f.base)
+        # The newest file's count is unknown: what its bytes could hold is never reused.
+        end = f.next_base if f.sealed else max(self._durable_high, f.base + _most(exc.size))
         os.replace(path, path + DAMAGED_SUFFIX)
         with contextlib.suppress(OSError):
             fsync_directory(self.directory)
@@ -359,3 +370,9 @@ def remove_transient_files(directory: str) -> None:
     """A non-durable queue starts empty: what flowed to disk last run is garbage."""
     for base in segment_bases(directory):
         os.unlink(os.path.join(directory, segment_name(base)))
+
+
+def _most(size: int) -> int:
+    """The most messages ``size`` bytes of records can hold (a record header and at
+    least 24 bytes per message): an upper bound where a damaged header hides the count."""
+    return max(0, size - RECORD_HEADER.size) // 24

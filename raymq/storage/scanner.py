@@ -87,6 +87,36 @@ def scan(buf: bytes, start: int, *, salt: int | None, expected: int) -> ScanResu
     return result
 
 
+#: A crash loses or keeps unsynced bytes a page at a time (or cuts the file).
+CRASH_PAGE = 4096
+
+
+def crash_explains_tail(buf: bytes, tail: int, salt: int | None) -> bool:
+    """Whether a crash can have left the invalid bytes at ``tail`` (version 2).
+
+    The unsynced part of a file starts at a record (each commit syncs whole records),
+    and a crash leaves it cut short, or with pages that never reached the disk reading
+    as zeros. So the first invalid record is a torn write if the file ends inside it,
+    or if part of it is such a zero page: [max(tail, page start), min(page end, file
+    end)) all zeros. A complete record with a bad CRC and no such page (a flipped bit)
+    is damage, not a torn write. Version 1 (no salt): always True (no framing to judge).
+    """
+    if salt is None:
+        return True
+    hdr = parse_header(buf, tail, salt, tail)
+    end = len(buf) if hdr is None else tail + RECORD_HEADER.size + hdr[1]
+    if end > len(buf) or len(buf) - tail < RECORD_HEADER.size:
+        return True  # cut short
+    view = memoryview(buf)
+    page = tail - tail % CRASH_PAGE
+    while page < end:
+        lo, hi = max(tail, page), min(page + CRASH_PAGE, len(buf))
+        if hi > lo and view[lo:hi].tobytes().count(0) == hi - lo:
+            return True
+        page += CRASH_PAGE
+    return False
+
+
 #: A message takes at least 24 bytes of a payload (timestamp and two array entries).
 _MIN_MESSAGE_BYTES = 24
 

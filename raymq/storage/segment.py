@@ -37,10 +37,13 @@ SUMMARY_MAX_DISTINCT = 256
 class BadSegmentHeader(CorruptRecord):
     """A segment file's header is missing, short or invalid."""
 
-    def __init__(self, message: str, size: int):
+    def __init__(self, message: str, size: int, torn: bool = False):
         super().__init__(message)
         #: Bytes in the file.
         self.size = size
+        #: What a crash during the file's creation leaves: the header cut short or in a
+        #: page that never reached the disk (zeros). Otherwise the header rotted.
+        self.torn = torn
 
 
 def new_salt() -> int:
@@ -57,7 +60,7 @@ def segment_header(base_offset: int, salt: int) -> bytes:
 def parse_segment_header(data: bytes, base_offset: int, path: str) -> tuple[int | None, int]:
     """(salt, version) of a segment file image; salt None for version 1."""
     if len(data) < SEGMENT_PREFIX.size:
-        raise BadSegmentHeader(f"{path}: header missing ({len(data)} bytes)", len(data))
+        raise BadSegmentHeader(f"{path}: header missing ({len(data)} bytes)", len(data), True)
     magic, version = SEGMENT_PREFIX.unpack_from(data, 0)
     if magic == SEGMENT_MAGIC and version == 1 and len(data) >= SEGMENT_HEADER_V1.size:
         _m, _v, _r, base = SEGMENT_HEADER_V1.unpack_from(data, 0)
@@ -67,10 +70,12 @@ def parse_segment_header(data: bytes, base_offset: int, path: str) -> tuple[int 
         _m, _v, _f, base, salt, hcrc, _r = SEGMENT_HEADER.unpack_from(data, 0)
         if base == base_offset and crc32([data[:32]]) == hcrc:
             return salt, 2
-    if len(data) < SEGMENT_HEADER.size and data.strip(b"\0") == b"":
-        raise BadSegmentHeader(f"{path}: header missing ({len(data)} bytes)", len(data))
+    if data[: SEGMENT_HEADER.size].strip(b"\0") == b"":
+        raise BadSegmentHeader(f"{path}: header missing ({len(data)} bytes)", len(data), True)
     raise BadSegmentHeader(
-        f"{path}: bad header (magic {magic!r}, version {version}, {len(data)} bytes)", len(data)
+        f"{path}: bad header (magic {magic!r}, version {version}, {len(data)} bytes)",
+        len(data),
+        torn=len(data) < SEGMENT_HEADER.size,
     )
 
 

@@ -198,10 +198,16 @@ class Writer:
                 prepared.checkpoint_generation = gen
                 prepared.next_ack_log = AckLog(self.directory, gen)
         written = {id(item[0]) for item in prepared.items}
+        # The newest segment stays, even fully acknowledged: its name and records keep
+        # the highest offset given, whatever happens to the ack log and checkpoint.
+        newest = self.segments[-1] if len(self.segments) else None
         prepared.deletable = [
             s
             for s in self.segments
-            if s.fully_acked and s.planned_size == s.size and id(s) not in written
+            if s.fully_acked
+            and s.planned_size == s.size
+            and id(s) not in written
+            and s is not newest
         ]
         return prepared
 
