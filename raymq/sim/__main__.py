@@ -8,21 +8,37 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import signal
 import sys
 import time
 import traceback
 
 from raymq.sim.run import Violation, repro_command, run_seed
 
+#: Wall-clock seconds one seed may take (a loop that never ends is a wedge too).
+SEED_BOUND = 300
+
+
+class _SeedTookTooLong(Exception):
+    pass
+
+
+def _alarm(_signum, _frame):
+    raise _SeedTookTooLong(f"the seed ran past {SEED_BOUND} s (a wedge)")
+
 
 def _one(args: tuple[int, int]) -> tuple[int, dict | None, str]:
     seed, steps = args
+    signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(SEED_BOUND)
     try:
         return seed, run_seed(seed, steps), ""
     except Violation as exc:
         return seed, None, str(exc)
     except Exception:  # a crash of the simulated queue is a finding too
         return seed, None, traceback.format_exc()
+    finally:
+        signal.alarm(0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     failed: list[int] = []
     totals: dict[str, int] = {}
-    with multiprocessing.Pool(args.jobs) as pool:
+    with multiprocessing.Pool(args.jobs, maxtasksperchild=100) as pool:
         for done, (seed, summary, error) in enumerate(
             pool.imap_unordered(_one, [(s, args.steps) for s in seeds]), 1
         ):

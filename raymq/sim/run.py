@@ -548,7 +548,7 @@ class Simulation:
         self.core.register_consumer(c.cid, c.prefetch, None)
         self.consumers[c.cid] = c
         got: set[int] = set()
-        while True:
+        for _round in range(len(self.messages) + 2):  # each round takes at least one
             rows = await self._bounded(self.core.fetch(c.cid, 1000, 0.0, 1000), "drain fetch")
             if not rows.num_rows:
                 break
@@ -560,6 +560,8 @@ class Simulation:
             await self._bounded(self._ack(c, picked), "drain ack")
             if any(self.messages[self.by_offset[o]].acked != "yes" for o in picked):
                 raise Violation("an ack failed after the disk was healed")
+        else:
+            raise Violation("a drain does not end: the same messages come back")
         self.core.close_consumer(c.cid)
         del self.consumers[c.cid]
         if self.core.log.depth:
