@@ -35,6 +35,7 @@ from tests.storage_helpers import (
     open_fds,
     read_all,
     small_tmpfs,
+    truncate,
 )
 
 PAGE = 64 * 1024
@@ -497,3 +498,57 @@ def test_a_new_queue_directory_is_made_durable_in_the_paging_directory(tmp_path,
     assert synced == [str(paging)]
     assert os.stat(paging / "orders").st_mode & 0o777 == 0o700
     create_queue_directory(str(paging / "orders"))  # idempotent
+
+
+# -- rot in the newest record, found by recovery -------------------------------------------
+
+
+def _rotten_last_record(path) -> str:
+    """Records 0-3 and 4-7 in one segment, not checkpointed, one bit of the last
+    record's payload flipped; returns the segment's path."""
+    log, _ = open_log(path)
+    commit(log, [b"a" * 100] * 4)
+    commit(log, [b"b" * 100] * 4)
+    seg = log.segments[0]
+    flip(seg.path, seg.positions[1] + 60)
+    log.close()
+    return seg.path
+
+
+def test_a_flipped_bit_in_the_newest_record_is_damage_not_a_torn_tail(tmp_path):
+    """Found by the simulator: a complete last record with a bad CRC cannot be a crash
+    (the writer syncs whole records): it is damage, counted, its offsets not reused."""
+    _rotten_last_record(tmp_path)
+    log, report = open_log(tmp_path)
+    assert report.damaged == 4 and report.truncated_bytes == 0, report.damage
+    assert sorted(read_all(log)) == [0, 1, 2, 3]
+    assert commit(log, [b"next"]) == [8]
+
+
+def test_a_torn_last_record_is_still_a_torn_tail(tmp_path):
+    log, _ = open_log(tmp_path)
+    commit(log, [b"a" * 100] * 4)
+    commit(log, [b"b" * 100] * 4)
+    seg = log.segments[0]
+    end, pos = seg.size, seg.positions[1]
+    log.close()
+    truncate(seg.path, end - 10)
+    log, report = open_log(tmp_path)
+    assert report.damaged == 0 and report.truncated_bytes == end - 10 - pos
+    assert sorted(read_all(log)) == [0, 1, 2, 3]
+
+
+def test_damage_found_by_a_recovery_that_cannot_checkpoint_is_found_again(tmp_path, faults):
+    """Found by the simulator: recovery cut a damaged tail, then failed on a full disk;
+    the next recovery saw a clean, shorter file and the loss went uncounted."""
+    path = _rotten_last_record(tmp_path)
+    size = os.path.getsize(path)
+    faults.fail("open", errno.ENOSPC, match="checkpoint")
+    log, report = open_log(tmp_path)
+    assert report.damaged == 4
+    log.close()
+    assert os.path.getsize(path) == size  # not cut: no checkpoint says so yet
+    faults.heal()
+    log, report = open_log(tmp_path)
+    assert report.damaged == 4  # found, and counted, again
+    log.close()

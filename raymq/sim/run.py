@@ -126,7 +126,13 @@ class Simulation:
         self.holes = False  # a crash image had unsynced pages zeroed
         self.trace: list[str] = []
         self.clock = SimClock()
-        self.counts = {"crashes": 0, "restarts": 0, "quiet_points": 0, "served": 0}
+        self.counts = {
+            "open_failures": 0,
+            "crashes": 0,
+            "restarts": 0,
+            "quiet_points": 0,
+            "served": 0,
+        }
 
     # -- running ------------------------------------------------------------------------
 
@@ -210,14 +216,21 @@ class Simulation:
             max_message_size=1 << 20,
         )
         config = QueueConfig(QUEUE, page_size_bytes=s.page_size_bytes, page_max_cache_size=2)
-        while True:
+        for attempt in range(1000):
             try:
                 core = QueueCore(config, broker)
                 break
             except RayMQError as exc:  # an injected error while opening: try again
                 self._note(f"open failed: {exc}")
+                self.counts["open_failures"] += 1
                 if self.disk.image is not None:
                     self._restore()
+                if attempt == 2:
+                    # Recovery needs room for a new ack log when none can be appended
+                    # to: as an operator would, free the disk.
+                    self.disk.full, self.disk.fail_rate = False, 0.0
+        else:
+            raise Violation("the queue does not open on a healthy disk")
         if self.disk.image is not None:  # the crash point came while opening
             self.core = core
             return
@@ -534,10 +547,10 @@ class Simulation:
         ]
         # Only rot may take a stored message (an unsynced hole never held one).
         if len(outstanding) > (self.damage_allowed if self.flipped else 0):
-            sample = [(i, self.messages[i].offset) for i in outstanding[:5]]
+            sample = _ranges(sorted(self.messages[i].offset for i in outstanding))
             raise Violation(
                 f"{len(outstanding)} stored messages never delivered again (damaged: "
-                f"{self.damage_allowed}); (message, offset): {sample}"
+                f"{self.damage_allowed}); their offsets: {sample}"
             )
         if self.damage_allowed and not (self.flipped or self.holes):
             raise Violation(f"{self.damage_allowed} messages counted damaged, no bit flipped")
@@ -598,3 +611,14 @@ def run_seed(seed: int, steps: int = 300, verbose: bool = False) -> dict:
 def repro_command(seed: int, steps: int) -> str:
     """The command that replays ``seed``."""
     return f"{os.path.basename(os.sys.executable)} -m raymq.sim --seed {seed} --steps {steps} -v"
+
+
+def _ranges(offsets: list[int]) -> str:
+    """Sorted offsets as "a..b" runs (b inclusive), for a report."""
+    runs: list[list[int]] = []
+    for o in offsets:
+        if runs and o == runs[-1][1] + 1:
+            runs[-1][1] = o
+        else:
+            runs.append([o, o])
+    return ", ".join(f"{a}..{b}" if a != b else str(a) for a, b in runs[:20])

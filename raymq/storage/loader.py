@@ -102,6 +102,7 @@ class Loader:
         self._floor = 0  # offsets below this were given (moved-aside files)
         self._lost: list[tuple[Segment, int, int]] = []
         self._lost_whole: list[tuple[int, int]] = []
+        self._cuts: list[tuple[Segment, int]] = []  # damaged tails, cut after the checkpoint
         self._undeleted: list[str] = []
 
     def recover(self) -> Recovered:
@@ -130,7 +131,17 @@ class Loader:
             self.segments.remove(seg)  # acks durable in the ack logs: delete first (room)
             self._delete(seg)
         ack_log = self._start_ack_log(max([first_gen, *generations]) + 1, next_offset, logs)
-        self._checkpoint(next_offset, ack_log.generation)
+        checkpointed = self._checkpoint(next_offset, ack_log.generation)
+        for seg, tail in self._cuts:
+            if seg.fd is None:  # deleted meanwhile (fully acknowledged)
+                continue
+            try:
+                if not checkpointed:
+                    raise OSError("no checkpoint records the damage yet")
+                os.ftruncate(seg.fd, tail)
+                os.fsync(seg.fd)
+            except OSError:
+                seg.appendable = False  # the damaged bytes stay: never write over them
         return Recovered(next_offset, ack_log, ack_log.generation, self._undeleted)
 
     def _load_segments(self, ckpt: dict | None) -> None:
@@ -144,8 +155,9 @@ class Loader:
             if seg is not None:
                 self.segments.append(seg)
 
-    def _checkpoint(self, next_offset: int, generation: int) -> None:
-        """Write the checkpoint at once and delete the ack logs it makes obsolete."""
+    def _checkpoint(self, next_offset: int, generation: int) -> bool:
+        """Write the checkpoint at once and delete the ack logs it makes obsolete; False
+        if it could not be written."""
         undeleted = [int(os.path.basename(p)[: -len(SEGMENT_SUFFIX)]) for p in self._undeleted]
         data = encode_checkpoint(self.segments, next_offset, generation, undeleted)
         try:
@@ -156,11 +168,12 @@ class Loader:
             self.report.damage.append(
                 f"{self.directory}: no checkpoint written at recovery ({exc}); the next one will be"
             )
-            return
+            return False
         for gen in list_generations(self.directory):
             if gen < generation:  # (one that stays is replayed again, harmlessly)
                 with contextlib.suppress(OSError):
                     os.unlink(os.path.join(self.directory, ack_log_name(gen)))
+        return True
 
     def _start_ack_log(
         self, generation: int, next_offset: int, logs: dict[int, AckLogContents]
@@ -290,8 +303,9 @@ class Loader:
         end = max(end, result.end_offset)
         kept = self._keep_aside(seg, tail, size)
         if kept:
-            os.ftruncate(seg.fd, tail)
-            os.fsync(seg.fd)
+            # Cut once the checkpoint is written: a recovery that fails before must
+            # find (and count) the damage again, not a clean shorter file.
+            self._cuts.append((seg, tail))
         else:
             seg.appendable = False  # the damaged bytes stay: never write over them
         self._lost.append((seg, result.end_offset, end))
