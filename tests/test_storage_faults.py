@@ -552,3 +552,24 @@ def test_damage_found_by_a_recovery_that_cannot_checkpoint_is_found_again(tmp_pa
     log, report = open_log(tmp_path)
     assert report.damaged == 4  # found, and counted, again
     log.close()
+
+
+def test_a_deleted_segment_back_after_a_crash_is_not_delivered_again(tmp_path):
+    """Found by the simulator: a segment's unlink never reached the disk while the
+    later checkpoint's rename did; its acks were in ack logs that checkpoint retired."""
+    log, _ = open_log(tmp_path, page=4096)
+    for _ in range(3):
+        commit(log, [b"m" * 400] * 10)
+    first = log.segments[0]
+    with open(first.path, "rb") as f:
+        saved = f.read()
+    log.ack(np.arange(first.base_offset, first.end_offset))
+    commit(log)
+    commit(log, checkpoint=True)
+    commit(log, checkpoint=True)  # the ack log holding those acks is retired
+    assert not os.path.exists(first.path)
+    log.close()
+    with open(first.path, "wb") as f:  # the unlink "never reached the disk"
+        f.write(saved)
+    log, report = open_log(tmp_path)
+    assert min(read_all(log)) == 10 and not os.path.exists(first.path), report.damage

@@ -367,12 +367,15 @@ class SimDisk:
             for name in sorted(set(durable) | set(live)):
                 was, now = durable.get(name), live.get(name)
                 inode = was if was is now else rng.choice([was, now])
+                rel = os.path.relpath(os.path.join(directory, name), self.root)
+                if inode is not now:
+                    state = "lost (never synced)" if inode is None else "as last synced"
+                    image.notes.append(f"{rel}: name {state}")
                 if inode is None:
                     continue
                 path = os.path.join(directory, name)
                 current = self._read_path(path) if inode is now else None
                 data, how = self._crashed_bytes(inode, current)
-                rel = os.path.relpath(path, self.root)
                 image.files[rel] = data
                 if how:
                     image.notes.append(f"{rel}: {how}")

@@ -124,7 +124,7 @@ class Loader:
             self.acks.apply_ranges(contents.ranges)
         self._count_lost(np.concatenate([a.ranges for a in logs.values()]) if logs else None)
         last_end = self.segments[-1].end_offset if self.segments else 0
-        next_offset = max(self._durable_high, self._floor, last_end)
+        next_offset = max(self._durable_high, self._floor, last_end, self._moved_aside_floor())
         self.acks.recount()
         # The newest stays (its name keeps the highest offset: see Writer.prepare).
         for seg in [s for s in list(self.segments)[:-1] if s.fully_acked]:
@@ -148,12 +148,28 @@ class Loader:
         saved = {s["base"]: s for s in ckpt["segments"]} if ckpt else {}
         deleted = set(ckpt.get("deleted", ())) if ckpt else set()
         for f in self._segment_files():
-            if f.base in deleted:
+            # A checkpoint lists every live segment below its next offset: one it does
+            # not list was deleted before it (fully acknowledged), and is back because
+            # its unlink never reached the disk while the checkpoint's rename did.
+            forgotten = ckpt is not None and f.base not in saved and f.base < ckpt["next_offset"]
+            if f.base in deleted or forgotten:
                 self._remove_deleted(f.base)
                 continue
             seg = self._recover_segment(f, saved.get(f.base))
             if seg is not None:
                 self.segments.append(seg)
+
+    def _moved_aside_floor(self) -> int:
+        """Past the offsets whole segment files moved aside (``<base>.seg.damaged``)
+        could hold: their names keep offsets from being given again even when the
+        checkpoint and the ack logs are damaged too."""
+        floor = 0
+        suffix = SEGMENT_SUFFIX + DAMAGED_SUFFIX
+        for name in os.listdir(self.directory):
+            if name.endswith(suffix) and name[: -len(suffix)].isdigit():
+                size = os.path.getsize(os.path.join(self.directory, name))
+                floor = max(floor, int(name[: -len(suffix)]) + _most(size))
+        return floor
 
     def _checkpoint(self, next_offset: int, generation: int) -> bool:
         """Write the checkpoint at once and delete the ack logs it makes obsolete; False
