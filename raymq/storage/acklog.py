@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from raymq.storage.files import create_file, reserve
+from raymq.storage.files import create_file, fsync_directory, reserve
 from raymq.storage.format import (
     ACK_HEADER,
     ACK_HEADER_V1,
@@ -77,8 +77,9 @@ class AckLog:
 
     def create(self, next_offset: int) -> None:
         """Start the file (replacing any left by an earlier failed attempt): header,
-        reserved room, fdatasync. Raises ``OSError`` if the header cannot be written or
-        the room cannot be reserved on a file system that supports it."""
+        reserved room, fdatasync, then fsync the directory. Raises ``OSError`` if the
+        header cannot be written, the room cannot be reserved on a file system that
+        supports it, or the name cannot be made durable."""
         self.fd = create_file(self.path, exclusive=False, append=True)
         try:
             header = ack_file_header(self.generation, next_offset)
@@ -86,6 +87,9 @@ class AckLog:
             self.size = len(header)
             self._reserve(strict=True)
             os.fdatasync(self.fd)
+            # Its name too: acks written here are answered as durable, and a crash must
+            # not lose the file that holds them (found by the fault simulator).
+            fsync_directory(self.directory)
         except OSError:
             self.close()
             with contextlib.suppress(OSError):
