@@ -57,7 +57,7 @@ def test_the_simulator_finds_a_writer_that_does_not_sync(monkeypatch):
 
     monkeypatch.setattr(writer, "os", NoSync("os"))
     broken = 0
-    for seed in range(4):
+    for seed in range(8):
         try:
             run_seed(seed, steps=300)
         except Violation:

@@ -446,7 +446,24 @@ class Writer:
                 self._repairs.append(("unlink", seg))
         active = prepared.previous_active
         self._active = active if active is not None and active in self.segments else None
-        self._repair()
+        if self._repair() is not None and self.durable and prepared.items:
+            self._burn(prepared)
+
+    def _burn(self, prepared: PreparedWrite) -> None:
+        """The failed write's files could not be cut back, so its records may be on disk
+        and would be served after a crash, though their send raised (found by the fault
+        simulator). Record their offsets as acknowledged in the ack log and never give
+        them again: recovery then never serves them, whatever file survives."""
+        first = min(item[3].first_offset for item in prepared.items)
+        end = max(item[3].end_offset for item in prepared.items)
+        if self.ack_log is None or end <= self.next_offset:
+            return
+        try:
+            self.ack_log.write(np.array([[first, end]], dtype=np.int64), end)
+        except OSError as exc:  # a second fault: the gap FORMAT.md describes
+            self._note(storage_error(self.queue, "burning a failed write", self.ack_log.path, exc))
+            return
+        self.next_offset = self._planned_next = end
 
     def _repair(self) -> StorageError | None:
         """Cut back or remove the files of failed writes; None once nothing is left to
