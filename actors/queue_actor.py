@@ -32,8 +32,11 @@ from raymq.core.queue import QueueCore, QueueStats
 from raymq.send_channel import SendChannelServer
 
 QUEUE_ACTOR_PREFIX = "raymq.queue."
+#: How often the back-up to the death watches looks for silent consumers (seconds).
+#: Rare: the pending ``until_closed`` call tells of a death at once (bench.redelivery).
+WATCH_PERIOD_SECONDS = 10.0
 #: A consumer not heard from for this long is pinged (seconds).
-CONSUMER_SILENCE_SECONDS = 2.0
+CONSUMER_SILENCE_SECONDS = 10.0
 #: A ping unanswered for this long is retried next round, not taken as death (seconds).
 PING_TIMEOUT_SECONDS = 5.0
 #: Longest a dead-letter batch waits on a BLOCKed dead-letter queue before it is
@@ -141,10 +144,11 @@ class QueueActor:
         self._death_watches[consumer_id] = asyncio.get_running_loop().create_task(watch())
 
     async def _watch_consumers(self) -> None:
-        """Back-up to the death watches: every second, ping each consumer not heard from
-        for ``CONSUMER_SILENCE_SECONDS``; a dead TargetList actor is closed."""
+        """Back-up to the death watches: every ``WATCH_PERIOD_SECONDS``, ping each
+        consumer not heard from for ``CONSUMER_SILENCE_SECONDS``; a dead TargetList
+        actor is closed."""
         while True:
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(WATCH_PERIOD_SECONDS)
             for consumer_id, actor in self.core.silent_consumers(CONSUMER_SILENCE_SECONDS):
                 try:
                     await asyncio.wait_for(actor.ping.remote(), PING_TIMEOUT_SECONDS)

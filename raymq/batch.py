@@ -41,8 +41,17 @@ def check_sizes(
     too_big = np.flatnonzero(sizes > max_message_size)
     if len(too_big):
         i = int(too_big[0])
+        check_size(int(sizes[i]), max_message_size, queue, what, i)
+
+
+def check_size(
+    size: int, max_message_size: int, queue: str, what: str = "message", index: int = 0
+) -> None:
+    """``check_sizes`` for one message (``index`` names it), without NumPy: a single
+    send's path checks this per message."""
+    if size > max_message_size:
         raise MessageTooLarge(
-            f"{what} {i} for queue {queue!r} is {int(sizes[i])} bytes;"
+            f"{what} {index} for queue {queue!r} is {size} bytes;"
             f" max_message_size is {max_message_size}"
         )
 
@@ -171,7 +180,10 @@ class MessageBatch:
     @classmethod
     def from_encoded(cls, bodies: Sequence[bytes], properties: Sequence[bytes]) -> MessageBatch:
         """Pack bodies and already validated, msgpack-encoded properties (one per body)."""
-        return cls(*_pack(bodies), *_pack(properties))
+        if any(properties):
+            return cls(*_pack(bodies), *_pack(properties))
+        # None has properties (single sends mostly): nothing to join or sum.
+        return cls(*_pack(bodies), np.zeros(len(properties) + 1, dtype=np.int64), _EMPTY_U8)
 
     @staticmethod
     def _pack_properties(

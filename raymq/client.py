@@ -20,7 +20,13 @@ import numpy as np
 import pyarrow as pa
 import ray
 
-from raymq.batch import EMPTY_DELIVERY, MessageBatch, check_sizes, warm_arrow_conversions
+from raymq.batch import (
+    EMPTY_DELIVERY,
+    MessageBatch,
+    check_size,
+    check_sizes,
+    warm_arrow_conversions,
+)
 from raymq.config import (
     BrokerConfig,
     QueueConfig,
@@ -354,7 +360,7 @@ class Queue:
             raise TypeError(
                 f"body for queue {self.name!r} must be bytes, not {type(body).__name__}"
             )
-        check_sizes(np.array([len(body)]), self.broker.config.max_message_size, self.name)
+        check_size(len(body), self.broker.config.max_message_size, self.name)
         return bytes(body)
 
     def send(
@@ -374,13 +380,15 @@ class Queue:
         seconds (None: for ever), then raises ``AddressFull``.
         """
         body = self._check_body(body)
-        props = encode_properties(
-            validate_properties(properties, where=f"message for queue {self.name!r}")
+        props = (
+            b""
+            if properties is None
+            else encode_properties(
+                validate_properties(properties, where=f"message for queue {self.name!r}")
+            )
         )
-        # The queue counts properties toward max_message_size too.
-        check_sizes(
-            np.array([len(body) + len(props)]), self.broker.config.max_message_size, self.name
-        )
+        if props:  # the queue counts properties toward max_message_size too
+            check_size(len(body) + len(props), self.broker.config.max_message_size, self.name)
         channel = _send_channel(self)
         if channel is not None:
             try:
@@ -403,8 +411,8 @@ class Queue:
             batch = MessageBatch.from_bodies(
                 bodies, properties, max_message_size=limit, queue=self.name
             )
-        # The queue counts properties toward max_message_size too.
-        check_sizes(batch.body_sizes() + np.diff(batch.prop_offsets), limit, self.name)
+        if len(batch.prop_data):  # the queue counts properties toward max_message_size too
+            check_sizes(batch.body_sizes() + np.diff(batch.prop_offsets), limit, self.name)
         return batch
 
     def send_batch(

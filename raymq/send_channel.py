@@ -48,8 +48,7 @@ import secrets
 import socket
 import struct
 import threading
-from collections.abc import Awaitable, Callable
-from concurrent.futures import Future
+from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import TimeoutError as FutureTimeout  # not the builtin before 3.11
 from typing import Any
 
@@ -114,11 +113,13 @@ class SendChannelServer:
     def __init__(self, send_batch: SendBatch, queue: str, max_message_size: int):
         self._send_batch = send_batch
         self._queue = queue
+        self._max_message_size = max_message_size
         self._frame_limit = max_message_size + FRAME_OVERHEAD
+        self._where = f"a message for queue {queue!r}"
         self.secret = secrets.token_hex(16)
         self._server: asyncio.AbstractServer | None = None
-        # Requests gathered since the last flush: (body, properties, timeout, reply).
-        self._gathered: list[tuple[bytes, bytes, float | None, Callable]] = []
+        # Requests gathered since the last flush: (body, properties, timeout, id, writer).
+        self._gathered: list[tuple[bytes, bytes, float | None, int, asyncio.StreamWriter]] = []
         self._tasks: set[asyncio.Task] = set()
         self.connections = 0
         self.refused_connections = 0
@@ -151,17 +152,19 @@ class SendChannelServer:
             if not self._authentic(hello):
                 return  # not a client of this queue
             writer.write(frame([True]))
+            limit = self._frame_limit
             while True:
-                req = await _read_frame(reader, self._frame_limit)
-                if not isinstance(req, list) or not req or not _is_id(req[0]):
+                req = await _read_frame(reader, limit)
+                if type(req) is not list or not req or not _is_id(req[0]):
                     return  # no id to answer: drop the connection
-                if len(req) == 1:
+                n = len(req)
+                if n == 4:  # one message: the hot path, first
+                    self._gather(req, writer)
+                elif n == 1:
                     _replier(req[0], writer)(True)
                     self.pings_answered += 1
-                elif len(req) == 3:
+                elif n == 3:
                     await self._batch(req, reader, writer)
-                elif len(req) == 4:
-                    self._gather(req, writer)
                 else:
                     _replier(req[0], writer)(None, ValueError(f"bad request to {self._queue!r}"))
         except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError, ValueError):
@@ -220,26 +223,41 @@ class SendChannelServer:
         task.add_done_callback(self._tasks.discard)
 
     def _gather(self, req: list, writer: asyncio.StreamWriter) -> None:
+        """Check one message where it enters, alone (a bad one gets its error and takes
+        no other request of the gather with it), and gather it for the next flush."""
         req_id, body, props, timeout = req
-        reply = _replier(req_id, writer)
-
         if not isinstance(body, bytes) or not isinstance(props, bytes):
-            reply(None, TypeError(f"send to queue {self._queue!r}: body and properties as bytes"))
+            error: Exception = TypeError(
+                f"send to queue {self._queue!r}: body and properties as bytes"
+            )
+        elif timeout is not None and not _is_timeout(timeout):
+            error = TypeError(f"send to queue {self._queue!r}: timeout {timeout!r}")
+        elif len(body) + len(props) > self._max_message_size:
+            # The queue counts properties toward max_message_size; checked here, not
+            # in the gathered batch, where it would fail every message of the gather.
+            error = errors.MessageTooLarge(
+                f"message 0 for queue {self._queue!r} is {len(body) + len(props)} bytes;"
+                f" max_message_size is {self._max_message_size}"
+            )
+        else:
+            if props:  # b"": no properties, nothing to decode
+                try:
+                    check_encoded_properties(props, where=self._where)
+                except errors.InvalidProperties as exc:
+                    _replier(req_id, writer)(None, exc)
+                    return
+            if not self._gathered:
+                asyncio.get_running_loop().call_soon(self._flush)
+            self._gathered.append((body, props, timeout, req_id, writer))
             return
-        if not _is_timeout(timeout):
-            reply(None, TypeError(f"send to queue {self._queue!r}: timeout {timeout!r}"))
-            return
-        try:  # here, not in the gathered batch: one bad map must not fail the others
-            check_encoded_properties(props, where=f"a message for queue {self._queue!r}")
-        except errors.InvalidProperties as exc:
-            reply(None, exc)
-            return
-        if not self._gathered:
-            asyncio.get_running_loop().call_soon(self._flush)
-        self._gathered.append((body, props, timeout, reply))
+        _replier(req_id, writer)(None, error)
 
     def _flush(self) -> None:
         gathered, self._gathered = self._gathered, []
+        timeout = gathered[0][2]
+        if all(item[2] == timeout for item in gathered):  # the usual case: one group
+            self._spawn(self._store(gathered, timeout))
+            return
         by_timeout: dict[float | None, list] = {}
         for item in gathered:
             by_timeout.setdefault(item[2], []).append(item)
@@ -251,11 +269,28 @@ class SendChannelServer:
             batch = MessageBatch.from_encoded([i[0] for i in items], [i[1] for i in items])
             first, count = await self._send_batch(batch, timeout)
         except Exception as exc:  # every request of the batch gets the error
-            for *_, reply in items:
-                reply(None, exc)
+            error = [type(exc).__name__, str(exc)]
+            _write_replies((writer, [req_id, None, *error]) for *_, req_id, writer in items)
             return
-        for k, (*_, reply) in enumerate(items):
-            reply(first + k if k < count else None)  # beyond count: DROPped
+        offsets = [first + k if k < count else None for k in range(len(items))]  # None: DROPped
+        _write_replies(
+            (writer, [req_id, offset, None, None])
+            for offset, (*_, req_id, writer) in zip(offsets, items, strict=True)
+        )
+
+
+def _write_replies(replies: Iterable[tuple[asyncio.StreamWriter, list]]) -> None:
+    """Write each (writer, answer) as a frame, the answers to one connection in one
+    write: one system call for a whole group commit's senders, not one each."""
+    out: dict[asyncio.StreamWriter, list[bytes]] = {}
+    for writer, answer in replies:
+        frames = out.get(writer)
+        if frames is None:
+            frames = out[writer] = []
+        frames.append(frame(answer))
+    for writer, frames in out.items():
+        if not writer.is_closing():
+            writer.write(frames[0] if len(frames) == 1 else b"".join(frames))
 
 
 def _is_id(value: object) -> bool:
@@ -293,6 +328,42 @@ async def _read_frame(reader: asyncio.StreamReader, limit: int) -> object:
 # -- the client's side -------------------------------------------------------------------
 
 
+class _Reply:
+    """The answer to one request, which one thread waits for and another sets once: a
+    ``concurrent.futures.Future`` without its Condition (whose lock the woken sender
+    had to take again from the reader thread: a second hand-off for every message)."""
+
+    __slots__ = ("_pending", "_value", "_error")
+
+    def __init__(self) -> None:
+        self._pending = threading.Lock()
+        self._pending.acquire()  # released once, by set_result or set_exception
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+    def set_result(self, value: Any) -> None:
+        self._value = value
+        self._pending.release()
+
+    def set_exception(self, error: BaseException) -> None:
+        self._error = error
+        self._pending.release()
+
+    def done(self) -> bool:
+        return not self._pending.locked()
+
+    def result(self, timeout: float | None = None) -> Any:
+        """The answer (or its error raised) once set; ``FutureTimeout`` after
+        ``timeout`` seconds (None: wait for ever)."""
+        if self._pending.locked():
+            if not self._pending.acquire(timeout=-1 if timeout is None else timeout):
+                raise FutureTimeout()
+            self._pending.release()  # set stays set: later calls return at once
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
 class SendChannel:
     """One connection of this process to one queue actor, shared by its threads.
 
@@ -316,7 +387,7 @@ class SendChannel:
             raise
         self._sock = sock
         self._lock = threading.Lock()
-        self._waiting: dict[int, Future] = {}
+        self._waiting: dict[int, _Reply] = {}
         self._ids = itertools.count()
         self.broken: BaseException | None = None
         self._reader = threading.Thread(
@@ -358,9 +429,9 @@ class SendChannel:
             if fut.done():
                 return fut.result()
 
-    def _submit(self, parts_of: Callable[[int], list]) -> Future:
-        """Send the frame ``parts_of(request id)``; returns the future of its answer."""
-        fut: Future = Future()
+    def _submit(self, parts_of: Callable[[int], list]) -> _Reply:
+        """Send the frame ``parts_of(request id)``; returns the reply it will get."""
+        fut = _Reply()
         with self._lock:
             if self.broken is not None:
                 raise ChannelBroken(f"send channel of queue {self.queue!r}: {self.broken}")

@@ -253,6 +253,27 @@ def test_a_malformed_request_fails_alone_and_the_good_one_in_its_gather_is_store
     sock.close()
 
 
+def test_an_oversized_message_fails_alone_in_its_gather(served):
+    """A forged frame within the frame limit but over max_message_size (body plus
+    properties) gets its own MessageTooLarge; its neighbours are stored."""
+    store, _, (host, port, secret), _ = served
+    sock = raw_client(host, port, secret)
+    sock.sendall(
+        frame([1, b"a", b"", None])
+        + frame([2, b"x" * (MAX_MESSAGE + 1), b"", None])
+        + frame([3, b"x" * (MAX_MESSAGE - 4), msgpack.packb({"k": "too much"}), None])
+        + frame([4, b"b", b"", None])
+    )
+    answers = {}
+    while len(answers) < 4:
+        req_id, result, error, _message = read_frame(sock)
+        answers[req_id] = (result, error)
+    assert answers[2][1] == answers[3][1] == "MessageTooLarge"
+    assert answers[1][1] is None and answers[4][1] is None
+    assert store.bodies == [b"a", b"b"]
+    sock.close()
+
+
 def test_a_silent_connection_is_closed_and_connections_are_capped(served, monkeypatch):
     from raymq import send_channel
 

@@ -592,3 +592,28 @@ def test_a_deleted_segment_back_after_a_crash_is_not_delivered_again(tmp_path):
         f.write(saved)
     log, report = open_log(tmp_path)
     assert min(read_all(log)) == 10 and not os.path.exists(first.path), report.damage
+
+
+def test_a_burned_write_that_comes_back_after_a_checkpoint_is_not_served(tmp_path, faults):
+    """Found by the simulator: the cut-back of a failed write never reached the disk, a
+    checkpoint then retired the ack log that burned its offsets, and a crash brought the
+    records back. Records past a segment's checkpointed size with offsets below the
+    checkpoint's next offset were never published: recovery cuts them off."""
+    log, _ = open_log(tmp_path)
+    commit(log, [b"m"] * 4)
+    seg_path = log.segments[0].path
+    faults.fail("fdatasync", errno.EIO, match=".seg", after=True)
+    faults.fail("ftruncate", errno.EIO, match=".seg")
+    with pytest.raises(StorageError):
+        commit(log, [b"x"] * 3)
+    with open(seg_path, "rb") as f:
+        with_failed_records = f.read()
+    faults.heal()
+    commit(log, checkpoint=True)  # the cut-back works now; the checkpoint follows
+    commit(log, checkpoint=True)  # and the ack log with the burn is retired
+    log.close()
+    with open(seg_path, "wb") as f:  # the truncation "never reached the disk"
+        f.write(with_failed_records)
+    log, report = open_log(tmp_path)
+    assert read_all(log) == {0: b"m", 1: b"m", 2: b"m", 3: b"m"}, report.damage
+    assert commit(log, [b"next"]) == [7]

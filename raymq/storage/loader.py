@@ -119,6 +119,7 @@ class Loader:
         self._durable_high = max(
             [ckpt["next_offset"] if ckpt else 0, *(a.high for a in logs.values())]
         )
+        self._checkpoint_next = ckpt["next_offset"] if ckpt else 0
         self._load_segments(ckpt)
         for contents in logs.values():
             self.acks.apply_ranges(contents.ranges)
@@ -264,6 +265,11 @@ class Loader:
             restore_segment(seg, saved)
             start, expected = saved["size"], seg.end_offset
         result = scan(data, start, salt=seg.salt, expected=expected)
+        stale = saved is not None and not short and result.records
+        if stale and result.records[0][0] < self._checkpoint_next:
+            self._unpublished(seg, saved["size"], data, result)
+            data = data[: saved["size"]]
+            result = scan(data, start, salt=seg.salt, expected=expected)
         for first, count, pos in result.records:
             seg.add_record(first, count, pos)
         if short:
@@ -292,6 +298,21 @@ class Loader:
             self._delete(seg)  # no records: a file created just before a crash
             return None
         return seg
+
+    def _unpublished(self, seg: Segment, size: int, data: bytes, result: ScanResult) -> None:
+        """Records after the checkpointed size of a segment with offsets below the
+        checkpoint's next offset were never published (a published record is within
+        its segment's checkpointed size): a failed write whose cut-back never reached
+        the disk, its offsets burned. They are cut off, never served (found by the
+        fault simulator)."""
+        first = result.records[0][0]
+        os.ftruncate(seg.fd, size)
+        os.fsync(seg.fd)
+        self.report.truncated_bytes += len(data) - size
+        self.report.damage.append(
+            f"{seg.path}: {len(data) - size} bytes of a failed write (offsets from {first})"
+            f" at {size} removed"
+        )
 
     def _tail(self, seg: Segment, f: _SegmentFile, result: ScanResult, data: bytes) -> None:
         """Bytes at the end that hold no valid record: a torn write, or damage."""
