@@ -617,3 +617,23 @@ def test_a_burned_write_that_comes_back_after_a_checkpoint_is_not_served(tmp_pat
     log, report = open_log(tmp_path)
     assert read_all(log) == {0: b"m", 1: b"m", 2: b"m", 3: b"m"}, report.damage
     assert commit(log, [b"next"]) == [7]
+
+
+def test_offsets_no_record_holds_are_never_delivered(tmp_path):
+    """Found by the simulator: a damaged first record (its header unreadable) was cut
+    off, new records were appended after the offsets it could have held, then the
+    checkpoint was damaged: the gap before the new records was delivered, unreadable,
+    and stayed in flight for ever."""
+    log, _ = open_log(tmp_path)
+    commit(log, [b"a" * 200] * 4)
+    path = log.segments[0].path
+    log.close()
+    flip(path, 40 + 9)  # inside the first record's header
+    log, report = open_log(tmp_path)
+    assert report.damaged >= 4  # the count unknown: as many as the bytes could hold
+    new = commit(log, [b"new"])
+    log.close()
+    flip(str(tmp_path / "checkpoint"), 30)
+    log, report = open_log(tmp_path)
+    assert read_all(log) == {new[0]: b"new"}
+    assert log.unacked(0, 10**6).tolist() == new

@@ -270,8 +270,15 @@ class Loader:
             self._unpublished(seg, saved["size"], data, result)
             data = data[: saved["size"]]
             result = scan(data, start, salt=seg.salt, expected=expected)
+        regions = {region.lost[0] for region in result.damaged}
+        prev = expected
         for first, count, pos in result.records:
+            if first > prev and prev not in regions:
+                # Offsets no record holds, left by damage an earlier recovery cut off
+                # (then new records were appended): never served, counted again.
+                self._lost.append((seg, prev, first))
             seg.add_record(first, count, pos)
+            prev = first + count
         if short:
             end = max(f.base + saved["count"], result.end_offset)
             seg.extend_to(end)
