@@ -637,3 +637,21 @@ def test_offsets_no_record_holds_are_never_delivered(tmp_path):
     log, report = open_log(tmp_path)
     assert read_all(log) == {new[0]: b"new"}
     assert log.unacked(0, 10**6).tolist() == new
+
+
+def test_a_burn_that_fails_still_never_gives_its_offsets_again(tmp_path, faults):
+    """Found by the simulator: the burn's ack-log append raised after reaching the disk,
+    the offsets were given again to the next send, and recovery then found that send's
+    messages acknowledged: stored messages lost."""
+    log, _ = open_log(tmp_path)
+    commit(log, [b"m"] * 4)
+    faults.fail("fdatasync", errno.EIO, match=".seg", after=True)
+    faults.fail("ftruncate", errno.EIO, match=".seg")
+    faults.fail("fdatasync", errno.EIO, match="acks-", after=True)  # the burn "fails"
+    with pytest.raises(StorageError):
+        commit(log, [b"x"] * 3)
+    faults.heal()
+    assert commit(log, [b"kept"]) == [7]  # never 4: offsets 4..6 may be acked on disk
+    log.close()
+    log, _ = open_log(tmp_path)
+    assert read_all(log)[7] == b"kept"

@@ -458,12 +458,13 @@ class Writer:
         end = max(item[3].end_offset for item in prepared.items)
         if self.ack_log is None or end <= self.next_offset:
             return
+        # Never given again, even if the append below fails: it may have reached the
+        # disk all the same, and would acknowledge whatever took these offsets next.
+        self.next_offset = self._planned_next = end
         try:
             self.ack_log.write(np.array([[first, end]], dtype=np.int64), end)
-        except OSError as exc:  # a second fault: the gap FORMAT.md describes
+        except OSError as exc:  # a second fault: the window FORMAT.md describes
             self._note(storage_error(self.queue, "burning a failed write", self.ack_log.path, exc))
-            return
-        self.next_offset = self._planned_next = end
 
     def _repair(self) -> StorageError | None:
         """Cut back or remove the files of failed writes; None once nothing is left to
