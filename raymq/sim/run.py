@@ -31,6 +31,7 @@ import logging
 import os
 import random
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass, field
 
@@ -612,7 +613,7 @@ def run_seed(seed: int, steps: int = 300, verbose: bool = False) -> dict:
 
 def repro_command(seed: int, steps: int) -> str:
     """The command that replays ``seed``."""
-    return f"{os.path.basename(os.sys.executable)} -m raymq.sim --seed {seed} --steps {steps} -v"
+    return f"{os.path.basename(sys.executable)} -m raymq.sim --seed {seed} --steps {steps} -v"
 
 
 def _ranges(offsets: list[int]) -> str:
