@@ -655,3 +655,26 @@ def test_a_burn_that_fails_still_never_gives_its_offsets_again(tmp_path, faults)
     log.close()
     log, _ = open_log(tmp_path)
     assert read_all(log)[7] == b"kept"
+
+
+@pytest.mark.parametrize("where", ["record", "header"])
+def test_damage_found_by_a_recovery_that_fails_is_found_again(tmp_path, faults, where):
+    """Found by the simulator (seed 50432): recovery deleted a segment whose every
+    offset was lost (or moved one with a bad header aside), then failed to start an ack
+    log on a full disk; the next recovery found nothing and the loss went uncounted."""
+    log, _ = open_log(tmp_path, page=4096)
+    for _ in range(3):
+        commit(log, [b"m" * 400] * 8)
+    first = log.segments[0]
+    assert first.end_offset == 8 and len(log.segments) == 3
+    flip(first.path, 0 if where == "header" else int(first.positions[0]) + 60)
+    log.close()
+    faults.fail("open", errno.ENOSPC, match="acks-")  # no ack log to create or reopen
+    with pytest.raises(StorageError):
+        open_log(tmp_path, page=4096)
+    faults.heal()
+    log, report = open_log(tmp_path, page=4096)
+    assert report.damaged == 8, report.damage
+    assert sorted(read_all(log)) == list(range(8, 24))
+    assert commit(log, [b"next"]) == [24]
+    log.close()

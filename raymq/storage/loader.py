@@ -103,6 +103,7 @@ class Loader:
         self._lost: list[tuple[Segment, int, int]] = []
         self._lost_whole: list[tuple[int, int]] = []
         self._cuts: list[tuple[Segment, int]] = []  # damaged tails, cut after the checkpoint
+        self._aside: list[str] = []  # files with a bad header, moved aside at the end
         self._undeleted: list[str] = []
 
     def recover(self) -> Recovered:
@@ -127,11 +128,17 @@ class Loader:
         last_end = self.segments[-1].end_offset if self.segments else 0
         next_offset = max(self._durable_high, self._floor, last_end, self._moved_aside_floor())
         self.acks.recount()
-        # The newest stays (its name keeps the highest offset: see Writer.prepare).
-        for seg in [s for s in list(self.segments)[:-1] if s.fully_acked]:
-            self.segments.remove(seg)  # acks durable in the ack logs: delete first (room)
-            self._delete(seg)
+        # The newest stays (its name keeps the highest offset: see Writer.prepare). One
+        # holding lost offsets stays too, for the running log to delete: deleted here,
+        # a recovery that then fails would leave the next one nothing to count.
+        for seg in list(self.segments)[:-1]:
+            if seg.fully_acked and not seg.lost_n:
+                self.segments.remove(seg)  # acks durable in the ack logs: delete first (room)
+                self._delete(seg)
         ack_log = self._start_ack_log(max([first_gen, *generations]) + 1, next_offset, logs)
+        # Only now (a full disk fails recovery above) are damaged files moved aside: a
+        # recovery that fails before must find, and count, the damage again.
+        self._move_aside()
         checkpointed = self._checkpoint(next_offset, ack_log.generation)
         for seg, tail in self._cuts:
             if seg.fd is None:  # deleted meanwhile (fully acknowledged)
@@ -369,15 +376,22 @@ class Loader:
             return
         # The newest file's count is unknown: what its bytes could hold is never reused.
         end = f.next_base if f.sealed else max(self._durable_high, f.base + _most(exc.size))
-        os.replace(path, path + DAMAGED_SUFFIX)
-        with contextlib.suppress(OSError):
-            fsync_directory(self.directory)
+        self._aside.append(path)
         self._lost_whole.append((f.base, end))
         self._floor = max(self._floor, end)
         self.report.kept_aside.append(path + DAMAGED_SUFFIX)
         self.report.damage.append(
             f"{exc}; offsets {f.base}..{end} not served; moved aside to {path}{DAMAGED_SUFFIX}"
         )
+
+    def _move_aside(self) -> None:
+        """Rename the segment files whose header is bad to ``<file>.damaged`` (their
+        names then keep their offsets from being given again: ``_moved_aside_floor``)."""
+        for path in self._aside:
+            os.replace(path, path + DAMAGED_SUFFIX)
+        if self._aside:
+            with contextlib.suppress(OSError):
+                fsync_directory(self.directory)
 
     def _keep_aside(self, seg: Segment, start: int, end: int) -> str:
         """Copy damaged bytes aside; returns the text for the report ("" if not kept)."""

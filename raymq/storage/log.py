@@ -111,6 +111,8 @@ class SegmentLog:
                 remove_transient_files(directory)
         except OSError as exc:
             self.close()
+            for line in report.damage:  # found again by the next recovery, not lost
+                log.warning("queue %r: recovery failed, having found: %s", queue, line)
             if isinstance(exc, StorageError):
                 raise
             path = exc.filename if isinstance(exc.filename, str) else directory
