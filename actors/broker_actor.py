@@ -73,9 +73,10 @@ class BrokerActor:
             existing = self._queues.get(cfg.name)
             if existing is not None:
                 if existing.config != cfg:
+                    kind = "an address" if existing.config.address else "a queue"
                     raise QueueExists(
-                        f"queue {cfg.name!r} exists with settings {existing.config.to_dict()},"
-                        f" not {cfg.to_dict()}"
+                        f"{cfg.name!r} exists, as {kind} with settings"
+                        f" {existing.config.to_dict()}, not {cfg.to_dict()}"
                     )
                 handle = self._actor(cfg.name, existing.config, existing.node_id)
             else:
@@ -112,7 +113,15 @@ class BrokerActor:
         return await self.get_queue(name)
 
     def list_queues(self) -> list[str]:
-        """Names of all queues, sorted."""
+        """Names of all queues (not addresses), sorted."""
+        return sorted(n for n, e in self._queues.items() if not e.config.address)
+
+    def list_addresses(self) -> list[str]:
+        """Names of all addresses, sorted."""
+        return sorted(n for n, e in self._queues.items() if e.config.address)
+
+    def list_all(self) -> list[str]:
+        """Names of all queues and addresses, sorted."""
         return sorted(self._queues)
 
     def queue_nodes(self) -> dict[str, str]:

@@ -30,6 +30,7 @@ from raymq.config import BrokerConfig, QueueConfig
 from raymq.core.budget import QueueUsage
 from raymq.core.queue import QueueCore, QueueStats
 from raymq.send_channel import SendChannelServer
+from raymq.storage.subscriptions import SubscriptionSpec
 
 QUEUE_ACTOR_PREFIX = "raymq.queue."
 #: How often the back-up to the death watches looks for silent consumers (seconds).
@@ -94,8 +95,11 @@ class QueueActor:
         while True:
             with metrics.guard(f"queue {self.core.name!r}"):
                 metrics.export_queue(self.core.stats(), node_id, broker)
-                consumers = {cid: self.core.consumer_stats(cid) for cid in self.core.area.consumers}
-                metrics.export_queue_consumers(self.core.name, consumers, node_id, broker)
+                for name in self.core.subscriptions:  # an address's: "address/subscription"
+                    metrics.export_queue(self.core.stats(name), node_id, broker)
+                for sub in self.core.all_subscriptions():
+                    consumers = {cid: sub.consumer_stats(cid) for cid in sub.area.consumers}
+                    metrics.export_queue_consumers(sub.name, consumers, node_id, broker)
             await asyncio.sleep(metrics.EXPORT_PERIOD_SECONDS)
 
     async def _send_dead_letters(self, dead_letter_queue: str, batch: MessageBatch) -> None:
@@ -114,8 +118,8 @@ class QueueActor:
             self._dead_letter_queue = None  # deleted, or restarting: find it again
             raise
 
-    def _consumer_died(self, consumer_id: str, how: str) -> None:
-        n = self.core.close_consumer(consumer_id)
+    def _consumer_died(self, consumer_id: str, how: str, subscription: str | None) -> None:
+        n = self.core.close_consumer(consumer_id, subscription=subscription)
         self._death_watches.pop(consumer_id, None)
         log.warning(
             "queue %r: consumer %s died (%s); %d messages will be delivered again",
@@ -125,7 +129,12 @@ class QueueActor:
             n,
         )
 
-    def _watch_death(self, consumer_id: str, actor) -> None:
+    def _alive(self, consumer_id: str, subscription: str | None) -> bool:
+        """The consumer is registered (its subscription still exists)."""
+        sub = self.core.subscriptions.get(subscription) if subscription else self.core._own
+        return sub is not None and consumer_id in sub.area.consumers
+
+    def _watch_death(self, consumer_id: str, actor, subscription: str | None) -> None:
         """Keep a call to the consumer's ``until_closed`` pending: Ray fails it as soon
         as it knows the actor is dead, which is the fastest notice Ray gives."""
         old = self._death_watches.pop(consumer_id, None)
@@ -136,8 +145,8 @@ class QueueActor:
             try:
                 await actor.until_closed.remote()
             except _ACTOR_GONE:
-                if consumer_id in self.core.area.consumers:
-                    self._consumer_died(consumer_id, "its actor is gone")
+                if self._alive(consumer_id, subscription):
+                    self._consumer_died(consumer_id, "its actor is gone", subscription)
             except Exception as exc:  # e.g. an old TargetList without until_closed
                 log.info("queue %r: no death watch on %s: %s", self.core.name, consumer_id, exc)
 
@@ -149,13 +158,15 @@ class QueueActor:
         actor is closed."""
         while True:
             await asyncio.sleep(WATCH_PERIOD_SECONDS)
-            for consumer_id, actor in self.core.silent_consumers(CONSUMER_SILENCE_SECONDS):
+            silent = self.core.silent_consumers(CONSUMER_SILENCE_SECONDS)
+            for consumer_id, actor, subscription in silent:
                 try:
                     await asyncio.wait_for(actor.ping.remote(), PING_TIMEOUT_SECONDS)
-                    self.core.heard_from(consumer_id)
+                    if self._alive(consumer_id, subscription):
+                        self.core.heard_from(consumer_id, subscription=subscription)
                 except _ACTOR_GONE:
-                    if consumer_id in self.core.area.consumers:
-                        self._consumer_died(consumer_id, "no answer to a ping")
+                    if self._alive(consumer_id, subscription):
+                        self._consumer_died(consumer_id, "no answer to a ping", subscription)
                 except asyncio.TimeoutError:
                     pass  # busy, not dead: ask again next round
 
@@ -191,63 +202,125 @@ class QueueActor:
         timeout: float,
         prefetch: int,
         selector: str | None = None,
+        subscription: str | None = None,
     ) -> tuple[tuple[np.ndarray, int], pa.RecordBatch]:
         """``fetch`` for a TargetList actor, called with ``num_returns=2``: a small
         ((offsets, bytes)) object and the batch as a separate object the caller owns
-        and can hand on by reference."""
+        and can hand on by reference. ``subscription``: an address's, by name."""
         await self._ensure_started()
-        batch = await self.core.fetch(consumer_id, max_messages, timeout, prefetch, selector)
+        batch = await self.core.fetch(
+            consumer_id, max_messages, timeout, prefetch, selector, subscription=subscription
+        )
         offsets = batch.column("offset").to_numpy() if batch.num_rows else np.zeros(0, np.int64)
         return (offsets, batch.nbytes), batch
 
     async def register_consumer(
-        self, consumer_id: str, prefetch: int, selector: str | None = None, watch=None
+        self,
+        consumer_id: str,
+        prefetch: int,
+        selector: str | None = None,
+        watch=None,
+        subscription: str | None = None,
     ) -> None:
         """Register a consumer with its prefetch, selector and TargetList actor handle."""
         await self._ensure_started()
-        self.core.register_consumer(consumer_id, prefetch, selector, watch)
+        self.core.register_consumer(
+            consumer_id, prefetch, selector, watch, subscription=subscription
+        )
         if watch is not None:
-            self._watch_death(consumer_id, watch)
+            self._watch_death(consumer_id, watch, subscription)
 
-    async def give_back(self, consumer_id: str, offsets: np.ndarray) -> int:
+    async def give_back(
+        self, consumer_id: str, offsets: np.ndarray, subscription: str | None = None
+    ) -> int:
         """Release prefetched messages never handed to the application."""
         await self._ensure_started()
-        return self.core.give_back(consumer_id, offsets)
+        return self.core.give_back(consumer_id, offsets, subscription=subscription)
 
-    async def consumer_stats(self, consumer_id: str) -> dict:
+    async def consumer_stats(self, consumer_id: str, subscription: str | None = None) -> dict:
         """The queue side of one consumer's TargetList."""
         await self._ensure_started()
-        return self.core.consumer_stats(consumer_id)
+        return self.core.consumer_stats(consumer_id, subscription=subscription)
 
     async def browse(
-        self, start: int, max_messages: int, selector: str | None = None
+        self,
+        start: int,
+        max_messages: int,
+        selector: str | None = None,
+        subscription: str | None = None,
     ) -> tuple[pa.RecordBatch, int]:
         """Unacknowledged messages from ``start`` on, changing nothing; and where to go on."""
         await self._ensure_started()
-        return self.core.browse(start, max_messages, selector)
+        return self.core.browse(start, max_messages, selector, subscription=subscription)
 
-    async def ack(self, consumer_id: str, offsets: np.ndarray) -> int:
+    async def ack(
+        self, consumer_id: str, offsets: np.ndarray, subscription: str | None = None
+    ) -> int:
         """Acknowledge; returns how many were newly acked, once durable."""
         await self._ensure_started()
-        return await self.core.ack(consumer_id, offsets)
+        return await self.core.ack(consumer_id, offsets, subscription=subscription)
 
-    async def nack(self, consumer_id: str, offsets: np.ndarray) -> int:
+    async def nack(
+        self, consumer_id: str, offsets: np.ndarray, subscription: str | None = None
+    ) -> int:
         """Release for redelivery with delivery count + 1."""
         await self._ensure_started()
-        return self.core.nack(consumer_id, offsets)
+        return self.core.nack(consumer_id, offsets, subscription=subscription)
 
-    async def reject(self, consumer_id: str, offsets: np.ndarray) -> int:
+    async def reject(
+        self, consumer_id: str, offsets: np.ndarray, subscription: str | None = None
+    ) -> int:
         """Move held messages to the dead-letter queue instead of delivering them again."""
         await self._ensure_started()
-        return self.core.reject(consumer_id, offsets)
+        return self.core.reject(consumer_id, offsets, subscription=subscription)
 
-    async def close_consumer(self, consumer_id: str, not_received: np.ndarray | None) -> int:
+    async def close_consumer(
+        self,
+        consumer_id: str,
+        not_received: np.ndarray | None,
+        subscription: str | None = None,
+    ) -> int:
         """Remove a consumer; what it held is delivered again."""
         await self._ensure_started()
         watch = self._death_watches.pop(consumer_id, None)
         if watch is not None:
             watch.cancel()
-        return self.core.close_consumer(consumer_id, not_received)
+        return self.core.close_consumer(consumer_id, not_received, subscription=subscription)
+
+    # -- an address's subscriptions ----------------------------------------------------
+
+    async def create_subscription(
+        self,
+        name: str,
+        filter: str | None = None,
+        start: str = "latest",
+        max_delivery_attempts: int | None = None,
+        dead_letter_queue: str | None = None,
+    ) -> SubscriptionSpec:
+        """Bind a subscription to this address (see ``QueueCore.create_subscription``)."""
+        await self._ensure_started()
+        return await self.core.create_subscription(
+            name,
+            filter=filter,
+            start=start,
+            max_delivery_attempts=max_delivery_attempts,
+            dead_letter_queue=dead_letter_queue,
+        )
+
+    async def delete_subscription(self, name: str) -> None:
+        """Unbind a subscription; its consumers are closed."""
+        await self._ensure_started()
+        await self.core.delete_subscription(name)
+
+    async def list_subscriptions(self) -> list[SubscriptionSpec]:
+        """The address's subscriptions."""
+        await self._ensure_started()
+        return self.core.list_subscriptions()
+
+    async def subscription_depths(self) -> dict[str, int]:
+        """Each subscription's depth (messages it has not acknowledged)."""
+        await self._ensure_started()
+        return self.core.subscription_depths()
 
     async def usage(self) -> tuple[QueueUsage, list[tuple[str, object]]]:
         """For the MemoryGovernor: the queue's usage (a ``QueueUsage``, bytes) on this
@@ -255,7 +328,8 @@ class QueueActor:
         await self._ensure_started()
         consumers = [
             (t.consumer_id, t.watch)
-            for t in self.core.area.consumers.values()
+            for sub in self.core.all_subscriptions()
+            for t in sub.area.consumers.values()
             if t.watch is not None
         ]
         return self.core.usage(ray.get_runtime_context().get_node_id()), consumers
@@ -265,10 +339,10 @@ class QueueActor:
         await self._ensure_started()
         self.core.set_budget(queue_bytes)
 
-    async def stats(self) -> QueueStats:
-        """A QueueStats snapshot."""
+    async def stats(self, subscription: str | None = None) -> QueueStats:
+        """A QueueStats snapshot of the queue (address), or of one subscription."""
         await self._ensure_started()
-        return self.core.stats()
+        return self.core.stats(subscription)
 
     async def config(self) -> QueueConfig:
         """The queue's settings."""

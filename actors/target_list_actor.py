@@ -61,6 +61,7 @@ class TargetListActor:
         self.consumer_id = ""
         self.prefetch = 0
         self.selector: str | None = None
+        self.subscription: str | None = None  # an address's subscription, by name
         self.targets = TargetList(0, 0, 0)
         self.loader = EagerLoader(self.targets, self._fetch, queue="")
         self._loader: asyncio.Task | None = None
@@ -93,10 +94,13 @@ class TargetListActor:
         high_watermark: int,
         high_watermark_bytes: int,
         pending_cache_bytes: int,
+        subscription: str | None = None,
     ) -> None:
-        """Become the TargetList of ``consumer_id``: register with the queue (it may
-        check our liveness) and start eager loading."""
+        """Become the TargetList of ``consumer_id``: register with the queue (or with
+        ``subscription`` of the address ``queue``; it may check our liveness) and start
+        eager loading."""
         self.queue_actor = queue_actor
+        self.subscription = subscription
         self.queue = queue
         self.consumer_id = consumer_id
         self.prefetch = prefetch
@@ -113,7 +117,7 @@ class TargetListActor:
         for our death to deliver again what we held."""
         me = ray.get_runtime_context().current_actor
         await self.queue_actor.register_consumer.remote(
-            self.consumer_id, self.prefetch, self.selector, me
+            self.consumer_id, self.prefetch, self.selector, me, self.subscription
         )
 
     async def _broker_namespace(self) -> str:
@@ -176,7 +180,12 @@ class TargetListActor:
                 await self._register()  # the queue actor watches us again
                 self._register_again = False
             self._in_flight = self.queue_actor.fetch_batch.options(num_returns=2).remote(
-                self.consumer_id, room, LOADER_POLL_SECONDS, self.prefetch, self.selector
+                self.consumer_id,
+                room,
+                LOADER_POLL_SECONDS,
+                self.prefetch,
+                self.selector,
+                self.subscription,
             )
         meta_ref, batch_ref = self._in_flight
         try:
@@ -221,7 +230,7 @@ class TargetListActor:
 
     async def _give_back(self, released: np.ndarray) -> int:
         if len(released):
-            await self.queue_actor.give_back.remote(self.consumer_id, released)
+            await self.queue_actor.give_back.remote(self.consumer_id, released, self.subscription)
         self.loader.wake()
         return len(released)
 
@@ -231,7 +240,9 @@ class TargetListActor:
 
     async def stats(self) -> dict:
         """The TargetList's levels and the queue's view of this consumer."""
-        queue_side = await self.queue_actor.consumer_stats.remote(self.consumer_id)
+        queue_side = await self.queue_actor.consumer_stats.remote(
+            self.consumer_id, self.subscription
+        )
         failures = self.loader.failures.stats()
         return {
             "consumer_id": self.consumer_id,
@@ -262,7 +273,9 @@ class TargetListActor:
         deadline = time.monotonic() + CLOSE_RETRY_SECONDS
         while True:
             try:
-                return await self.queue_actor.close_consumer.remote(self.consumer_id, rest)
+                return await self.queue_actor.close_consumer.remote(
+                    self.consumer_id, rest, self.subscription
+                )
             except ray.exceptions.ActorUnavailableError:
                 # Cut by a restart of the queue actor: ask the restarted one (it forgot
                 # what we held, so this only unregisters us).

@@ -7,12 +7,21 @@ from typing import TYPE_CHECKING, Any
 from raymq import errors
 
 if TYPE_CHECKING:
-    from raymq.client import Broker, Consumer, Message, Queue, connect
+    from raymq.client import Address, Broker, Consumer, Message, Queue, Subscription, connect
 
-__all__ = ["Broker", "Consumer", "Message", "Queue", "connect", "errors"]
+__all__ = [
+    "Address",
+    "Broker",
+    "Consumer",
+    "Message",
+    "Queue",
+    "Subscription",
+    "connect",
+    "errors",
+]
 __version__ = "0.1.0"
 
-_CLIENT = {"Broker", "Consumer", "Message", "Queue", "connect"}
+_CLIENT = {"Address", "Broker", "Consumer", "Message", "Queue", "Subscription", "connect"}
 
 
 def __getattr__(name: str) -> Any:

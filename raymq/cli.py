@@ -1,4 +1,5 @@
-"""The ``raymq`` command: start, stop and inspect a broker; create queues; send; consume.
+"""The ``raymq`` command: start, stop and inspect a broker; create queues, addresses and
+their subscriptions; send; consume.
 
 Every command joins a running Ray cluster (``ray start --head`` first; ``--address``
 or ``$RAY_ADDRESS``, default ``auto``: the cluster running on this machine), except
@@ -11,6 +12,7 @@ usage error (a wrong option or argument), as click does.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -29,7 +31,13 @@ from rich.console import Console
 from rich.table import Table
 
 from raymq._cli_ray import join_ray
-from raymq.errors import AddressFull, BrokerUnavailable, RayMQError
+from raymq.errors import (
+    AddressFull,
+    BrokerUnavailable,
+    QueueNotFound,
+    RayMQError,
+    SubscriptionNotFound,
+)
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4}
@@ -171,6 +179,14 @@ def setting_differences(running: Any, asked: dict[str, Any]) -> list[str]:
     return out
 
 
+def _counts(broker) -> str:
+    """``N queue(s)``, and ``, M address(es)`` when the broker has any."""
+    addresses = len(broker.list_addresses())
+    return f"{len(broker.list_queues())} queue(s)" + (
+        f", {addresses} address(es)" if addresses else ""
+    )
+
+
 def _running_broker(ctx: click.Context):
     """The broker running in the namespace, or None."""
     try:
@@ -249,7 +265,7 @@ def start(ctx: click.Context, **settings: Any) -> None:
     _say(
         f"RayMQ broker {'started' if started else 'already running'} in namespace"
         f" {broker.namespace}; paging directory {broker.config.paging_directory};"
-        f" {len(broker.list_queues())} queue(s)"
+        f" {_counts(broker)}"
     )
     from raymq.auth import check_token_auth
 
@@ -263,11 +279,11 @@ def start(ctx: click.Context, **settings: Any) -> None:
 @cli.command()
 @click.pass_context
 def stop(ctx: click.Context) -> None:
-    """Stop the broker's actors; every queue's files stay."""
+    """Stop the broker's actors; every queue's and address's files stay."""
     broker = _connect(ctx)
-    queues = broker.list_queues()
+    kept = _counts(broker)
     broker.shutdown()
-    _say(f"stopped the broker in namespace {broker.namespace}; {len(queues)} queue(s) kept")
+    _say(f"stopped the broker in namespace {broker.namespace}; {kept} kept")
 
 
 # -- status -----------------------------------------------------------------------------
@@ -328,14 +344,108 @@ def queue_order(queues: dict[str, dict]) -> list[str]:
     return order
 
 
+ADDRESS_NOTE = (
+    "an address stores each message once: its depth counts the messages some"
+    " subscription still needs, and its disk and caches serve all its subscriptions."
+    " A subscription's depth is its lag: messages it has not acknowledged (consume"
+    " them with raymq consume ADDRESS/SUBSCRIPTION)."
+)
+
+
+def subscription_stats(broker, name: str) -> dict[str, dict] | None:
+    """Each subscription's statistics of address ``name``, by subscription name (in the
+    order they were created); None if the address is gone. A subscription deleted
+    meanwhile is left out."""
+    from raymq.client import Subscription
+
+    try:
+        address = broker.get_address(name)
+        names = address.subscriptions()
+    except QueueNotFound:
+        return None
+    out = {}
+    for sub in names:
+        with contextlib.suppress(QueueNotFound):  # SubscriptionNotFound: deleted since
+            out[sub] = Subscription(address, sub).stats()
+    return out
+
+
 def _status(broker) -> dict[str, Any]:
     import ray
 
+    addresses = broker.list_addresses()
+    queues = broker.stats()  # queues and addresses
+    by_address = {}
+    for name in addresses:
+        stats = queues.pop(name, None)
+        subs = subscription_stats(broker, name) if stats is not None else None
+        if subs is not None:
+            by_address[name] = {**stats, "subscriptions": subs}
     return {
-        "queues": broker.stats(),
+        "queues": queues,
+        "addresses": by_address,
         "governor": broker.governor_stats(),
         "metrics": metrics_urls(ray.nodes()),
     }
+
+
+def subscription_sources(addresses: dict[str, dict]) -> dict[str, dict]:
+    """Every subscription's statistics by its full name, ``address/subscription``."""
+    return {
+        f"{address}/{sub}": s
+        for address, a in addresses.items()
+        for sub, s in a.get("subscriptions", {}).items()
+    }
+
+
+#: Columns of the queue and address tables of ``raymq status`` (after the name).
+STATS_COLUMNS = (
+    "depth", "in flight", "head cache", "read cache", "transient", "disk", "files",
+    "consumers", "budget", "policy", "blocked", "dead-lettered",
+)  # fmt: skip
+
+
+def _stats_table(title: str, first: str) -> Table:
+    table = Table(title=title)
+    for col in (first, *STATS_COLUMNS):
+        table.add_column(col, justify="left" if col in (first, "policy") else "right")
+    return table
+
+
+def _stats_cells(s: dict) -> list[str]:
+    """A queue's (or an address's) cells under ``STATS_COLUMNS``."""
+    policy = s["address_full_policy"]
+    if s["max_size_bytes"] > 0:
+        policy += f" at {_human(s['max_size_bytes'])}"
+    transient = s.get("transient_bytes_in_memory", 0)
+    return [
+        f"{s['depth']:,}",
+        f"{s['in_flight']:,}",
+        _human(s["head_cache_bytes"]) if s.get("durable", True) else "-",
+        _human(s.get("read_cache_bytes", 0)),
+        "-" if s.get("durable", True) else _human(transient),
+        _human(s["bytes_on_disk"]),
+        str(s["segment_files"]),
+        str(s["consumers"]),
+        "-" if s["memory_budget"] < 0 else _human(s["memory_budget"]),
+        policy,
+        str(s["blocked_producers"]) if s["blocked_producers"] else "",
+        _dead_lettered(s),
+    ]
+
+
+def _subscription_cells(s: dict) -> list[str]:
+    """A subscription's cells: its own lag, deliveries, head cache, consumers and dead
+    letters; blank where the figure is its address's (disk, read cache, budget...)."""
+    return [
+        f"{s['depth']:,}",
+        f"{s['in_flight']:,}",
+        _human(s["head_cache_bytes"]) if s.get("durable", True) else "-",
+        "", "", "", "",
+        str(s["consumers"]),
+        "", "", "",
+        _dead_lettered(s),
+    ]  # fmt: skip
 
 
 def _dead_lettered(s: dict) -> str:
@@ -348,55 +458,42 @@ def _dead_lettered(s: dict) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 @click.pass_context
 def status(ctx: click.Context, as_json: bool) -> None:
-    """Queues (depth, caches, disk, consumers, budget, policy, dead letters), the
-    MemoryGovernor and where each node's Prometheus metrics are.
+    """Queues (depth, caches, disk, consumers, budget, policy, dead letters);
+    addresses, each with its subscriptions and their lag; the MemoryGovernor and where
+    each node's Prometheus metrics are.
 
     \b
     Memory: "head cache" (undelivered messages of a durable queue in memory) and
     "read cache" (segment records read back from disk) can hold the same messages,
     so they are separate columns, not a sum. "transient": a non-durable queue's
-    messages in memory. --json has every figure of each queue and a "metrics" list
-    of URLs.
+    messages in memory. A subscription's depth is its lag (messages it has not
+    acknowledged). --json has every figure of each queue, of each address and its
+    "subscriptions" (by name), and a "metrics" list of URLs.
     """
     data = _status(_connect(ctx))
     if as_json:
         click.echo(json.dumps(data, indent=2, default=str))
         return
-    queues = data["queues"]
-    sources = dead_letter_sources(queues)
-    table = Table(title=f"queues in namespace {ctx.obj['namespace']}")
-    columns = (
-        "queue", "depth", "in flight", "head cache", "read cache", "transient", "disk",
-        "files", "consumers", "budget", "policy", "blocked", "dead-lettered",
-    )  # fmt: skip
-    for col in columns:
-        table.add_column(col, justify="left" if col in ("queue", "policy") else "right")
+    queues, addresses = data["queues"], data["addresses"]
+    # A subscription's dead-letter queue is labelled with it, as a queue's is.
+    sources = dead_letter_sources({**queues, **subscription_sources(addresses)})
+    table = _stats_table(f"queues in namespace {ctx.obj['namespace']}", "queue")
     for name in queue_order(queues):
-        s = queues[name]
-        policy = s["address_full_policy"]
-        if s["max_size_bytes"] > 0:
-            policy += f" at {_human(s['max_size_bytes'])}"
         label = name
         if name in sources:
             label += f" (DLQ of {', '.join(sorted(sources[name]))})"
-        transient = s.get("transient_bytes_in_memory", 0)
-        table.add_row(
-            label,
-            f"{s['depth']:,}",
-            f"{s['in_flight']:,}",
-            _human(s["head_cache_bytes"]) if s.get("durable", True) else "-",
-            _human(s.get("read_cache_bytes", 0)),
-            "-" if s.get("durable", True) else _human(transient),
-            _human(s["bytes_on_disk"]),
-            str(s["segment_files"]),
-            str(s["consumers"]),
-            "-" if s["memory_budget"] < 0 else _human(s["memory_budget"]),
-            policy,
-            str(s["blocked_producers"]) if s["blocked_producers"] else "",
-            _dead_lettered(s),
-        )
+        table.add_row(label, *_stats_cells(queues[name]))
     _print_table(table)
     _say(MEMORY_NOTE, style="dim")
+    if addresses:
+        table = _stats_table(f"addresses in namespace {ctx.obj['namespace']}", "address")
+        for name in sorted(addresses):
+            a = addresses[name]
+            table.add_row(name, *_stats_cells(a))
+            for sub, s in a["subscriptions"].items():
+                table.add_row(f"  {name}/{sub}", *_subscription_cells(s))
+        _print_table(table)
+        _say(ADDRESS_NOTE, style="dim")
     g = data["governor"]
     plan = g.get("plan") or {}
     gov = Table(title="MemoryGovernor")
@@ -424,55 +521,73 @@ def status(ctx: click.Context, as_json: bool) -> None:
     )
 
 
-# -- queues -----------------------------------------------------------------------------
+# -- queues and addresses ---------------------------------------------------------------
+
+#: The storage settings of ``create-queue`` and ``create-address`` (in help order).
+_STORAGE_OPTIONS = (
+    click.option(
+        "--durable/--transient",
+        default=True,
+        show_default=True,
+        help="Durable messages are fsynced; transient ones live in memory.",
+    ),
+    click.option(
+        "--max-size-bytes",
+        type=BYTES,
+        default=-1,
+        help="Artemis max_size_bytes: bytes of unacknowledged messages (-1: no limit).",
+    ),
+    click.option(
+        "--page-size-bytes",
+        type=BYTES,
+        default=10 * 2**20,
+        show_default=True,
+        help="Largest segment (page) file, bytes.",
+    ),
+    click.option(
+        "--address-full-policy",
+        type=click.Choice(["PAGE", "DROP", "FAIL", "BLOCK"]),
+        default="PAGE",
+        show_default=True,
+        help="What a send does at max_size_bytes.",
+    ),
+    click.option(
+        "--page-max-cache-size",
+        type=click.IntRange(min=0),
+        default=5,
+        show_default=True,
+        help="Segment files kept cached for reading.",
+    ),
+)
+
+
+def _storage_options(f):
+    for option in reversed(_STORAGE_OPTIONS):  # as if stacked above ``f`` in this order
+        f = option(f)
+    return f
+
+
+def _max_delivery_attempts_option(f):
+    return click.option(
+        "--max-delivery-attempts",
+        type=click.IntRange(min=1),
+        help="Deliveries before a message given back goes to the dead-letter queue"
+        " (default: no limit).",
+    )(f)
+
+
+_node_id_option = click.option("--node-id", help="Node for the queue's files (default: spread).")
 
 
 @cli.command("create-queue")
 @click.argument("name")
-@click.option(
-    "--durable/--transient",
-    default=True,
-    show_default=True,
-    help="Durable messages are fsynced; transient ones live in memory.",
-)
-@click.option(
-    "--max-size-bytes",
-    type=BYTES,
-    default=-1,
-    help="Artemis max_size_bytes: bytes of unacknowledged messages (-1: no limit).",
-)
-@click.option(
-    "--page-size-bytes",
-    type=BYTES,
-    default=10 * 2**20,
-    show_default=True,
-    help="Largest segment (page) file, bytes.",
-)
-@click.option(
-    "--address-full-policy",
-    type=click.Choice(["PAGE", "DROP", "FAIL", "BLOCK"]),
-    default="PAGE",
-    show_default=True,
-    help="What a send does at max_size_bytes.",
-)
-@click.option(
-    "--page-max-cache-size",
-    type=click.IntRange(min=0),
-    default=5,
-    show_default=True,
-    help="Segment files kept cached for reading.",
-)
-@click.option(
-    "--max-delivery-attempts",
-    type=click.IntRange(min=1),
-    help="Deliveries before a message given back goes to the dead-letter queue"
-    " (default: no limit).",
-)
+@_storage_options
+@_max_delivery_attempts_option
 @click.option(
     "--dead-letter-queue",
     help="Where dead letters go (default NAME.DLQ, created when first needed).",
 )
-@click.option("--node-id", help="Node for the queue's files (default: spread).")
+@_node_id_option
 @click.pass_context
 def create_queue(ctx: click.Context, name: str, **settings: Any) -> None:
     """Create a queue (or confirm it exists with these settings)."""
@@ -481,6 +596,121 @@ def create_queue(ctx: click.Context, name: str, **settings: Any) -> None:
             del settings[optional]
     q = _connect(ctx).create_queue(name, **settings)
     _say(f"queue {q.name!r} ready")
+
+
+@cli.command("create-address")
+@click.argument("name")
+@_storage_options
+@_node_id_option
+@click.pass_context
+def create_address(ctx: click.Context, name: str, **settings: Any) -> None:
+    """Create an address (or confirm it exists with these settings): each message sent
+    to it is stored once and delivered to every subscription (raymq subscribe) bound
+    to it when it is sent; with no subscription, nobody gets it. max_size_bytes and the
+    policy count what some subscription still needs.
+    """
+    a = _connect(ctx).create_address(name, **settings)
+    _say(f"address {a.name!r} ready")
+
+
+def find_address(broker, name: str):
+    """The ``Address`` named; ``QueueNotFound`` (saying so when it is a queue) if none."""
+    if name in broker.list_addresses():
+        return broker.get_address(name)
+    from raymq.config import validate_queue_name
+
+    validate_queue_name(name)  # a name that can be no address says why
+    if name in broker.list_queues():
+        raise QueueNotFound(
+            f"{name!r} is a queue, not an address (raymq create-address makes an address)"
+        )
+    raise QueueNotFound(f"address {name!r} does not exist in namespace {broker.namespace!r}")
+
+
+def find_target(broker, name: str):
+    """What ``name`` names: ``ADDRESS/SUBSCRIPTION``, a ``Subscription``; else an
+    ``Address`` or a ``Queue``. Raises ``QueueNotFound`` or ``SubscriptionNotFound``
+    (listing the address's subscriptions) if there is none."""
+    if "/" in name:  # no queue or address name holds one
+        address_name, _, sub = name.partition("/")
+        address = find_address(broker, address_name)
+        subs = address.subscriptions()
+        if sub not in subs:
+            raise SubscriptionNotFound(
+                f"address {address_name!r} has no subscription {sub!r}"
+                f" (it has: {', '.join(subs) or 'none'})"
+            )
+        from raymq.client import Subscription
+
+        return Subscription(address, sub)
+    if name in broker.list_addresses():
+        return broker.get_address(name)
+    try:
+        return broker.get_queue(name)
+    except QueueNotFound:
+        raise QueueNotFound(
+            f"no queue or address {name!r} in namespace {broker.namespace!r}"
+        ) from None
+
+
+def _check_selector(selector: str, where: str) -> None:
+    """A malformed selector fails here, naming ``where`` (``queue 'q'``...)."""
+    from raymq.errors import SelectorError
+    from raymq.selector import Selector
+
+    try:
+        Selector(selector)
+    except SelectorError as exc:
+        raise SelectorError(f"{where}: {exc}") from None
+
+
+@cli.command()
+@click.argument("address")
+@click.argument("subscription")
+@click.option(
+    "--selector",
+    help="Route to it only the messages this JMS selector selects, e.g. \"color = 'red'\""
+    " (default: all).",
+)
+@click.option(
+    "--start",
+    type=click.Choice(["latest", "earliest"]),
+    default="latest",
+    show_default=True,
+    help="latest: from the next message sent; earliest: from the oldest message the"
+    " address still stores.",
+)
+@_max_delivery_attempts_option
+@click.option(
+    "--dead-letter-queue",
+    help="Where dead letters go (default ADDRESS.SUBSCRIPTION.DLQ, created when first needed).",
+)
+@click.pass_context
+def subscribe(
+    ctx: click.Context,
+    address: str,
+    subscription: str,
+    selector: str | None,
+    start: str,
+    max_delivery_attempts: int | None,
+    dead_letter_queue: str | None,
+) -> None:
+    """Bind SUBSCRIPTION to ADDRESS (or confirm it exists with these settings): a queue
+    of its own over the address's messages; consume it with raymq consume
+    ADDRESS/SUBSCRIPTION.
+    """
+    where = f"subscription {f'{address}/{subscription}'!r}"
+    if selector is not None:
+        _check_selector(selector, where)
+    a = find_address(_connect(ctx), address)
+    sub = a.create_subscription(
+        subscription,
+        selector=selector,
+        start=start,
+        max_delivery_attempts=max_delivery_attempts,
+        dead_letter_queue=dead_letter_queue,
+    )
+    _say(f"subscription {sub.name!r} ready")
 
 
 # -- send -------------------------------------------------------------------------------
@@ -571,11 +801,25 @@ def send(
     batch_size: int,
     timeout: float | None,
 ) -> None:
-    """Send messages: BODIES, the lines of --stdin, or --count generated ones."""
+    """Send messages to QUEUE (a queue or an address): BODIES, the lines of --stdin, or
+    --count generated ones."""
+    from raymq.client import Address, Subscription
+
     properties = dict(_parse_property(p) for p in props) or None
     if not bodies and not from_stdin and not count:
         raise click.UsageError("nothing to send: give BODIES, --stdin or --count")
-    q = _connect(ctx).get_queue(queue)
+    q = find_target(_connect(ctx), queue)
+    if isinstance(q, Subscription):
+        raise click.ClickException(
+            f"{queue!r} is a subscription: it receives what is sent to its address"
+            f" (raymq send {q.address.name} ...)"
+        )
+    to = f"address {queue!r}" if isinstance(q, Address) else repr(queue)
+    if isinstance(q, Address) and not q.subscriptions():
+        _warn(
+            f"address {queue!r} has no subscription: what is sent to it reaches nobody"
+            f" (raymq subscribe {queue} NAME first)"
+        )
     props_bytes = len(json.dumps(properties)) if properties else 0  # an estimate, for hints
     given = [b.encode() for b in bodies]
     lines = (line.rstrip("\n").encode() for line in sys.stdin) if from_stdin else ()
@@ -601,7 +845,7 @@ def send(
             task = progress.add_task(f"sending to {queue}", total=count)
             send_all((body for _ in range(count)), lambda n: progress.advance(task, n))
     dropped = f" ({wanted - sent} dropped by the DROP policy)" if sent < wanted else ""
-    _say(f"sent {sent} message(s) to {queue!r}{dropped}")
+    _say(f"sent {sent} message(s) to {to}{dropped}")
 
 
 # -- consume ----------------------------------------------------------------------------
@@ -694,7 +938,10 @@ def drain(consumer, max_messages: int, timeout: float, handle) -> int:
 
 @cli.command()
 @click.argument("queue")
-@click.option("--selector", help="JMS message selector, e.g. \"color = 'red'\".")
+@click.option(
+    "--selector",
+    help="JMS message selector, e.g. \"color = 'red'\" (for a subscription: on top of its own).",
+)
 @click.option(
     "-n",
     "--max-messages",
@@ -723,21 +970,26 @@ def consume(
     no_ack: bool,
     as_json: bool,
 ) -> None:
-    """Receive (and acknowledge) messages and print them.
+    """Receive (and acknowledge) messages of QUEUE, a queue or an address's subscription
+    (ADDRESS/SUBSCRIPTION), and print them.
 
     A selector naming a property that no message of the queue carries (among the first
     10,000) gets a warning on stderr: an unquoted value such as colour = red compares
     two properties and matches nothing.
     """
-    q = _connect(ctx).get_queue(queue)
-    if selector is not None:
-        from raymq.errors import SelectorError
-        from raymq.selector import Selector
+    from raymq.client import Address, Subscription
 
-        try:
-            Selector(selector)  # a malformed selector fails here, before browsing
-        except SelectorError as exc:
-            raise SelectorError(f"queue {queue!r}: {exc}") from None
+    broker = _connect(ctx)
+    q = find_target(broker, queue)
+    if isinstance(q, Address):
+        subs = q.subscriptions()
+        raise click.ClickException(
+            f"{queue!r} is an address: consume one of its subscriptions,"
+            f" raymq consume {queue}/SUBSCRIPTION (it has: {', '.join(subs) or 'none'})"
+        )
+    if selector is not None:
+        kind = "subscription" if isinstance(q, Subscription) else "queue"
+        _check_selector(selector, f"{kind} {queue!r}")  # before browsing
         unseen, looked, whole = unseen_properties(q, selector)
         if unseen and looked:  # an empty queue says nothing about names
             _warn(selector_warning(queue, selector, unseen, looked, whole))

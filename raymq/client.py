@@ -38,8 +38,10 @@ from raymq.errors import (
     ConsumerClosed,
     InvalidAck,
     InvalidSetting,
+    QueueNotFound,
     RayMQError,
     SelectorError,
+    SubscriptionNotFound,
 )
 from raymq.properties import decode_properties, encode_properties, validate_properties
 from raymq.selector import Selector
@@ -199,13 +201,61 @@ class Broker:
         validate_queue_name(name)
         return Queue(self, name, _call(self._actor.get_queue, name))
 
+    def create_address(
+        self,
+        name: str,
+        *,
+        durable: bool = True,
+        max_size_bytes: int = -1,
+        page_size_bytes: int = 10 * 2**20,
+        address_full_policy: str = "PAGE",
+        page_max_cache_size: int = 5,
+        node_id: str | None = None,
+    ) -> Address:
+        """Create an address (Artemis's multicast address), or return it if it exists
+        with equal settings: a message sent to it is stored once and delivered to each
+        of its subscriptions (``Address.create_subscription``).
+
+        ``max_size_bytes`` and ``address_full_policy`` apply to what any subscription
+        still needs. Raises as ``create_queue`` does (``QueueExists`` when a queue or an
+        address of that name exists with other settings).
+        """
+        cfg = QueueConfig(
+            name,
+            durable,
+            max_size_bytes,
+            page_size_bytes,
+            address_full_policy,
+            page_max_cache_size,
+            address=True,
+        )
+        return Address(self, name, _call(self._actor.create_queue, cfg, node_id))
+
+    def get_address(self, name: str) -> Address:
+        """The handle of an existing address; ``QueueNotFound`` if there is none."""
+        validate_queue_name(name)
+        if name not in self.list_addresses():
+            raise QueueNotFound(f"address {name!r} does not exist")
+        return Address(self, name, _call(self._actor.get_queue, name))
+
+    def delete_address(self, name: str) -> None:
+        """Delete an address with its subscriptions, messages and files."""
+        validate_queue_name(name)
+        if name not in self.list_addresses():
+            raise QueueNotFound(f"address {name!r} does not exist")
+        _call(self._actor.delete_queue, name)
+
+    def list_addresses(self) -> list[str]:
+        """Names of the broker's addresses."""
+        return _call(self._actor.list_addresses)
+
     def delete_queue(self, name: str) -> None:
         """Delete a queue with its messages and files."""
         validate_queue_name(name)
         _call(self._actor.delete_queue, name)
 
     def list_queues(self) -> list[str]:
-        """Names of the broker's queues."""
+        """Names of the broker's queues (not its addresses)."""
         return _call(self._actor.list_queues)
 
     def queue_nodes(self) -> dict[str, str]:
@@ -213,8 +263,8 @@ class Broker:
         return _call(self._actor.queue_nodes)
 
     def stats(self) -> dict[str, dict]:
-        """Each queue's statistics as a dict, by queue name."""
-        names = self.list_queues()
+        """Each queue's (and address's) statistics as a dict, by name."""
+        names = _call(self._actor.list_all)
         handles = [_call(self._actor.get_queue, n) for n in names]
         return {
             n: s.to_dict()
@@ -345,9 +395,14 @@ def _send_channel(queue: Queue) -> SendChannel | None:
 class Queue:
     """Handle of one queue: send, consume, inspect."""
 
+    #: The address subscription this handle consumes from (None: a queue).
+    subscription_name: str | None = None
+
     def __init__(self, broker: Broker, name: str, actor):
         self.broker = broker
         self.name = name
+        #: The name of the actor's queue or address (what a TargetList finds it by).
+        self.actor_name = name
         self._actor = actor
         self._coalescers: dict[float | None, _Coalescer] = {}
         self._coalescers_lock = threading.Lock()
@@ -508,14 +563,117 @@ class Queue:
         _check_count("batch_size", batch_size)
         pos = 0
         while True:
-            batch, pos = _call(self._actor.browse, pos, batch_size, selector)
+            batch, pos = _call(
+                self._actor.browse, pos, batch_size, selector, self.subscription_name
+            )
             yield from _messages(batch)
             if batch.num_rows < batch_size:  # the queue walks to its end before stopping short
                 return
 
     def stats(self) -> dict[str, Any]:
         """Depth, bytes in memory and on disk, segment files, consumers and rates."""
-        return _call(self._actor.stats).to_dict()
+        return _call(self._actor.stats, self.subscription_name).to_dict()
+
+
+class Address(Queue):
+    """Handle of one address: send as to a queue (same calls, same errors, same send
+    channel); consume from its subscriptions."""
+
+    def __repr__(self) -> str:
+        return f"Address({self.name!r})"
+
+    def create_subscription(
+        self,
+        name: str,
+        *,
+        selector: str | None = None,
+        start: str = "latest",
+        max_delivery_attempts: int | None = None,
+        dead_letter_queue: str | None = None,
+    ) -> Subscription:
+        """Bind a subscription (or return it, if it exists with equal settings): a
+        queue of its own over the address's one stored copy.
+
+        ``selector`` is a filter applied when a message is routed to it (a consumer's
+        selector applies on top); ``start`` is ``"latest"`` (from the next message sent)
+        or ``"earliest"`` (from the oldest message the address still stores). Dead
+        letters go to ``dead_letter_queue`` (default ``f"{address}.{name}.DLQ"``).
+        Raises ``SubscriptionExists``, ``SelectorError``, ``InvalidQueueName`` or
+        ``InvalidSetting``.
+        """
+        _call(
+            self._actor.create_subscription,
+            name,
+            selector,
+            start,
+            max_delivery_attempts,
+            dead_letter_queue,
+        )
+        return Subscription(self, name)
+
+    def subscription(self, name: str) -> Subscription:  # type: ignore[override]
+        """The handle of an existing subscription; ``SubscriptionNotFound`` if none."""
+        if name not in self.subscriptions():
+            raise SubscriptionNotFound(f"address {self.name!r} has no subscription {name!r}")
+        return Subscription(self, name)
+
+    def subscriptions(self) -> list[str]:
+        """Names of the address's subscriptions, in the order they were created."""
+        return [spec.name for spec in _call(self._actor.list_subscriptions)]
+
+    def delete_subscription(self, name: str) -> None:
+        """Unbind a subscription: its consumers are closed, its hold on every stored
+        message is released."""
+        _call(self._actor.delete_subscription, name)
+
+    def consumer(self, *args, **kwargs) -> Consumer:
+        """Addresses are consumed through their subscriptions."""
+        raise TypeError(
+            f"address {self.name!r} is consumed through a subscription:"
+            " address.subscription(name).consumer()"
+        )
+
+    def browse(self, *args, **kwargs) -> Iterator[Message]:
+        """Addresses are browsed through their subscriptions."""
+        raise TypeError(
+            f"address {self.name!r} is browsed through a subscription:"
+            " address.subscription(name).browse()"
+        )
+
+    def stats(self) -> dict[str, Any]:
+        """The address's statistics (its depth counts what any subscription still
+        needs) and each subscription's lag (messages it has not acknowledged)."""
+        out = _call(self._actor.stats).to_dict()
+        out["subscriptions"] = _call(self._actor.subscription_depths)
+        return out
+
+
+class Subscription(Queue):
+    """Handle of one subscription of an address: a queue for its consumers (consume,
+    browse, stats as a queue's); messages are sent to its address."""
+
+    def __init__(self, address: Address, name: str):
+        super().__init__(address.broker, f"{address.name}/{name}", address._actor)
+        self.address = address
+        self.subscription_name = name
+        self.actor_name = address.name
+
+    def __repr__(self) -> str:
+        return f"Subscription({self.address.name!r}, {self.subscription_name!r})"
+
+    def _refuse_send(self, *args, **kwargs):
+        raise TypeError(
+            f"subscription {self.name!r} receives what is sent to its address:"
+            f" send to address {self.address.name!r}"
+        )
+
+    send = send_batch = _refuse_send
+
+    async def send_async(self, *args, **kwargs):
+        """Messages are sent to the address, not to one of its subscriptions."""
+        self._refuse_send()
+
+    send_batch_async = send_async
 
 
 @dataclass
@@ -557,6 +715,7 @@ class Consumer:
         self.selector = selector
         self.consumer_id = uuid.uuid4().hex
         self._actor = queue._actor
+        self._subscription = queue.subscription_name
         self._buffer: pa.RecordBatch | None = None  # taken from the TargetList, not yet handed out
         self._closed = False
         # Pipelined acks in flight: each call's future and the ack() offsets it carries.
@@ -570,13 +729,14 @@ class Consumer:
         _call(
             self.target_list.start,
             queue._actor,
-            queue.name,
+            queue.actor_name,
             self.consumer_id,
             prefetch,
             selector,
             prefetch if high_watermark is None else high_watermark,
             high_watermark_bytes,
             pending_cache_bytes,
+            queue.subscription_name,
             retry=False,
         )
 
@@ -658,7 +818,7 @@ class Consumer:
         if wait:
             self._send_acks()
             self._check_acks(block=False)
-            return _call(self._actor.ack, self.consumer_id, offsets)
+            return _call(self._actor.ack, self.consumer_id, offsets, self._subscription)
         self._unsent_acks.append(offsets)
         self._unsent_count += len(offsets)
         if self._unsent_count >= max(self.prefetch // 2, 1):
@@ -672,7 +832,9 @@ class Consumer:
             return
         parts, self._unsent_acks, self._unsent_count = self._unsent_acks, [], 0
         offsets = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        self._acks.append((self._actor.ack.remote(self.consumer_id, offsets).future(), parts))
+        self._acks.append(
+            (self._actor.ack.remote(self.consumer_id, offsets, self._subscription).future(), parts)
+        )
 
     def flush(self) -> None:
         """Wait for every pipelined ack (``ack(wait=False)``); raise the first error."""
@@ -714,7 +876,7 @@ class Consumer:
         first: InvalidAck | None = None
         for offsets in parts:
             try:
-                _call(self._actor.ack, self.consumer_id, offsets)
+                _call(self._actor.ack, self.consumer_id, offsets, self._subscription)
             except InvalidAck as exc:
                 first = first or exc
         return first
@@ -723,7 +885,7 @@ class Consumer:
         """Give messages back: they are delivered again with ``delivery_count`` + 1."""
         self._check_open()
         self._send_acks()  # in order: what was acked before is not given back
-        return _call(self._actor.nack, self.consumer_id, _offsets_of(messages))
+        return _call(self._actor.nack, self.consumer_id, _offsets_of(messages), self._subscription)
 
     def reject(self, messages: Message | int | Iterable | pa.RecordBatch | pa.Table) -> int:
         """Give up on messages: they go to the queue's dead-letter queue (with
@@ -734,7 +896,9 @@ class Consumer:
         """
         self._check_open()
         self._send_acks()  # in order, as for nack
-        return _call(self._actor.reject, self.consumer_id, _offsets_of(messages))
+        return _call(
+            self._actor.reject, self.consumer_id, _offsets_of(messages), self._subscription
+        )
 
     def backlog(self) -> int:
         """Messages the queue has for this consumer that it has not received yet.
@@ -776,7 +940,7 @@ class Consumer:
         try:
             _call(self.target_list.close, not_received, retry=False)
         except BrokerUnavailable:  # the TargetList died: the queue releases what it held
-            _call(self._actor.close_consumer, self.consumer_id, not_received)
+            _call(self._actor.close_consumer, self.consumer_id, not_received, self._subscription)
         finally:
             ray.kill(self.target_list, no_restart=True)
         if ack_error is not None:

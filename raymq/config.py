@@ -65,7 +65,7 @@ def validate_queue_name(name: object) -> str:
     return name
 
 
-def _check_int(setting: str, value: object, *, minimum: int, allow_minus_one: bool = False) -> int:
+def check_int(setting: str, value: object, *, minimum: int, allow_minus_one: bool = False) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{setting} must be int, not {type(value).__name__}")
     if allow_minus_one and value == -1:
@@ -94,21 +94,26 @@ class QueueConfig:
     max_delivery_attempts: int | None = None
     #: Where dead letters go; None: ``f"{name}.DLQ"``, created when first needed.
     dead_letter_queue: str | None = None
+    #: An address (Artemis's multicast address): messages stored once, delivered to
+    #: each of its subscriptions; False: a queue.
+    address: bool = False
 
     def __post_init__(self) -> None:
         validate_queue_name(self.name)
-        if not isinstance(self.durable, bool):
-            raise TypeError(f"durable must be bool, not {type(self.durable).__name__}")
-        _check_int("max_size_bytes", self.max_size_bytes, minimum=1, allow_minus_one=True)
-        _check_int("page_size_bytes", self.page_size_bytes, minimum=4096)
-        _check_int("page_max_cache_size", self.page_max_cache_size, minimum=0)
+        for setting in ("durable", "address"):
+            value = getattr(self, setting)
+            if not isinstance(value, bool):
+                raise TypeError(f"{setting} must be bool, not {type(value).__name__}")
+        check_int("max_size_bytes", self.max_size_bytes, minimum=1, allow_minus_one=True)
+        check_int("page_size_bytes", self.page_size_bytes, minimum=4096)
+        check_int("page_max_cache_size", self.page_max_cache_size, minimum=0)
         if self.address_full_policy not in ADDRESS_FULL_POLICIES:
             raise InvalidSetting(
                 f"address_full_policy={self.address_full_policy!r} for queue {self.name!r}"
                 f" is not one of {', '.join(ADDRESS_FULL_POLICIES)}"
             )
         if self.max_delivery_attempts is not None:
-            _check_int("max_delivery_attempts", self.max_delivery_attempts, minimum=1)
+            check_int("max_delivery_attempts", self.max_delivery_attempts, minimum=1)
         if self.dead_letter_queue is not None:
             validate_queue_name(self.dead_letter_queue)
         else:  # the default name must be valid too (a name near the length limit)
@@ -158,15 +163,15 @@ class BrokerConfig:
         if not isinstance(self.paging_directory, str | os.PathLike):
             raise TypeError("paging_directory must be a path")
         object.__setattr__(self, "paging_directory", os.fspath(self.paging_directory))
-        _check_int("max_message_size", self.max_message_size, minimum=1)
-        _check_int("head_cache_bytes", self.head_cache_bytes, minimum=0)
+        check_int("max_message_size", self.max_message_size, minimum=1)
+        check_int("head_cache_bytes", self.head_cache_bytes, minimum=0)
         for name in ("checkpoint_interval", "housekeeping_period"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
                 raise InvalidSetting(f"{name}={value!r} must be a number of seconds > 0")
-        _check_int("scrub_bytes_per_second", self.scrub_bytes_per_second, minimum=0)
+        check_int("scrub_bytes_per_second", self.scrub_bytes_per_second, minimum=0)
         if self.flow_to_disk_threshold is not None:
-            _check_int("flow_to_disk_threshold", self.flow_to_disk_threshold, minimum=1)
+            check_int("flow_to_disk_threshold", self.flow_to_disk_threshold, minimum=1)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> BrokerConfig:

@@ -62,3 +62,11 @@ class StorageError(RayMQError, OSError):
 class ReadStalled(BrokerUnavailable):
     """A read of a whole queue (into a Dataset or a DataFrame) got nothing for minutes
     while the queue still had messages for it; nothing it read was acknowledged."""
+
+
+class SubscriptionNotFound(QueueNotFound):
+    """No subscription of that name is bound to the address."""
+
+
+class SubscriptionExists(QueueExists):
+    """A subscription of that name exists already on the address with different settings."""

@@ -183,6 +183,11 @@ def test_ray_errors_are_one_line(monkeypatch, capsys):
         ["send", "q", "x", "--timeout", "-2"],
         ["create-queue", "q", "--max-delivery-attempts", "0"],
         ["create-queue", "q", "--page-max-cache-size", "-1"],
+        ["create-address", "a", "--address-full-policy", "NONE"],
+        ["create-address", "a", "--max-delivery-attempts", "3"],  # a subscription's
+        ["subscribe", "a"],
+        ["subscribe", "a", "s", "--start", "middle"],
+        ["subscribe", "a", "s", "--max-delivery-attempts", "0"],
         ["start", "--housekeeping-period", "0"],
         ["bench", "no-such-bench"],
         ["no-such-command"],
@@ -199,10 +204,20 @@ def test_usage_errors_exit_2_before_touching_ray(monkeypatch, capsys, args):
 
 
 def test_help_explains_each_command_and_the_exit_status(capsys):
-    for command in ("start", "stop", "status", "create-queue", "send", "consume", "bench"):
+    commands = (
+        "start", "stop", "status", "create-queue", "create-address", "subscribe", "send",
+        "consume", "bench",
+    )  # fmt: skip
+    for command in commands:
         assert main([command, "--help"]) == 0
         out = capsys.readouterr().out
         assert out.startswith(f"Usage: raymq {command}") and "--help" in out
+    assert main(["subscribe", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "Usage: raymq subscribe [OPTIONS] ADDRESS SUBSCRIPTION" in out
+    assert all(o in out for o in ("--selector", "--start", "--dead-letter-queue"))
+    assert main(["consume", "--help"]) == 0
+    assert "ADDRESS/SUBSCRIPTION" in capsys.readouterr().out
     assert main(["send", "--help"]) == 0
     assert "--batch-size" in capsys.readouterr().out
     assert main(["create-queue", "--help"]) == 0
@@ -210,7 +225,8 @@ def test_help_explains_each_command_and_the_exit_status(capsys):
     assert "--max-delivery-attempts" in out and "--dead-letter-queue" in out
     assert main(["--help"]) == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert all(c in out for c in ("create-queue", "consume", "bench", "status"))
+    assert all(c in out for c in ("create-queue", "consume", "bench", "status", "subscribe"))
+    assert "create-address" in out
     assert "1 on an error" in out and "2 on a usage error" in out
     assert "Exit status: 0 on success; 1 on an error" in " ".join(cli.__doc__.split())
 
@@ -532,6 +548,121 @@ def test_create_queue_passes_dead_letter_settings_only_when_given(monkeypatch, c
     ok(capsys, "any", "create-queue", "b", "--max-delivery-attempts", "3")
     assert "max_delivery_attempts" not in made[0] and "dead_letter_queue" not in made[0]
     assert made[1]["max_delivery_attempts"] == 3 and "dead_letter_queue" not in made[1]
+
+
+# -- addresses and subscriptions --------------------------------------------------------
+
+
+def _row(out: str, label: str) -> list[str]:
+    """The cells of the status table row whose first cell is ``label``."""
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.split("│")[1:-1]]
+        if cells and cells[0] == label:
+            return cells
+    raise AssertionError(f"no row {label!r} in:\n{out}")
+
+
+def test_addresses_subscriptions_send_consume_status(ns, capsys):
+    args = ("--max-size-bytes", "1MiB", "--address-full-policy", "FAIL")
+    out = ok(capsys, ns, "create-address", "events", *args)
+    assert "address 'events' ready" in out
+    # No subscription yet: the message reaches nobody, and the command says so.
+    code, out, err = run(capsys, ns, "send", "events", "lost")
+    assert code == 0 and "sent 1 message(s) to address 'events'" in out
+    assert err.startswith("raymq: warning: ") and len(err.strip().splitlines()) == 1
+    assert "no subscription" in err and "raymq subscribe events" in err
+
+    out = ok(capsys, ns, "subscribe", "events", "audit")
+    assert "subscription 'events/audit' ready" in out
+    ok(capsys, ns, "subscribe", "events", "audit")  # again, same settings: fine
+    code, out, err = run(capsys, ns, "send", "events", "a", "-p", "color=blue")
+    assert code == 0 and err == "" and "sent 1 message(s) to address 'events'" in out
+    ok(capsys, ns, "subscribe", "events", "red", "--selector", "color = 'red'", "--start=earliest")
+    ok(capsys, ns, "subscribe", "events", "all", "--start", "earliest")
+    ok(capsys, ns, "subscribe", "events", "late")
+    ok(capsys, ns, "create-queue", "poison")
+    args = ("--max-delivery-attempts", "1", "--dead-letter-queue", "poison")
+    ok(capsys, ns, "subscribe", "events", "dl", *args)
+    ok(capsys, ns, "send", "events", "b", "c", "-p", "color=red")
+
+    status = status_json(capsys, ns)
+    assert "events" not in status["queues"] and set(status["queues"]) == {"poison"}
+    events = status["addresses"]["events"]
+    assert events["max_size_bytes"] == 2**20 and events["address_full_policy"] == "FAIL"
+    subs = events["subscriptions"]
+    assert list(subs) == ["audit", "red", "all", "late", "dl"]  # as created
+    lags = {name: s["depth"] for name, s in subs.items()}
+    assert lags == {"audit": 3, "red": 2, "all": 3, "late": 2, "dl": 2}
+    assert subs["dl"]["dead_letter_queue"] == "poison"
+    out = ok(capsys, ns, "status")
+    assert f"addresses in namespace {ns}" in out and "its lag" in " ".join(out.split())
+    assert _row(out, "events")[1:2] == ["3"] and "FAIL at 1.0 MiB" in _row(out, "events")
+    assert _row(out, "events/audit")[1:3] == ["3", "0"]  # depth (lag), in flight
+    assert _row(out, "events/red")[1] == "2" and _row(out, "events/late")[1] == "2"
+    assert _row(out, "events/red")[6] == ""  # disk: the address's, not repeated
+    assert _row(out, "poison (DLQ of events/dl)")[1] == "0"
+    out = ok(capsys, ns, "start")
+    assert "already running" in out and "1 queue(s), 1 address(es)" in out
+
+    out = ok(capsys, ns, "consume", "events/red", "--json")
+    assert [json.loads(x)["body"] for x in out.splitlines()] == ["b", "c"]
+    out = ok(capsys, ns, "consume", "events/all", "--selector", "color = 'blue'", "--json")
+    assert [json.loads(x)["body"] for x in out.splitlines()] == ["a"]
+    out = ok(capsys, ns, "consume", "events/audit", "-n", "2")
+    assert "2 message(s) from 'events/audit'" in out
+    subs = status_json(capsys, ns)["addresses"]["events"]["subscriptions"]
+    lags = {name: s["depth"] for name, s in subs.items()}
+    assert lags == {"audit": 1, "red": 0, "all": 2, "late": 2, "dl": 2}
+
+
+def test_address_and_subscription_errors_are_one_line(ns, capsys):
+    ok(capsys, ns, "create-address", "events")
+    ok(capsys, ns, "create-queue", "orders")
+    ok(capsys, ns, "subscribe", "events", "audit")
+    cases = [
+        (("subscribe", "nowhere", "s"), ["address 'nowhere' does not exist"]),
+        (("subscribe", "orders", "s"), ["'orders' is a queue, not an address"]),
+        (("subscribe", "events", "a/b"), ["'a/b'"]),
+        (("subscribe", "events", "bad", "--selector", "color = "),
+         ["subscription 'events/bad'", "position"]),
+        (("subscribe", "events", "audit", "--start", "earliest", "--selector", "a = 1"),
+         ["'audit'", "other settings"]),
+        (("consume", "events/nosub"), ["no subscription 'nosub'", "it has: audit"]),
+        (("consume", "nowhere/audit"), ["address 'nowhere' does not exist"]),
+        (("consume", "events"), ["'events' is an address", "events/SUBSCRIPTION", "audit"]),
+        (("consume", "events/audit", "--selector", "color = "),
+         ["subscription 'events/audit'", "position"]),
+        (("send", "events/audit", "x"), ["is a subscription", "raymq send events "]),
+        (("send", "nowhere", "x"), ["no queue or address 'nowhere'"]),
+        (("create-address", "orders"), ["'orders' exists, as a queue"]),
+        (("create-queue", "events"), ["'events' exists, as an address"]),
+    ]  # fmt: skip
+    for args, parts in cases:
+        code, out, err = run(capsys, ns, *args)
+        line = one_error_line(err)
+        assert code == 1 and out == "", (args, out)
+        assert all(p in line for p in parts), (args, line)
+    # Nothing was made by the failures.
+    status = status_json(capsys, ns)
+    assert list(status["addresses"]["events"]["subscriptions"]) == ["audit"]
+    assert set(status["queues"]) == {"orders"}
+
+
+def test_subscription_sources_label_their_dead_letter_queues():
+    subs = {
+        "audit": {"dead_letter_queue": "events.audit.DLQ"},
+        "billing": {"dead_letter_queue": "shared"},
+    }
+    addresses = {"events": {"dead_letter_queue": "events.DLQ", "subscriptions": subs}}
+    flat = cli.subscription_sources(addresses)
+    assert set(flat) == {"events/audit", "events/billing"}
+    queues = {"events.audit.DLQ": {}, "shared": {}, "orders": {"dead_letter_queue": "shared"}}
+    assert cli.dead_letter_sources({**queues, **flat}) == {
+        "events.audit.DLQ": ["events/audit"],
+        "shared": ["orders", "events/billing"],
+    }
+    sub = {"depth": 1, "in_flight": 0, "head_cache_bytes": 0, "consumers": 0}
+    assert len(cli._subscription_cells(sub)) == len(cli.STATS_COLUMNS)
 
 
 # -- bench ------------------------------------------------------------------------------

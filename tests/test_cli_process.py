@@ -102,7 +102,11 @@ def auto_env(tmp_path: Path, gcs_address: str) -> dict[str, str]:
 def test_commands_print_no_ray_log_lines(ns, tmp_path, gcs_address):
     env = auto_env(tmp_path, gcs_address)
     for args in (
-        ["status"],
+        ["create-address", "ev"],
+        ["subscribe", "ev", "s", "--selector", "colour = 'blue'"],
+        ["send", "ev", "x", "-p", "colour=blue"],
+        ["consume", "ev/s", "--json"],
+        ["status"],  # with an address and its subscription
         ["status", "--json"],
         ["send", "q", "x", "-p", "colour=blue"],
         ["consume", "q", "-n", "1", "--json"],

@@ -19,36 +19,42 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 import pyarrow as pa
 
-from raymq.batch import EMPTY_DELIVERY, MessageBatch, check_sizes
-from raymq.config import BrokerConfig, QueueConfig
+from raymq.batch import MessageBatch, check_sizes
+from raymq.config import BrokerConfig, QueueConfig, check_int, validate_queue_name
 from raymq.core.budget import QueueUsage, split_queue_bytes
-from raymq.core.dead_letter import MOVE_BATCH_MESSAGES, REASON_REJECTED, dead_letter_batch
 from raymq.core.head_cache import HeadQueueCache
+from raymq.core.subscription import Subscription
 from raymq.core.supervisor import Supervisor
-from raymq.core.target_area import DEAD_LETTER_HOLDER, TargetArea
-from raymq.errors import AddressFull, ConsumerClosed, StorageError
+from raymq.errors import (
+    AddressFull,
+    InvalidSetting,
+    StorageError,
+    SubscriptionExists,
+    SubscriptionNotFound,
+)
 from raymq.properties import check_encoded_properties
 from raymq.selector import Selector
 from raymq.storage import RecoveryReport, SegmentLog
+from raymq.storage.files import storage_error
+from raymq.storage.subscriptions import (
+    MANIFEST_NAME,
+    Manifest,
+    SubscriptionAcks,
+    SubscriptionLog,
+    SubscriptionSpec,
+    read_manifest,
+    write_manifest,
+)
 
 log = logging.getLogger("raymq.queue")
 
-#: Longest a single fetch call waits in the actor (seconds); clients loop for longer waits.
-MAX_POLL_SECONDS = 1.0
-#: Offsets this close together are read as one range when materializing a delivery.
-MATERIALIZE_GAP = 64
 #: Group commits up to this many bytes are written in the event loop (bytes).
 INLINE_WRITE_BYTES = 256 * 1024
-#: Closed consumer ids remembered so that a fetch arriving after the close cannot
-#: register the consumer again (ids).
-CLOSED_CONSUMERS_REMEMBERED = 100_000
-#: Longest wait between two attempts to move dead letters that failed (seconds).
-DEAD_LETTER_RETRY_MAX_SECONDS = 5.0
 
 #: Appends a batch durably to the named dead-letter queue (creating it if needed).
 DeadLetterSink = Callable[[str, MessageBatch], Awaitable[None]]
@@ -151,12 +157,16 @@ class QueueCore:
             durable=config.durable,
             read_cache_bytes=max(config.page_max_cache_size, 1) * config.page_size_bytes,
         )
-        self.area = TargetArea(self.log, config.name, config.max_delivery_attempts)
-        self._dead_letter_sink = dead_letter_sink
-        self._dead_lettered = 0
-        self._dead_letter_failures = 0
-        self._dead_letter_kick: asyncio.Event | None = None
-        self.head_cache = HeadQueueCache(0)
+        self.dead_letter_sink = dead_letter_sink
+        #: An address's subscriptions by name (a queue has only ``_own``).
+        self.subscriptions: dict[str, Subscription] = {}
+        self._own: Subscription | None = None
+        self._subscription_acks: SubscriptionAcks | None = None
+        try:
+            self._open_subscriptions()
+        except BaseException:
+            self.log.close()
+            raise
         #: Bytes for this actor's caches from the MemoryGovernor; None until it speaks.
         self.memory_budget: int | None = None
         self._apply_memory_limits()
@@ -169,7 +179,6 @@ class QueueCore:
         self._peak_transient = 0  # most bytes of messages held since the governor asked
         self._ack_waiters: list[asyncio.Future] = []
         self._kick: asyncio.Event | None = None
-        self._arrival: asyncio.Event | None = None
         self._tasks = Supervisor(f"queue {config.name!r}", log)
         #: Failures after a commit was durable (deriving indexes, unlinking files): the
         #: sends succeeded; each is logged. Counted here.
@@ -181,23 +190,56 @@ class QueueCore:
             (time.monotonic(), dict(self._counters))
         ]
         self._closed = False
-        # A fetch of a TargetList can arrive after its close (sent before, or cut short by
-        # it): it must not register the consumer again and take messages nobody will
-        # ever ack or give back. Insertion-ordered, the oldest forgotten first.
-        self._closed_consumers: dict[str, None] = {}
+        self._started_at = time.monotonic()
+
+    def _open_subscriptions(self) -> None:
+        """A queue's own subscription; or an address's subscriptions, from its
+        ``subscriptions`` file and the ranges recovery found."""
+        cfg = self.config
+        if not cfg.address:
+            self._own = Subscription(
+                self,
+                cfg.name,
+                self.log,
+                max_delivery_attempts=cfg.max_delivery_attempts,
+                dead_letter_address=cfg.dead_letter_address,
+            )
+            return
+        self._manifest = read_manifest(self.directory, cfg.name)
+        acks = self._subscription_acks = SubscriptionAcks(self.log)
+        self.log.attach_subscriptions(acks)
+        recovered = self.log.recovered_subscriptions or {}
+        for spec in self._manifest.subscriptions.values():
+            acks.load(spec.id, recovered.get(spec.id), spec.start_offset)
+            self.subscriptions[spec.name] = self._subscription_of(spec)
+        acks.settle()  # what every subscription acknowledged (one deleted before a crash)
+        for sub in self.subscriptions.values():
+            sub.route_again(self.log.scanned_from)
+
+    def _subscription_of(self, spec: SubscriptionSpec) -> Subscription:
+        cfg = self.config
+        attempts = spec.max_delivery_attempts or cfg.max_delivery_attempts
+        return Subscription(
+            self,
+            f"{cfg.name}/{spec.name}",
+            SubscriptionLog(self.log, self._subscription_acks, spec.id),
+            max_delivery_attempts=attempts,
+            dead_letter_address=spec.dead_letter_queue or f"{cfg.name}.{spec.name}.DLQ",
+            filter=spec.filter,
+            sid=spec.id,
+            subscription_name=spec.name,
+        )
 
     # -- lifecycle -------------------------------------------------------------------
 
     def start(self) -> None:
         """Start the writer and housekeeping tasks on the running event loop."""
         self._kick = asyncio.Event()
-        self._arrival = asyncio.Event()
         self._freed = asyncio.Event()
-        self._dead_letter_kick = asyncio.Event()
         self._tasks.spawn("writer", self._write_loop)
         self._tasks.spawn("housekeeping", self._tick_loop)
-        if self._dead_letter_sink is not None:
-            self._tasks.spawn("dead-letter mover", self._move_dead_letters)
+        for sub in self.all_subscriptions():
+            sub.start()
 
     def supervise(self, name: str, run) -> asyncio.Task:
         """Run ``run()`` as one of this queue's supervised tasks (restarted if it raises,
@@ -297,7 +339,7 @@ class QueueCore:
             del self._blocked[key]
         return batch
 
-    def _signal_freed(self) -> None:
+    def signal_freed(self) -> None:
         """Wake producers blocked on ``max_size_bytes`` (acks freed room)."""
         if self._freed is not None:
             self._freed.set()
@@ -407,12 +449,14 @@ class QueueCore:
         HeadQueueCache."""
         if self.log.unlinkable:  # off the event loop; done before the acks return
             await asyncio.to_thread(self.log.unlink_deleted)
+        subscriptions = self.all_subscriptions()
         for seg, _pos, _bufs, chunk, _size in prepared.items:
             groups = chunk.property_groups()
             seg.note_properties(groups)
-            self.area.arrived(chunk, groups)
-            if self.config.durable:
-                self.head_cache.append(chunk)
+            for sub in subscriptions:
+                sub.arrived(chunk, groups)
+            if not subscriptions:  # an address with none: routed nowhere (as Artemis)
+                self.log.ack(np.arange(chunk.first_offset, chunk.end_offset, dtype=np.int64))
 
     async def _tick_loop(self) -> None:
         """Housekeeping: checkpoint an idle queue, sample rates, trim and refill the
@@ -437,34 +481,26 @@ class QueueCore:
             self.log.scrub_step(max(1, int(rate * seconds)))
         except StorageError as exc:  # unreadable now; counted by the log, tried again
             log.warning("queue %r: scrub: %s", self.name, exc)
-        self._forget_damaged()
+        self.forget_damaged()
 
-    def _forget_damaged(self) -> None:
+    def forget_damaged(self) -> None:
         """Take offsets the log found damaged out of delivery: nobody holds or waits for
         them any more (they are counted in ``damaged_messages``)."""
         damaged = self.log.drain_damaged()
         if len(damaged):
-            self.area.forget(damaged)
-            self._wake_consumers()
+            if self._subscription_acks is not None:
+                self._subscription_acks.ack_everywhere(damaged)
+            for sub in self.all_subscriptions():
+                sub.forget(damaged)
 
     def housekeeping(self) -> None:
         """Trim the HeadQueueCache to what is undelivered and refill it from the log;
         flow transient messages to disk while they are over their memory limit."""
-        self.area.housekeeping()
         if self.log.memory_limit is not None and self.log.transient_bytes > self.log.memory_limit:
             self.log.flow_to_disk(self.log.memory_limit)
-        if self.config.durable:
-            undelivered = self.area.head() if self.area.selective else self.area.cursor
-            self.head_cache.trim(undelivered)
-            # Around the read cache: the HeadQueueCache keeps what it reads (no message
-            # held twice, and bytes_in_memory + head_cache_bytes is a true sum).
-            try:
-                self.head_cache.refill(
-                    lambda a, b: self.log.read(a, b, cache=False), undelivered, self.log.next_offset
-                )
-            except StorageError as exc:  # a cache fill is best effort; reads try again
-                log.warning("queue %r: HeadQueueCache refill: %s", self.name, exc)
-        self._forget_damaged()
+        for sub in self.all_subscriptions():
+            sub.housekeeping()
+        self.forget_damaged()
 
     # -- memory budget ---------------------------------------------------------------
 
@@ -489,7 +525,10 @@ class QueueCore:
         )
         self.log.set_read_cache_bytes(memory.read_cache_bytes)
         if cfg.durable:
-            self.head_cache.resize(memory.head_cache_bytes)
+            # An address's subscriptions share it (a stopped one keeps only its share).
+            subscriptions = self.all_subscriptions()
+            for sub in subscriptions:
+                sub.head_cache.resize(memory.head_cache_bytes // max(1, len(subscriptions)))
         else:
             self.log.memory_limit = memory.transient_bytes
 
@@ -499,7 +538,9 @@ class QueueCore:
         It is active with consumers, or with messages in, out or acked since the last
         call; ``transient_bytes`` is the most a non-durable queue held since then."""
         counters = (self._counters["in"], self._counters["out"], self._counters["acked"])
-        active = bool(self.area.consumers) or counters != self._active_counters
+        subscriptions = self.all_subscriptions()
+        consumers = any(sub.area.consumers for sub in subscriptions)
+        active = consumers or counters != self._active_counters
         delivering = counters[1] != self._active_counters[1]
         self._active_counters = counters
         transient = 0
@@ -510,19 +551,72 @@ class QueueCore:
             name=self.name,
             node_id=node_id,
             size_bytes=self.log.bytes_queued,
-            memory_bytes=self.head_cache.bytes + self.log.bytes_in_memory,
-            index_bytes=self.log.index_bytes + self.area.index_bytes,
+            memory_bytes=self._head_cache_bytes() + self.log.bytes_in_memory,
+            index_bytes=self._index_bytes(),
             active=active,
             delivering=delivering,
             max_size_bytes=self.config.max_size_bytes,
             transient_bytes=transient,
         )
 
-    def _wake_consumers(self) -> None:
-        self._arrival.set()
-        self._arrival = asyncio.Event()
+    def _head_cache_bytes(self) -> int:
+        """Bytes the HeadQueueCaches hold (an address's subscriptions that keep up hold
+        the same batches: counted once each, an over-count)."""
+        return sum(sub.head_cache.bytes for sub in self.all_subscriptions())
 
-    # -- consuming -------------------------------------------------------------------
+    def _index_bytes(self) -> int:
+        subscriptions = self.all_subscriptions()
+        acks = self._subscription_acks
+        ranges = 0 if acks is None else sum(r.nbytes for r in acks.acked.values())
+        return self.log.index_bytes + ranges + sum(s.area.index_bytes for s in subscriptions)
+
+    # -- subscriptions -----------------------------------------------------------------
+
+    def subscription(self, name: str | None = None) -> Subscription:
+        """A queue's own subscription (``name`` None), or an address's by name;
+        ``SubscriptionNotFound`` names the address and lists what exists."""
+        if not self.config.address:
+            if name:
+                raise SubscriptionNotFound(f"{self.name!r} is a queue, not an address")
+            return self._own
+        sub = self.subscriptions.get(name) if name else None
+        if sub is None:
+            known = ", ".join(sorted(self.subscriptions)) or "none"
+            raise SubscriptionNotFound(
+                f"address {self.name!r} has no subscription {name!r} (it has: {known})"
+            )
+        return sub
+
+    @property
+    def area(self):
+        """A queue's TargetArea (its own subscription's)."""
+        return self.subscription().area
+
+    @property
+    def head_cache(self) -> HeadQueueCache:
+        """A queue's HeadQueueCache (its own subscription's)."""
+        return self.subscription().head_cache
+
+    def all_subscriptions(self) -> list[Subscription]:
+        """The queue's own subscription, or every subscription of the address."""
+        return list(self.subscriptions.values()) if self.config.address else [self._own]
+
+    def _wake_consumers(self) -> None:
+        for sub in self.all_subscriptions():
+            sub.wake()
+
+    def count(self, counter: str, n: int) -> None:
+        """Add ``n`` to one of the queue's counters ("out", "acked", "bytes_out")."""
+        self._counters[counter] += n
+
+    async def flush_acks(self) -> None:
+        """Return once the acks applied so far are durable (the next group commit)."""
+        fut = asyncio.get_running_loop().create_future()
+        self._ack_waiters.append(fut)
+        self._kick.set()
+        await fut
+
+    # -- consuming (see Subscription) ------------------------------------------------
 
     def register_consumer(
         self,
@@ -530,14 +624,11 @@ class QueueCore:
         prefetch: int,
         selector: str | None = None,
         watch: object = None,
+        *,
+        subscription: str | None = None,
     ) -> None:
-        """Register a consumer with its prefetch (max unacknowledged messages held).
-
-        ``selector`` is compiled here (``SelectorError`` if malformed, nothing
-        registered). ``watch`` is what the shell uses to check the consumer is alive.
-        """
-        compiled = None if selector is None else Selector(selector)
-        self.area.register(consumer_id, prefetch, compiled, watch)
+        """Register a consumer with its prefetch, selector and liveness watch."""
+        self.subscription(subscription).register_consumer(consumer_id, prefetch, selector, watch)
 
     async def fetch(
         self,
@@ -546,289 +637,108 @@ class QueueCore:
         timeout: float,
         prefetch: int,
         selector: str | None = None,
+        *,
+        subscription: str | None = None,
     ) -> pa.RecordBatch:
-        """Deliver up to ``max_messages``, waiting up to ``timeout`` seconds for some.
-
-        Returns a RecordBatch in ``raymq.batch.DELIVERY_SCHEMA`` (empty when nothing came
-        in time). An unknown consumer (e.g. after an actor restart) is registered again.
-        """
-        if consumer_id in self._closed_consumers:
-            raise ConsumerClosed(f"consumer {consumer_id} of queue {self.name!r} is closed")
-        if consumer_id not in self.area.consumers:
-            self.register_consumer(consumer_id, prefetch, selector)
-        target = self.area.consumers[consumer_id]
-        deadline = time.monotonic() + min(max(timeout, 0.0), MAX_POLL_SECONDS)
-        while True:
-            if self.area.consumers.get(consumer_id) is not target:
-                return EMPTY_DELIVERY  # closed (or closed and back) while we waited
-            arrival = self._arrival
-            offsets, counts = self.area.take(consumer_id, max_messages)
-            if len(offsets):
-                try:
-                    batch = self._materialize(offsets, counts)
-                except BaseException:
-                    # Unread, so not delivered: nobody may hold them (uncounted).
-                    self.area.release(consumer_id, offsets, count_delivery=False)
-                    self._wake_consumers()
-                    raise
-                self._forget_damaged()  # what could not be read is not held by anyone
-                self._counters["out"] += batch.num_rows
-                self._counters["bytes_out"] += batch.nbytes
-                return batch
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return EMPTY_DELIVERY
-            # Nothing taken while its scan goes on means no credit: match ahead meanwhile
-            # (a prefetch's worth), so that returning credit finds candidates ready,
-            # then wait for the credit rather than ask again at once.
-            if target.scanning and len(target.candidates) < target.prefetch:
-                self.area.scan_step(target)
-                await asyncio.sleep(0)  # let other calls in between scan steps
-                continue
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(arrival.wait(), remaining)
-
-    def _read(self, start: int, end: int) -> list[MessageBatch]:
-        """Messages [start, end) from the HeadQueueCache, else the log (its read cache)."""
-        cached = self.head_cache.get(start, end) if self.config.durable else None
-        return cached if cached is not None else self.log.read(start, end)
-
-    def _materialize(self, offsets: np.ndarray, counts: np.ndarray, *, read=None) -> pa.RecordBatch:
-        """The messages of sorted ``offsets`` as one delivery RecordBatch.
-
-        Offsets closer than ``MATERIALIZE_GAP`` are read as one range and picked with
-        ``take``, so sparse selector matches cost one read and one Arrow conversion per
-        range, not per message.
-        """
-        read = read or self._read
-        if not len(offsets):
-            return EMPTY_DELIVERY
-        groups = np.split(
-            np.arange(len(offsets)), np.flatnonzero(np.diff(offsets) > MATERIALIZE_GAP) + 1
-        )
-        parts = []
-        for group in groups:
-            wanted = offsets[group]
-            batches = read(int(wanted[0]), int(wanted[-1]) + 1)
-            if not batches:
-                continue
-            arrow = [b.to_arrow(np.zeros(len(b), dtype=np.int32)) for b in batches]
-            whole = arrow[0] if len(arrow) == 1 else pa.concat_batches(arrow)
-            have = whole.column(0).to_numpy()
-            if not np.array_equal(have, wanted):
-                # Only what was read: a damaged record's offsets are missing from it.
-                found = np.isin(wanted, have)
-                group, wanted = group[found], wanted[found]
-                whole = whole.take(pa.array(np.searchsorted(have, wanted)))
-            columns = whole.columns
-            columns[2] = pa.array(counts[group], pa.int32())
-            parts.append(pa.RecordBatch.from_arrays(columns, schema=whole.schema))
-        if not parts:
-            return EMPTY_DELIVERY
-        return parts[0] if len(parts) == 1 else pa.concat_batches(parts)
+        """Deliver up to ``max_messages``, waiting up to ``timeout`` seconds for some."""
+        sub = self.subscription(subscription)
+        return await sub.fetch(consumer_id, max_messages, timeout, prefetch, selector)
 
     def browse(
-        self, start: int, max_messages: int, selector: str | None = None
+        self,
+        start: int,
+        max_messages: int,
+        selector: str | None = None,
+        *,
+        subscription: str | None = None,
     ) -> tuple[pa.RecordBatch, int]:
-        """Up to ``max_messages`` unacknowledged messages from ``start`` on, changing nothing.
+        """Unacknowledged messages from ``start`` on, changing nothing; and where to go on."""
+        return self.subscription(subscription).browse(start, max_messages, selector)
 
-        Returns the batch (delivery_count = deliveries so far) and the offset to continue
-        from (``next_offset`` when the queue was walked to its end).
-        """
-        compiled = None if selector is None else Selector(selector)
-        picked: list[np.ndarray] = []
-        n, pos = 0, max(start, 0)
-        while n < max_messages and pos < self.log.next_offset:
-            got = self.log.unacked(pos, 4096)
-            if not len(got):
-                pos = self.log.next_offset
-                break
-            examined_end = int(got[-1]) + 1
-            if compiled is not None:
-                got = got[self.area.select(compiled, got)]
-            got = got[: max_messages - n]
-            picked.append(got)
-            n += len(got)
-            pos = int(got[-1]) + 1 if n >= max_messages and len(got) else examined_end
-        offsets = np.concatenate(picked) if picked else np.zeros(0, dtype=np.int64)
-        prev = self.area.previous_deliveries(offsets)
-        batch = self._materialize(offsets, prev, read=self.log.read)
-        self._forget_damaged()
-        return batch, pos
-
-    async def ack(self, consumer_id: str, offsets: np.ndarray) -> int:
+    async def ack(
+        self, consumer_id: str, offsets: np.ndarray, *, subscription: str | None = None
+    ) -> int:
         """Acknowledge offsets; returns once the acks are durable (for a durable queue)."""
-        offsets = self._offsets(offsets)
-        self.area.check_ack(consumer_id, offsets)
-        fresh = self.area.ack(consumer_id, offsets)
-        self._counters["acked"] += fresh
-        if fresh:
-            self._wake_consumers()  # credit came back
-            self._signal_freed()
-        if self.config.durable and fresh:
-            fut = asyncio.get_running_loop().create_future()
-            self._ack_waiters.append(fut)
-            self._kick.set()
-            await fut
-        return fresh
+        return await self.subscription(subscription).ack(consumer_id, offsets)
 
-    def nack(self, consumer_id: str, offsets: np.ndarray) -> int:
+    def nack(
+        self, consumer_id: str, offsets: np.ndarray, *, subscription: str | None = None
+    ) -> int:
         """Release offsets for redelivery with their delivery count raised."""
-        offsets = self._offsets(offsets)
-        self.area.check_ack(consumer_id, offsets)
-        n = self.area.release(consumer_id, offsets)
-        if n:
-            self._wake_consumers()
-            self._signal_dead_letters()
-        return n
+        return self.subscription(subscription).nack(consumer_id, offsets)
 
-    def give_back(self, consumer_id: str, offsets: np.ndarray) -> int:
+    def give_back(
+        self, consumer_id: str, offsets: np.ndarray, *, subscription: str | None = None
+    ) -> int:
         """Release held offsets the application never received (delivery not counted)."""
-        n = self.area.release(consumer_id, self._offsets(offsets), count_delivery=False)
-        if n:
-            self._wake_consumers()
-        return n
+        return self.subscription(subscription).give_back(consumer_id, offsets)
 
-    def close_consumer(self, consumer_id: str, not_received: np.ndarray | None = None) -> int:
+    def close_consumer(
+        self,
+        consumer_id: str,
+        not_received: np.ndarray | None = None,
+        *,
+        subscription: str | None = None,
+    ) -> int:
         """Remove a consumer; what it held is delivered again (``not_received`` uncounted)."""
-        if not_received is not None:
-            not_received = self._offsets(not_received)
-        n = self.area.unregister(consumer_id, not_received)
-        self._closed_consumers[consumer_id] = None
-        if len(self._closed_consumers) > CLOSED_CONSUMERS_REMEMBERED:
-            del self._closed_consumers[next(iter(self._closed_consumers))]
-        if n:
-            self._wake_consumers()
-            self._signal_dead_letters()
-        return n
+        return self.subscription(subscription).close_consumer(consumer_id, not_received)
 
-    def _offsets(self, offsets: object) -> np.ndarray:
-        """``offsets`` as int64; ``TypeError`` naming the queue for anything but integers
-        (a float would otherwise be truncated to another message's offset)."""
-        arr = np.asarray(offsets)
-        if arr.size and arr.dtype.kind not in "iu":
-            raise TypeError(f"offsets for queue {self.name!r} must be integers, not {arr.dtype}")
-        if arr.ndim != 1:
-            arr = arr.reshape(-1)
-        return arr.astype(np.int64, copy=False)
+    def reject(
+        self, consumer_id: str, offsets: np.ndarray, *, subscription: str | None = None
+    ) -> int:
+        """Dead-letter messages the consumer holds instead of delivering them again."""
+        return self.subscription(subscription).reject(consumer_id, offsets)
 
-    def reject(self, consumer_id: str, offsets: np.ndarray) -> int:
-        """Dead-letter messages the consumer holds (reason ``"rejected"``) instead of
-        delivering them again; returns how many. The move happens in the background."""
-        offsets = self._offsets(offsets)
-        self.area.check_ack(consumer_id, offsets)
-        n = self.area.dead_letter(consumer_id, offsets, REASON_REJECTED)
-        self._signal_dead_letters()
-        return n
-
-    def _signal_dead_letters(self) -> None:
-        if self.area.dead_letters and self._dead_letter_kick is not None:
-            self._dead_letter_kick.set()
-
-    async def _move_dead_letters(self) -> None:
-        """Move waiting dead letters to the dead-letter queue, a batch at a time: append
-        there durably, then ack here durably (a crash in between leaves a copy in both,
-        never in neither). A failure is logged, counted and retried with backoff."""
-        backoff = 0.1
-        while True:
-            if not self.area.dead_letters:
-                self._dead_letter_kick.clear()
-                await self._dead_letter_kick.wait()
-                continue
-            try:
-                await self._move_dead_letter_batch()
-                backoff = 0.1
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # the DLQ unavailable or full: try again later
-                self._dead_letter_failures += 1
-                log.warning(
-                    "queue %r: moving %d dead letters to %r failed (retry in %.1f s): %s",
-                    self.name,
-                    len(self.area.dead_letters),
-                    self.config.dead_letter_address,
-                    backoff,
-                    exc,
-                )
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, DEAD_LETTER_RETRY_MAX_SECONDS)
-
-    async def _move_dead_letter_batch(self) -> None:
-        offsets, reasons = self.area.next_dead_letters(MOVE_BATCH_MESSAGES)
-        runs = np.split(offsets, np.flatnonzero(np.diff(offsets) != 1) + 1)
-        stored = [b for run in runs for b in self.log.read(int(run[0]), int(run[-1]) + 1)]
-        self._forget_damaged()  # a damaged one is no longer a dead letter to move
-        readable = np.isin(offsets, [o for o in offsets.tolist() if o in self.area.dead_letters])
-        offsets = offsets[readable]
-        reasons = [r for r, ok in zip(reasons, readable.tolist(), strict=True) if ok]
-        if not len(offsets):
-            return
-        batch = dead_letter_batch(stored, offsets, reasons, self.name)
-        await self._dead_letter_sink(self.config.dead_letter_address, batch)
-        await self.ack(DEAD_LETTER_HOLDER, offsets)
-        self._dead_lettered += len(offsets)
-        log.info(
-            "queue %r: %d messages moved to dead-letter queue %r",
-            self.name,
-            len(offsets),
-            self.config.dead_letter_address,
-        )
-
-    def consumer_stats(self, consumer_id: str) -> dict:
+    def consumer_stats(self, consumer_id: str, *, subscription: str | None = None) -> dict:
         """The queue side of one consumer's TargetList (counts in messages, bytes)."""
-        t = self.area.consumers.get(consumer_id)
-        if t is None:
-            return {}
-        return {
-            "selector": None if t.selector is None else t.selector.text,
-            "held": len(t.held),
-            "delivered": t.delivered,
-            "acked": t.acked,
-            "given_back": t.given_back,
-            "cache_references": self.area.deliverable_estimate(consumer_id),
-            "cache_reference_bytes": 0 if t.candidates is None else t.candidates.nbytes,
-            "scan_remaining": max(0, t.scan_end - t.scan_pos),
-            "messages_scanned": t.messages_scanned,
-            "segments_skipped": t.segments_skipped,
-        }
+        return self.subscription(subscription).consumer_stats(consumer_id)
 
-    def silent_consumers(self, seconds: float) -> list[tuple[str, object]]:
-        """(consumer id, watch) of consumers not heard from for ``seconds``."""
-        now = time.monotonic()
+    def silent_consumers(self, seconds: float) -> list[tuple[str, object, str | None]]:
+        """(consumer id, watch, subscription) of consumers not heard from for ``seconds``."""
         return [
-            (t.consumer_id, t.watch)
-            for t in self.area.consumers.values()
-            if t.watch is not None and now - t.last_seen > seconds
+            (cid, watch, sub.subscription_name)
+            for sub in self.all_subscriptions()
+            for cid, watch in sub.silent_consumers(seconds)
         ]
 
-    def heard_from(self, consumer_id: str) -> None:
+    def heard_from(self, consumer_id: str, *, subscription: str | None = None) -> None:
         """Note that a consumer showed it is alive."""
-        t = self.area.consumers.get(consumer_id)
-        if t is not None:
-            t.last_seen = time.monotonic()
+        self.subscription(subscription).heard_from(consumer_id)
 
     # -- statistics ------------------------------------------------------------------
 
-    def stats(self) -> QueueStats:
-        """A snapshot of depth, memory, disk, consumers and rates."""
+    def stats(self, subscription: str | None = None) -> QueueStats:
+        """A snapshot of depth, memory, disk, consumers and rates: of the queue (or the
+        address as a whole: its depth counts what some subscription still needs), or
+        of one subscription of an address (its own depth, deliveries and caches)."""
         now = time.monotonic()
         t0, c0 = self._samples[0]
         span = max(now - t0, 1e-6)
-        c = self._counters
+        subs = self.all_subscriptions()
+        c, c0 = dict(self._counters), dict(c0)
+        name, depth, dead_letter_queue = self.name, self.log.depth, self.config.dead_letter_address
+        if subscription is not None:
+            sub = self.subscription(subscription)
+            subs = [sub]
+            c.update(sub.counters)
+            # A subscription's rates: averages since the actor started.
+            c0.update({k: 0 for k in sub.counters})
+            span = max(now - self._started_at, 1e-6)
+            name, depth, dead_letter_queue = sub.name, sub.log.depth, sub.dead_letter_address
         return QueueStats(
-            name=self.name,
+            name=name,
             durable=self.config.durable,
-            depth=self.log.depth,
-            in_flight=self.area.in_flight,
+            depth=depth,
+            in_flight=sum(s.area.in_flight for s in subs),
             next_offset=self.log.next_offset,
-            consumers=len(self.area.consumers),
+            consumers=sum(len(s.area.consumers) for s in subs),
             bytes_in_memory=self.log.bytes_in_memory,
             bytes_on_disk=self.log.bytes_on_disk,
             segment_files=self.log.segment_files,
             messages_in=c["in"],
             messages_out=c["out"],
             messages_acked=c["acked"],
-            messages_redelivered=self.area.redelivered_total,
+            messages_redelivered=sum(s.area.redelivered_total for s in subs),
             bytes_in=c["bytes_in"],
             bytes_out=c["bytes_out"],
             in_rate=(c["in"] - c0["in"]) / span,
@@ -841,24 +751,24 @@ class QueueCore:
             storage_errors=self.log.storage_errors,
             writable=self.log.writable,
             scrubbed_bytes=self.log.scrubbed_bytes,
-            head_cache_bytes=self.head_cache.bytes,
-            head_cache_messages=self.head_cache.messages,
-            head_cache_hits=self.head_cache.hits,
-            head_cache_misses=self.head_cache.misses,
+            head_cache_bytes=sum(s.head_cache.bytes for s in subs),
+            head_cache_messages=sum(s.head_cache.messages for s in subs),
+            head_cache_hits=sum(s.head_cache.hits for s in subs),
+            head_cache_misses=sum(s.head_cache.misses for s in subs),
             read_cache_hits=self.log.cache_hits,
             read_cache_misses=self.log.cache_misses,
             read_cache_bytes=self.log.read_cache_used,
             bytes_queued=self.log.bytes_queued,
-            index_bytes=self.log.index_bytes + self.area.index_bytes,
+            index_bytes=self._index_bytes(),
             transient_bytes_in_memory=self.log.transient_bytes,
             memory_budget=-1 if self.memory_budget is None else self.memory_budget,
             flowing_to_disk=self.log.flowing,
             messages_flowed_to_disk=self.log.flowed_messages,
             messages_dropped=self._dropped,
-            messages_dead_lettered=self._dead_lettered,
-            dead_letters_pending=len(self.area.dead_letters),
-            dead_letter_queue=self.config.dead_letter_address,
-            dead_letter_failures=self._dead_letter_failures,
+            messages_dead_lettered=sum(s.dead_lettered for s in subs),
+            dead_letters_pending=sum(len(s.area.dead_letters) for s in subs),
+            dead_letter_queue=dead_letter_queue,
+            dead_letter_failures=sum(s.dead_letter_failures for s in subs),
             blocked_producers=len(self._blocked),
             blocked_seconds=max((now - t for t in self._blocked.values()), default=0.0),
             blocked_reason=self._full_message(0) if self._blocked else "",
@@ -866,6 +776,108 @@ class QueueCore:
             last_task_error=self._tasks.last_error,
             internal_errors=self._internal_errors,
         )
+
+    # -- an address's subscriptions come and go ----------------------------------------
+
+    async def create_subscription(
+        self,
+        name: str,
+        *,
+        filter: str | None = None,
+        start: str = "latest",
+        max_delivery_attempts: int | None = None,
+        dead_letter_queue: str | None = None,
+    ) -> SubscriptionSpec:
+        """Bind a subscription to this address; returns its definition once durable.
+
+        ``filter``: a selector; only the messages it selects are routed to the
+        subscription. ``start``: ``"latest"`` (from the next message sent) or
+        ``"earliest"`` (from the oldest the address still stores). Idempotent with the
+        same settings; ``SubscriptionExists`` with others.
+        """
+        spec = self._new_spec(name, filter, start, max_delivery_attempts, dead_letter_queue)
+        existing = self._manifest.subscriptions.get(name)
+        if existing is not None:
+            if replace(existing, id=spec.id, start_offset=spec.start_offset) != spec:
+                raise SubscriptionExists(
+                    f"address {self.name!r} has a subscription {name!r} with other settings:"
+                    f" {existing}"
+                )
+            return existing
+        manifest = Manifest({**self._manifest.subscriptions, name: spec}, spec.id + 1)
+        self._write_manifest(manifest)  # inline: nothing may publish in between
+        self._subscription_acks.create(spec.id, spec.start_offset)
+        sub = self.subscriptions[name] = self._subscription_of(spec)
+        sub.route_again(spec.start_offset)
+        if self._kick is not None:
+            sub.start()
+        self._apply_memory_limits()
+        if self.config.durable:
+            await self.flush_acks()  # its starting set
+        log.info("address %r: subscription %r created (%s)", self.name, name, start)
+        return spec
+
+    def _new_spec(
+        self,
+        name: str,
+        filter: str | None,
+        start: str,
+        max_delivery_attempts: int | None,
+        dead_letter_queue: str | None,
+    ) -> SubscriptionSpec:
+        """A new subscription's definition, every setting checked (typed errors)."""
+        if not self.config.address:
+            raise InvalidSetting(f"{self.name!r} is a queue, not an address: no subscriptions")
+        validate_queue_name(name)
+        if start not in ("earliest", "latest"):
+            raise InvalidSetting(
+                f"start={start!r} for subscription {name!r} of address {self.name!r}"
+                " is not 'earliest' or 'latest'"
+            )
+        if filter is not None:
+            Selector(filter)  # SelectorError if malformed
+        if max_delivery_attempts is not None:
+            check_int("max_delivery_attempts", max_delivery_attempts, minimum=1)
+        validate_queue_name(dead_letter_queue or f"{self.name}.{name}.DLQ")
+        return SubscriptionSpec(
+            name=name,
+            id=self._manifest.next_id,
+            filter=filter,
+            start_offset=0 if start == "earliest" else self.log.next_offset,
+            max_delivery_attempts=max_delivery_attempts,
+            dead_letter_queue=dead_letter_queue,
+        )
+
+    async def delete_subscription(self, name: str) -> None:
+        """Unbind a subscription: its consumers are closed, and what every other
+        subscription has acknowledged is acknowledged in the address (segments go)."""
+        sub = self.subscription(name)
+        left = {n: s for n, s in self._manifest.subscriptions.items() if n != name}
+        self._write_manifest(Manifest(left, self._manifest.next_id))
+        del self.subscriptions[name]
+        sub.close()
+        self._subscription_acks.remove(sub.sid)
+        self._apply_memory_limits()
+        self.signal_freed()
+        if self.config.durable:
+            await self.flush_acks()
+        log.info("address %r: subscription %r deleted", self.name, name)
+
+    def list_subscriptions(self) -> list[SubscriptionSpec]:
+        """The address's subscriptions, in the order they were created."""
+        return list(self._manifest.subscriptions.values())
+
+    def _write_manifest(self, manifest: Manifest) -> None:
+        try:
+            write_manifest(self.directory, manifest)
+        except OSError as exc:
+            path = os.path.join(self.directory, MANIFEST_NAME)
+            raise storage_error(self.name, "writing the subscriptions file", path, exc) from exc
+        self._manifest = manifest
+
+    def subscription_depths(self) -> dict[str, int]:
+        """Each subscription's depth (its lag: messages it has not acknowledged)."""
+        return {name: sub.log.depth for name, sub in self.subscriptions.items()}
 
 
 def _fail(pending: list, waiters: list[asyncio.Future], exc: BaseException) -> None:

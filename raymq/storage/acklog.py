@@ -34,6 +34,9 @@ from raymq.storage.format import (
     crc32,
 )
 
+#: First element of the pair that starts a subscription's ranges in an ack record.
+SUBSCRIPTION_MARK = -1
+
 #: Bytes of disk reserved ahead of the ack log's end (about 6,000 group commits of
 #: contiguous acks, 44 bytes each with the high-water pair).
 ACK_RESERVE_BYTES = 256 * 1024
@@ -123,15 +126,23 @@ class AckLog:
             if strict:
                 raise
 
-    def write(self, ranges: np.ndarray, high: int) -> None:
+    def write(
+        self,
+        ranges: np.ndarray,
+        high: int,
+        subscriptions: dict[int, np.ndarray] | None = None,
+    ) -> None:
         """Append one record of ranges, led by the empty range (high, high) that records
-        the queue's next offset, and fdatasync it. Raises ``OSError``; the failed record
-        is cut off before the next write."""
+        the queue's next offset, then each subscription's ranges after its marker
+        (-1, id), and fdatasync it. Raises ``OSError``; the failed record is cut off
+        before the next write."""
         if self._dirty:
             self.repair()
-        pairs = np.empty((len(ranges) + 1, 2), dtype=np.int64)
-        pairs[0] = high
-        pairs[1:] = ranges
+        parts = [np.array([[high, high]], dtype=np.int64), ranges.reshape(-1, 2)]
+        for sid, sub_ranges in (subscriptions or {}).items():
+            parts.append(np.array([[SUBSCRIPTION_MARK, sid]], dtype=np.int64))
+            parts.append(sub_ranges.reshape(-1, 2))
+        pairs = np.concatenate(parts).astype(np.int64, copy=False)
         payload = pairs.tobytes()
         header = ACK_RECORD_HEADER.pack(ACK_RECORD_MAGIC, crc32([payload]), len(payload))
         self._dirty = True
@@ -183,6 +194,8 @@ class AckLogContents:
     end: int = 0
     #: The file has a valid version-2 header (it may be appended to).
     header_ok: bool = False
+    #: Ranges acknowledged by each subscription of an address, by subscription id.
+    subscriptions: dict[int, np.ndarray] = field(default_factory=dict)
 
 
 def read_ack_log(path: str) -> AckLogContents:
@@ -192,6 +205,7 @@ def read_ack_log(path: str) -> AckLogContents:
     with open(path, "rb") as f:
         data = f.read()
     out = AckLogContents(np.zeros((0, 2), dtype=np.int64))
+    tagged: dict[int, list[np.ndarray]] = {}
     start = _header_end(data, out, path)
     pos, chunks = start, []
     out.end = start
@@ -207,13 +221,29 @@ def read_ack_log(path: str) -> AckLogContents:
             continue
         pairs, pos = rec
         out.end = pos
-        chunks.append(pairs)
+        plain = _split_subscriptions(pairs, tagged)
+        chunks.append(plain)
     out.header_ok = _v2_header_ok(data)
     if chunks:
         ranges = np.concatenate(chunks)
         out.high = max(out.high, int(ranges[:, 1].max()))
         out.ranges = ranges[ranges[:, 1] > ranges[:, 0]]
+    for sid, parts in tagged.items():
+        ranges = np.concatenate(parts)
+        out.high = max(out.high, int(ranges[:, 1].max(initial=0)))
+        out.subscriptions[sid] = ranges[ranges[:, 1] > ranges[:, 0]]
     return out
+
+
+def _split_subscriptions(pairs: np.ndarray, tagged: dict[int, list[np.ndarray]]) -> np.ndarray:
+    """The record's own ranges; each subscription's (after its marker) go to ``tagged``."""
+    marks = np.flatnonzero(pairs[:, 0] == SUBSCRIPTION_MARK)
+    if not len(marks):
+        return pairs
+    for i, mark in enumerate(marks.tolist()):
+        end = int(marks[i + 1]) if i + 1 < len(marks) else len(pairs)
+        tagged.setdefault(int(pairs[mark, 1]), []).append(pairs[mark + 1 : end])
+    return pairs[: marks[0]]
 
 
 def _v2_header_ok(data: bytes) -> bool:

@@ -28,11 +28,15 @@ def encode_checkpoint(
     next_offset: int,
     ack_generation: int,
     deleted: Iterable[int] = (),
+    subscriptions: dict[int, bytes] | None = None,
 ) -> bytes:
     """The checkpoint file's bytes for the current state of ``segments``; ``deleted``:
-    base offsets of deleted segments whose file could not be unlinked."""
+    base offsets of deleted segments whose file could not be unlinked; ``subscriptions``:
+    an address's acknowledged ranges per subscription id (``AckRanges.to_bytes``)."""
+    extra = {} if subscriptions is None else {"subscriptions": sorted(subscriptions.items())}
     body = msgpack.packb(
         {
+            **extra,
             "next_offset": next_offset,
             "ack_generation": ack_generation,
             "deleted": sorted(deleted),
@@ -103,6 +107,12 @@ def read_checkpoint(directory: str) -> tuple[dict | None, str | None]:
             except (ValueError, msgpack.UnpackException):
                 pass
     return None, f"{path}: damaged checkpoint ignored; all files rescanned"
+
+
+def subscription_sections(ckpt: dict | None) -> dict[int, bytes]:
+    """An address checkpoint's acknowledged ranges per subscription id (bytes of
+    little-endian int64 pairs); empty for a queue's."""
+    return {int(sid): data for sid, data in (ckpt or {}).get("subscriptions", ())}
 
 
 def restore_segment(seg: Segment, saved: dict) -> None:

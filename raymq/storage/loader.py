@@ -23,12 +23,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from raymq.storage.ack_ranges import AckRanges
 from raymq.storage.ack_state import AckState
 from raymq.storage.acklog import AckLog, AckLogContents, list_generations, read_ack_log
 from raymq.storage.checkpoint import (
     encode_checkpoint,
     read_checkpoint,
     restore_segment,
+    subscription_sections,
     write_checkpoint,
 )
 from raymq.storage.files import copy_aside, fsync_directory, remove_file
@@ -78,6 +80,12 @@ class Recovered:
     ack_generation: int
     #: Files of deleted segments that could not be unlinked (yet).
     undeleted: list[str] = field(default_factory=list)
+    #: An address's acknowledged ranges per subscription id (the checkpoint's and the
+    #: ack logs'); None for a queue.
+    subscription_ranges: dict[int, AckRanges] | None = None
+    #: The lowest offset of the records read past the checkpoint (``next_offset`` if
+    #: none): routing decided after the checkpoint may not have reached the disk.
+    scanned_from: int = 0
 
 
 @dataclass
@@ -104,6 +112,7 @@ class Loader:
         self._lost_whole: list[tuple[int, int]] = []
         self._cuts: list[tuple[Segment, int]] = []  # damaged tails, cut after the checkpoint
         self._aside: list[str] = []  # files with a bad header, moved aside at the end
+        self._scanned_from = 2**63 - 1  # lowest offset of a record read past the checkpoint
         self._undeleted: list[str] = []
 
     def recover(self) -> Recovered:
@@ -135,11 +144,12 @@ class Loader:
             if seg.fully_acked and not seg.lost_n:
                 self.segments.remove(seg)  # acks durable in the ack logs: delete first (room)
                 self._delete(seg)
+        subscriptions = self._subscription_ranges(ckpt, logs)
         ack_log = self._start_ack_log(max([first_gen, *generations]) + 1, next_offset, logs)
         # Only now (a full disk fails recovery above) are damaged files moved aside: a
         # recovery that fails before must find, and count, the damage again.
         self._move_aside()
-        checkpointed = self._checkpoint(next_offset, ack_log.generation)
+        checkpointed = self._checkpoint(next_offset, ack_log.generation, subscriptions)
         for seg, tail in self._cuts:
             if seg.fd is None:  # deleted meanwhile (fully acknowledged)
                 continue
@@ -150,7 +160,14 @@ class Loader:
                 os.fsync(seg.fd)
             except OSError:
                 seg.appendable = False  # the damaged bytes stay: never write over them
-        return Recovered(next_offset, ack_log, ack_log.generation, self._undeleted)
+        return Recovered(
+            next_offset,
+            ack_log,
+            ack_log.generation,
+            self._undeleted,
+            subscriptions,
+            min(self._scanned_from, next_offset),
+        )
 
     def _load_segments(self, ckpt: dict | None) -> None:
         saved = {s["base"]: s for s in ckpt["segments"]} if ckpt else {}
@@ -179,11 +196,31 @@ class Loader:
                 floor = max(floor, int(name[: -len(suffix)]) + _most(size))
         return floor
 
-    def _checkpoint(self, next_offset: int, generation: int) -> bool:
+    @staticmethod
+    def _subscription_ranges(
+        ckpt: dict | None, logs: dict[int, AckLogContents]
+    ) -> dict[int, AckRanges] | None:
+        """An address's acknowledged ranges per subscription id: the checkpoint's and
+        the replayed ack logs' (None for a queue: none of either)."""
+        sections = subscription_sections(ckpt)
+        if not sections and not any(c.subscriptions for c in logs.values()):
+            return None
+        out = {sid: AckRanges.from_bytes(data) for sid, data in sections.items()}
+        for contents in logs.values():
+            for sid, ranges in contents.subscriptions.items():
+                out.setdefault(sid, AckRanges()).add_ranges(ranges)
+        return out
+
+    def _checkpoint(
+        self, next_offset: int, generation: int, subscriptions: dict[int, AckRanges] | None
+    ) -> bool:
         """Write the checkpoint at once and delete the ack logs it makes obsolete; False
         if it could not be written."""
         undeleted = [int(os.path.basename(p)[: -len(SEGMENT_SUFFIX)]) for p in self._undeleted]
-        data = encode_checkpoint(self.segments, next_offset, generation, undeleted)
+        sections = None
+        if subscriptions is not None:  # the ack logs about to go held some of them
+            sections = {sid: r.to_bytes() for sid, r in subscriptions.items()}
+        data = encode_checkpoint(self.segments, next_offset, generation, undeleted, sections)
         try:
             write_checkpoint(self.directory, data)
         except OSError as exc:  # the older checkpoint and ack logs stay valid
@@ -278,6 +315,8 @@ class Loader:
             data = data[: saved["size"]]
             result = scan(data, start, salt=seg.salt, expected=expected)
         regions = {region.lost[0] for region in result.damaged}
+        if result.records:
+            self._scanned_from = min(self._scanned_from, result.records[0][0])
         prev = expected
         for first, count, pos in result.records:
             if first > prev and prev not in regions:

@@ -34,6 +34,7 @@ from raymq.storage.read_cache import ReadCache
 from raymq.storage.reader import Reader
 from raymq.storage.scrub import Scrubber
 from raymq.storage.segment import Segment, Segments
+from raymq.storage.subscriptions import SubscriptionAcks
 from raymq.storage.writer import PreparedWrite, Writer
 
 log = logging.getLogger("raymq.storage")
@@ -73,6 +74,10 @@ class SegmentLog:
             flow=self._flow,
         )
         self._recovered_lost = 0
+        #: From recovery, for an address: its subscriptions' ranges (``Loader``), and
+        #: the lowest offset read past the checkpoint.
+        self.recovered_subscriptions: dict | None = None
+        self.scanned_from = 0
 
     # -- opening ---------------------------------------------------------------------
 
@@ -107,6 +112,8 @@ class SegmentLog:
             if durable:
                 got = Loader(directory, self.segments, self._acks, report).recover()
                 self._writer.resume(got.next_offset, got.ack_log, got.ack_generation, got.undeleted)
+                self.recovered_subscriptions = got.subscription_ranges
+                self.scanned_from = got.scanned_from
             else:
                 remove_transient_files(directory)
         except OSError as exc:
@@ -259,8 +266,14 @@ class SegmentLog:
 
     @property
     def has_pending_acks(self) -> bool:
-        """True when acks wait for the next write."""
-        return self._acks.has_pending
+        """True when acks wait for the next write (the subscriptions' too)."""
+        subs = self._writer.subscriptions
+        return self._acks.has_pending or (subs is not None and subs.has_pending)
+
+    def attach_subscriptions(self, subscriptions: SubscriptionAcks) -> None:
+        """An address's subscriptions: their acks go to the ack log with each commit,
+        their ranges into each checkpoint."""
+        self._writer.subscriptions = subscriptions
 
     @property
     def unlinkable(self) -> list[str]:

@@ -47,6 +47,7 @@ from raymq.storage.format import RECORD_HEADER, SEGMENT_SUFFIX, ack_log_name, se
 from raymq.storage.read_cache import ReadCache
 from raymq.storage.record import record_header, record_payload
 from raymq.storage.segment import Segment, Segments
+from raymq.storage.subscriptions import SubscriptionAcks
 
 log = logging.getLogger("raymq.storage")
 
@@ -61,6 +62,9 @@ class PreparedWrite:
     items: list[tuple[Segment, int, list, MessageBatch, int]] = field(default_factory=list)
     new_segments: list[Segment] = field(default_factory=list)
     ack_ranges: np.ndarray | None = None
+    #: Each subscription's acks (an address's), by subscription id, logged with
+    #: ``ack_ranges`` in one record (``ack_ranges`` is then at least empty).
+    subscription_ranges: dict[int, np.ndarray] | None = None
     ack_log: AckLog | None = None
     #: The queue's next offset when prepared, recorded with the acks.
     ack_high: int = 0
@@ -115,6 +119,8 @@ class Writer:
         self.acks = acks
         self.cache = cache
         self.flow = flow
+        #: An address's subscriptions: their acks go to the ack log with the commit's.
+        self.subscriptions: SubscriptionAcks | None = None
         self.next_offset = 0  # one past the last published offset
         self._planned_next = 0
         self._active: Segment | None = None
@@ -189,11 +195,19 @@ class Writer:
             prepared.records_error = refused
         if self.durable:
             prepared.ack_ranges = self.acks.take_pending()
+            if self.subscriptions is not None:
+                prepared.subscription_ranges = self.subscriptions.take_pending()
+                if prepared.subscription_ranges and prepared.ack_ranges is None:
+                    prepared.ack_ranges = np.zeros((0, 2), dtype=np.int64)
             prepared.ack_log = self.ack_log
             if checkpoint and refused is None:
                 gen = self.ack_generation + 1
                 prepared.checkpoint = encode_checkpoint(
-                    self.segments, self.next_offset, gen, self._still_undeleted()
+                    self.segments,
+                    self.next_offset,
+                    gen,
+                    self._still_undeleted(),
+                    None if self.subscriptions is None else self.subscriptions.checkpoint_section(),
                 )
                 prepared.checkpoint_generation = gen
                 prepared.next_ack_log = AckLog(self.directory, gen)
@@ -289,7 +303,9 @@ class Writer:
         """
         if prepared.ack_ranges is not None and prepared.ack_log is not None:
             try:
-                prepared.ack_log.write(prepared.ack_ranges, prepared.ack_high)
+                prepared.ack_log.write(
+                    prepared.ack_ranges, prepared.ack_high, prepared.subscription_ranges
+                )
                 prepared.acks_written = True
             except OSError as exc:
                 path = prepared.ack_log.path
@@ -388,7 +404,10 @@ class Writer:
             if prepared.records_error is not None:
                 self._note(prepared.records_error)
         if prepared.ack_ranges is not None and not prepared.acks_written:
-            self.acks.requeue(prepared.ack_ranges)
+            if len(prepared.ack_ranges):
+                self.acks.requeue(prepared.ack_ranges)
+            if prepared.subscription_ranges and self.subscriptions is not None:
+                self.subscriptions.requeue(prepared.subscription_ranges)
             if prepared.ack_error is not None:
                 self._note(prepared.ack_error)
         if prepared.checkpoint is not None:

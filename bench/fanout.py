@@ -1,0 +1,232 @@
+"""Fan-out: one address with ten subscriptions against one queue, measured in one run.
+
+1. One copy: N x 1 KiB sent in batches to a queue, then to an address with 10
+   subscriptions. Produce rate (target >= 0.9x the queue's), bytes on disk after the
+   sends (target <= 1.1x the queue's) and the total delivered over the 10
+   subscriptions, consumed at once by 10 consumers (target >= 5x the queue's consume
+   rate: each delivery is a reference, not a new write).
+2. Artemis's case: 10 subscriptions, a steady producer, a small memory budget. Run A:
+   all 10 consume. Run B: one is stopped. Target: the 9 keep >= 0.9x their run-A rate
+   and >= 95 % of their deliveries come from memory (HeadQueueCache hits); then the
+   stopped one drains everything from the pages.
+3. ``start="earliest"`` on an address holding M messages: time to the first message
+   (target < 100 ms).
+
+    python bench/fanout.py [--messages 1000000] [--seconds 15] [--earliest 5000000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+
+from bench.common import console, print_table, start_broker, stop_broker, timed
+
+BODY = b"x" * 1024
+BATCH = 1000
+SUBSCRIPTIONS = 10
+
+
+def send_all(target, messages: int) -> int:
+    """Send ``messages`` in batches of ``BATCH`` from 4 threads; returns the count."""
+    bodies = [BODY] * BATCH
+    per = messages // (4 * BATCH)
+
+    def work() -> None:
+        for _ in range(per):
+            target.send_batch(bodies)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return per * 4 * BATCH
+
+
+def consume(handle, n: int) -> int:
+    """Receive and ack ``n`` messages from a queue or subscription handle."""
+    got = 0
+    with handle.consumer(prefetch=10 * BATCH) as c:
+        while got < n:
+            batch = c.receive_batch(BATCH, timeout=30)
+            if batch.num_rows == 0:
+                raise RuntimeError(f"{handle.name}: stalled after {got} of {n} messages")
+            c.ack(batch, wait=False)
+            got += batch.num_rows
+        c.flush()
+    return got
+
+
+def consume_all(handles: list, n: int) -> int:
+    """``consume(h, n)`` for every handle at once (a thread each); returns the total."""
+    counts = [0] * len(handles)
+
+    def work(k: int) -> None:
+        counts[k] = consume(handles[k], n)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(len(handles))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(counts)
+
+
+def one_copy(broker, messages: int) -> list[list[str]]:
+    """Part 1: a queue, then a 10-subscription address, same messages."""
+    queue = broker.create_queue("fanout-queue")
+    _, queue_in = timed(lambda: send_all(queue, messages))
+    queue_disk = queue.stats()["bytes_on_disk"]
+    _, queue_out = timed(lambda: consume(queue, messages))
+    address = broker.create_address("fanout")
+    subs = [address.create_subscription(f"s{k}") for k in range(SUBSCRIPTIONS)]
+    _, address_in = timed(lambda: send_all(address, messages))
+    address_disk = address.stats()["bytes_on_disk"]
+    _, delivered = timed(lambda: consume_all(subs, messages))
+    left = address.stats()
+    broker.delete_queue("fanout-queue")
+    broker.delete_address("fanout")
+    return [
+        ratio_row("produce (msg/s)", queue_in, address_in, ">= 0.9x"),
+        ratio_row("bytes on disk after sending", queue_disk, address_disk, "<= 1.1x"),
+        ratio_row("delivered (msg/s, all subscriptions)", queue_out, delivered, ">= 5x"),
+        ["depth left after consuming", "0", f"{left['depth']:,}", "-", "0"],
+    ]
+
+
+def ratio_row(figure: str, base: float, value: float, target: str) -> list[str]:
+    """A table row: the figure, its baseline, its value, their ratio and the target."""
+    return [figure, f"{base:,.0f}", f"{value:,.0f}", f"{value / max(base, 1e-9):.2f}x", target]
+
+
+def steady(broker, seconds: float, stopped: bool, tag: str) -> dict:
+    """Part 2: a producer at a steady pace, 10 subscriptions, one stopped if
+    ``stopped``; returns the 9 others' rate and HeadQueueCache hit ratio."""
+    address = broker.create_address(f"steady-{tag}")
+    subs = [address.create_subscription(f"s{k}") for k in range(SUBSCRIPTIONS)]
+    running = subs[1:] if stopped else subs
+    stop = threading.Event()
+    counts = {s.name: 0 for s in running}
+    sent = [0]
+
+    def produce() -> None:
+        bodies = [BODY] * BATCH
+        while not stop.is_set():
+            address.send_batch(bodies)
+            sent[0] += BATCH
+            time.sleep(0.02)  # steady: ~50 batches a second at most
+
+    def work(sub) -> None:
+        with sub.consumer(prefetch=4 * BATCH) as c:
+            while not stop.is_set():
+                batch = c.receive_batch(BATCH, timeout=0.5)
+                if batch.num_rows:
+                    c.ack(batch, wait=False)
+                    counts[sub.name] += batch.num_rows
+            c.flush()
+
+    threads = [threading.Thread(target=produce)] + [
+        threading.Thread(target=work, args=(s,)) for s in running
+    ]
+    for t in threads:
+        t.start()
+    time.sleep(seconds)
+    stop.set()
+    for t in threads:
+        t.join()
+    keeping = subs[1:]  # the same nine in both runs
+    hits = misses = 0
+    for s in keeping:
+        st = s.stats()
+        hits += st["head_cache_hits"]
+        misses += st["head_cache_misses"]
+    out = {
+        "rate": sum(counts[s.name] for s in keeping) / seconds,
+        "hit_ratio": hits / max(1, hits + misses),
+        "sent": sent[0],
+        "address": address,
+        "stopped": subs[0],
+    }
+    if stopped:
+        depth = subs[0].stats()["depth"]
+        drained, rate = timed(lambda: consume(subs[0], depth))
+        out["drained"] = (depth, rate)
+    broker.delete_address(address.name)
+    return out
+
+
+def earliest(broker, messages: int) -> float:
+    """Part 3: seconds from ``create_subscription(start="earliest")`` to the first
+    message, on an address holding ``messages``."""
+    address = broker.create_address("deep")
+    address.create_subscription("keep")  # holds every message
+    send_all(address, messages)
+    t0 = time.perf_counter()
+    sub = address.create_subscription("late", start="earliest")
+    with sub.consumer(prefetch=BATCH) as c:
+        first = c.receive(1, timeout=30)
+        took = time.perf_counter() - t0
+    assert first and first[0].offset == 0, first
+    broker.delete_address("deep")
+    return took
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--messages", type=int, default=1_000_000, help="part 1 messages")
+    parser.add_argument("--seconds", type=float, default=15.0, help="part 2 run length")
+    parser.add_argument("--earliest", type=int, default=5_000_000, help="part 3 messages")
+    parser.add_argument("--parts", default="123", help="which parts to run")
+    args = parser.parse_args()
+    broker = start_broker(namespace="raymq-bench-fanout", head_cache_bytes=32 * 2**20)
+    try:
+        if "1" in args.parts:
+            console.print(f"part 1: {args.messages:,} x 1 KiB, a queue then 10 subscriptions ...")
+            rows = one_copy(broker, args.messages)
+            print_table(
+                "one stored copy (same run)",
+                ["figure", "queue", "address, 10 subscriptions", "ratio", "target"],
+                rows,
+            )
+        if "2" in args.parts:
+            console.print(f"part 2: {args.seconds:.0f} s with all 10, then with one stopped ...")
+            base = steady(broker, args.seconds, False, "a")
+            slow = steady(broker, args.seconds, True, "b")
+            depth, drain_rate = slow["drained"]
+            print_table(
+                "one stopped subscription (same run)",
+                ["figure", "all 10 consume", "one stopped", "ratio", "target"],
+                [
+                    ratio_row("9 others' rate (msg/s)", base["rate"], slow["rate"], ">= 0.9x"),
+                    [
+                        "9 others' HeadQueueCache hits",
+                        f"{base['hit_ratio']:.1%}",
+                        f"{slow['hit_ratio']:.1%}",
+                        "-",
+                        ">= 95 %",
+                    ],
+                    [
+                        "stopped one drained afterwards",
+                        "-",
+                        f"{depth:,} at {drain_rate:,.0f} msg/s",
+                        "-",
+                        "all",
+                    ],
+                ],
+            )
+        if "3" in args.parts:
+            console.print(f"part 3: start='earliest' on {args.earliest:,} messages ...")
+            took = earliest(broker, args.earliest)
+            print_table(
+                "a late subscription",
+                ["figure", "value", "target"],
+                [["first message (start='earliest')", f"{took * 1000:.0f} ms", "< 100 ms"]],
+            )
+    finally:
+        stop_broker(broker)
+
+
+if __name__ == "__main__":
+    main()

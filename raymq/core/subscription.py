@@ -1,0 +1,453 @@
+"""Subscription: the delivery side of a queue, or of one subscription of an address.
+
+A queue has one; an address (Artemis's address with several queues bound to it) has one
+per subscription, all over the address's one stored copy. Each owns its TargetArea (the
+queue side of its consumers' TargetLists), its HeadQueueCache, its closed-consumer
+memory and its dead-letter mover. What it reads and acknowledges goes through ``log``:
+the queue's ``SegmentLog`` itself, or a ``SubscriptionLog`` (the address's log seen
+through the subscription's own acknowledged set).
+
+The ``QueueCore`` that hosts it runs the group commit: ``host.flush_acks()`` returns
+once acks are durable, and the host fans new messages and damage out to every
+subscription (``arrived``, ``forget``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pyarrow as pa
+
+from raymq.batch import EMPTY_DELIVERY, MessageBatch, PropertyGroups
+from raymq.core.dead_letter import MOVE_BATCH_MESSAGES, REASON_REJECTED, dead_letter_batch
+from raymq.core.head_cache import HeadQueueCache
+from raymq.core.target_area import DEAD_LETTER_HOLDER, TargetArea
+from raymq.errors import ConsumerClosed, StorageError
+from raymq.selector import Selector
+
+if TYPE_CHECKING:
+    from raymq.core.queue import QueueCore
+
+log = logging.getLogger("raymq.queue")
+
+#: Longest a single fetch call waits in the actor (seconds); clients loop for longer waits.
+MAX_POLL_SECONDS = 1.0
+#: Offsets this close together are read as one range when materializing a delivery.
+MATERIALIZE_GAP = 64
+#: Closed consumer ids remembered so that a fetch arriving after the close cannot
+#: register the consumer again (ids).
+CLOSED_CONSUMERS_REMEMBERED = 100_000
+#: Longest wait between two attempts to move dead letters that failed (seconds).
+DEAD_LETTER_RETRY_MAX_SECONDS = 5.0
+
+
+class Subscription:
+    """Consumers, deliveries, acks and dead letters over one acknowledged set."""
+
+    def __init__(
+        self,
+        host: QueueCore,
+        name: str,
+        log,
+        *,
+        max_delivery_attempts: int | None,
+        dead_letter_address: str,
+        filter: str | None = None,
+        sid: int | None = None,
+        subscription_name: str | None = None,
+    ):
+        """``name``: how errors and logs name it (the queue, or ``address/subscription``);
+        ``filter``: an address subscription's routing filter (a selector); ``sid`` and
+        ``subscription_name``: its id and name in the address (None for a queue's own)."""
+        self.host = host
+        self.name = name
+        self.subscription_name = subscription_name
+        self.log = log
+        self.sid = sid
+        self.filter = None if filter is None else Selector(filter)
+        self.dead_letter_address = dead_letter_address
+        self.area = TargetArea(log, name, max_delivery_attempts)
+        self.head_cache = HeadQueueCache(0)
+        self.counters = {"out": 0, "acked": 0, "bytes_out": 0}
+        self.dead_lettered = 0
+        self.dead_letter_failures = 0
+        self._dead_letter_kick: asyncio.Event | None = None
+        self._arrival: asyncio.Event | None = None
+        # A fetch of a TargetList can arrive after its close (sent before, or cut short by
+        # it): it must not register the consumer again and take messages nobody will
+        # ever ack or give back. Insertion-ordered, the oldest forgotten first.
+        self._closed_consumers: dict[str, None] = {}
+        self.closed = False
+        self._mover: asyncio.Task | None = None
+
+    def start(self) -> None:
+        """Create the events and start the dead-letter mover (on the running loop)."""
+        self._arrival = asyncio.Event()
+        self._dead_letter_kick = asyncio.Event()
+        if self.host.dead_letter_sink is not None:
+            what = "dead-letter mover"
+            if self.subscription_name is not None:
+                what += f" of {self.subscription_name}"
+            self._mover = self.host.supervise(what, self._move_dead_letters)
+
+    # -- messages arriving, leaving ----------------------------------------------------
+
+    def arrived(self, chunk: MessageBatch, groups: PropertyGroups) -> None:
+        """A newly published chunk: route it (an address subscription's filter
+        acknowledges what it does not select), match it against selectors, cache it."""
+        if self.filter is not None:
+            rejected = ~self.area._mask(self.filter, chunk, groups)
+            if rejected.any():
+                self.log.ack(np.flatnonzero(rejected) + chunk.first_offset)
+        self.area.arrived(chunk, groups)
+        if self.host.config.durable:
+            self.head_cache.append(chunk)
+
+    def route_again(self, start: int) -> int:
+        """Apply the filter to unacknowledged messages from ``start`` on (after a
+        restart: routing decided after the last checkpoint may not be on disk);
+        returns how many it acknowledged."""
+        if self.filter is None:
+            return 0
+        done, pos = 0, start
+        while True:
+            got = self.log.unacked(pos, 65536)
+            if not len(got):
+                return done
+            pos = int(got[-1]) + 1
+            rejected = got[~self.area.select(self.filter, got)]
+            if len(rejected):
+                done += self.log.ack(rejected)
+
+    def forget(self, damaged: np.ndarray) -> None:
+        """Take offsets lost to damage out of delivery (nobody holds or waits for them)."""
+        self.area.forget(damaged)
+        self.wake()
+
+    def wake(self) -> None:
+        """Wake the fetches waiting for messages or credit."""
+        if self._arrival is not None:
+            self._arrival.set()
+            self._arrival = asyncio.Event()
+
+    def housekeeping(self) -> None:
+        """Trim the HeadQueueCache to what is undelivered and refill it from the log."""
+        self.area.housekeeping()
+        if not self.host.config.durable:
+            return
+        undelivered = self.area.head() if self.area.selective else self.area.cursor
+        self.head_cache.trim(undelivered)
+        # Around the read cache: the HeadQueueCache keeps what it reads (no message
+        # held twice, and bytes_in_memory + head_cache_bytes is a true sum).
+        try:
+            self.head_cache.refill(
+                lambda a, b: self.log.read(a, b, cache=False), undelivered, self.log.next_offset
+            )
+        except StorageError as exc:  # a cache fill is best effort; reads try again
+            log.warning("queue %r: HeadQueueCache refill: %s", self.name, exc)
+
+    # -- consuming -------------------------------------------------------------------
+
+    def register_consumer(
+        self,
+        consumer_id: str,
+        prefetch: int,
+        selector: str | None = None,
+        watch: object = None,
+    ) -> None:
+        """Register a consumer with its prefetch (max unacknowledged messages held).
+
+        ``selector`` is compiled here (``SelectorError`` if malformed, nothing
+        registered). ``watch`` is what the shell uses to check the consumer is alive.
+        """
+        if self.closed:
+            raise ConsumerClosed(f"{self.name!r} was deleted")
+        compiled = None if selector is None else Selector(selector)
+        self.area.register(consumer_id, prefetch, compiled, watch)
+
+    async def fetch(
+        self,
+        consumer_id: str,
+        max_messages: int,
+        timeout: float,
+        prefetch: int,
+        selector: str | None = None,
+    ) -> pa.RecordBatch:
+        """Deliver up to ``max_messages``, waiting up to ``timeout`` seconds for some.
+
+        Returns a RecordBatch in ``raymq.batch.DELIVERY_SCHEMA`` (empty when nothing came
+        in time). An unknown consumer (e.g. after an actor restart) is registered again.
+        """
+        if consumer_id in self._closed_consumers or self.closed:
+            raise ConsumerClosed(f"consumer {consumer_id} of queue {self.name!r} is closed")
+        if consumer_id not in self.area.consumers:
+            self.register_consumer(consumer_id, prefetch, selector)
+        target = self.area.consumers[consumer_id]
+        deadline = time.monotonic() + min(max(timeout, 0.0), MAX_POLL_SECONDS)
+        while True:
+            if self.area.consumers.get(consumer_id) is not target:
+                return EMPTY_DELIVERY  # closed (or closed and back) while we waited
+            arrival = self._arrival
+            offsets, counts = self.area.take(consumer_id, max_messages)
+            if len(offsets):
+                try:
+                    batch = self._materialize(offsets, counts)
+                except BaseException:
+                    # Unread, so not delivered: nobody may hold them (uncounted).
+                    self.area.release(consumer_id, offsets, count_delivery=False)
+                    self.wake()
+                    raise
+                self.host.forget_damaged()  # what could not be read is not held by anyone
+                self._count("out", batch.num_rows)
+                self._count("bytes_out", batch.nbytes)
+                return batch
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return EMPTY_DELIVERY
+            # Nothing taken while its scan goes on means no credit: match ahead meanwhile
+            # (a prefetch's worth), so that returning credit finds candidates ready,
+            # then wait for the credit rather than ask again at once.
+            if target.scanning and len(target.candidates) < target.prefetch:
+                self.area.scan_step(target)
+                await asyncio.sleep(0)  # let other calls in between scan steps
+                continue
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(arrival.wait(), remaining)
+
+    def _count(self, counter: str, n: int) -> None:
+        self.counters[counter] += n
+        self.host.count(counter, n)
+
+    def _read(self, start: int, end: int) -> list[MessageBatch]:
+        """Messages [start, end) from the HeadQueueCache, else the log (its read cache)."""
+        cached = self.head_cache.get(start, end) if self.host.config.durable else None
+        return cached if cached is not None else self.log.read(start, end)
+
+    def _materialize(self, offsets: np.ndarray, counts: np.ndarray, *, read=None) -> pa.RecordBatch:
+        """The messages of sorted ``offsets`` as one delivery RecordBatch.
+
+        Offsets closer than ``MATERIALIZE_GAP`` are read as one range and picked with
+        ``take``, so sparse selector matches cost one read and one Arrow conversion per
+        range, not per message.
+        """
+        read = read or self._read
+        if not len(offsets):
+            return EMPTY_DELIVERY
+        groups = np.split(
+            np.arange(len(offsets)), np.flatnonzero(np.diff(offsets) > MATERIALIZE_GAP) + 1
+        )
+        parts = []
+        for group in groups:
+            wanted = offsets[group]
+            batches = read(int(wanted[0]), int(wanted[-1]) + 1)
+            if not batches:
+                continue
+            arrow = [b.to_arrow(np.zeros(len(b), dtype=np.int32)) for b in batches]
+            whole = arrow[0] if len(arrow) == 1 else pa.concat_batches(arrow)
+            have = whole.column(0).to_numpy()
+            if not np.array_equal(have, wanted):
+                # Only what was read: a damaged record's offsets are missing from it.
+                found = np.isin(wanted, have)
+                group, wanted = group[found], wanted[found]
+                whole = whole.take(pa.array(np.searchsorted(have, wanted)))
+            columns = whole.columns
+            columns[2] = pa.array(counts[group], pa.int32())
+            parts.append(pa.RecordBatch.from_arrays(columns, schema=whole.schema))
+        if not parts:
+            return EMPTY_DELIVERY
+        return parts[0] if len(parts) == 1 else pa.concat_batches(parts)
+
+    def browse(
+        self, start: int, max_messages: int, selector: str | None = None
+    ) -> tuple[pa.RecordBatch, int]:
+        """Up to ``max_messages`` unacknowledged messages from ``start`` on, changing nothing.
+
+        Returns the batch (delivery_count = deliveries so far) and the offset to continue
+        from (``next_offset`` when the queue was walked to its end).
+        """
+        compiled = None if selector is None else Selector(selector)
+        picked: list[np.ndarray] = []
+        n, pos = 0, max(start, 0)
+        while n < max_messages and pos < self.log.next_offset:
+            got = self.log.unacked(pos, 4096)
+            if not len(got):
+                pos = self.log.next_offset
+                break
+            examined_end = int(got[-1]) + 1
+            if compiled is not None:
+                got = got[self.area.select(compiled, got)]
+            got = got[: max_messages - n]
+            picked.append(got)
+            n += len(got)
+            pos = int(got[-1]) + 1 if n >= max_messages and len(got) else examined_end
+        offsets = np.concatenate(picked) if picked else np.zeros(0, dtype=np.int64)
+        prev = self.area.previous_deliveries(offsets)
+        batch = self._materialize(offsets, prev, read=self.log.read)
+        self.host.forget_damaged()
+        return batch, pos
+
+    async def ack(self, consumer_id: str, offsets: np.ndarray) -> int:
+        """Acknowledge offsets; returns once the acks are durable (for a durable queue)."""
+        offsets = self._offsets(offsets)
+        self.area.check_ack(consumer_id, offsets)
+        fresh = self.area.ack(consumer_id, offsets)
+        self._count("acked", fresh)
+        if fresh:
+            self.wake()  # credit came back
+            self.host.signal_freed()
+        if self.host.config.durable and fresh:
+            await self.host.flush_acks()
+        return fresh
+
+    def nack(self, consumer_id: str, offsets: np.ndarray) -> int:
+        """Release offsets for redelivery with their delivery count raised."""
+        offsets = self._offsets(offsets)
+        self.area.check_ack(consumer_id, offsets)
+        n = self.area.release(consumer_id, offsets)
+        if n:
+            self.wake()
+            self._signal_dead_letters()
+        return n
+
+    def give_back(self, consumer_id: str, offsets: np.ndarray) -> int:
+        """Release held offsets the application never received (delivery not counted)."""
+        n = self.area.release(consumer_id, self._offsets(offsets), count_delivery=False)
+        if n:
+            self.wake()
+        return n
+
+    def close_consumer(self, consumer_id: str, not_received: np.ndarray | None = None) -> int:
+        """Remove a consumer; what it held is delivered again (``not_received`` uncounted)."""
+        if not_received is not None:
+            not_received = self._offsets(not_received)
+        n = self.area.unregister(consumer_id, not_received)
+        self._closed_consumers[consumer_id] = None
+        if len(self._closed_consumers) > CLOSED_CONSUMERS_REMEMBERED:
+            del self._closed_consumers[next(iter(self._closed_consumers))]
+        if n:
+            self.wake()
+            self._signal_dead_letters()
+        return n
+
+    def close(self) -> None:
+        """The subscription was deleted: every consumer's next call is ``ConsumerClosed``."""
+        self.closed = True
+        for consumer_id in list(self.area.consumers):
+            self.close_consumer(consumer_id)
+        if self._mover is not None:
+            self._mover.cancel()
+        self.wake()
+
+    def _offsets(self, offsets: object) -> np.ndarray:
+        """``offsets`` as int64; ``TypeError`` naming the queue for anything but integers
+        (a float would otherwise be truncated to another message's offset)."""
+        arr = np.asarray(offsets)
+        if arr.size and arr.dtype.kind not in "iu":
+            raise TypeError(f"offsets for queue {self.name!r} must be integers, not {arr.dtype}")
+        if arr.ndim != 1:
+            arr = arr.reshape(-1)
+        return arr.astype(np.int64, copy=False)
+
+    def reject(self, consumer_id: str, offsets: np.ndarray) -> int:
+        """Dead-letter messages the consumer holds (reason ``"rejected"``) instead of
+        delivering them again; returns how many. The move happens in the background."""
+        offsets = self._offsets(offsets)
+        self.area.check_ack(consumer_id, offsets)
+        n = self.area.dead_letter(consumer_id, offsets, REASON_REJECTED)
+        self._signal_dead_letters()
+        return n
+
+    # -- dead letters ------------------------------------------------------------------
+
+    def _signal_dead_letters(self) -> None:
+        if self.area.dead_letters and self._dead_letter_kick is not None:
+            self._dead_letter_kick.set()
+
+    async def _move_dead_letters(self) -> None:
+        """Move waiting dead letters to the dead-letter queue, a batch at a time: append
+        there durably, then ack here durably (a crash in between leaves a copy in both,
+        never in neither). A failure is logged, counted and retried with backoff."""
+        backoff = 0.1
+        while True:
+            if not self.area.dead_letters:
+                self._dead_letter_kick.clear()
+                await self._dead_letter_kick.wait()
+                continue
+            try:
+                await self._move_dead_letter_batch()
+                backoff = 0.1
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the DLQ unavailable or full: try again later
+                self.dead_letter_failures += 1
+                log.warning(
+                    "queue %r: moving %d dead letters to %r failed (retry in %.1f s): %s",
+                    self.name,
+                    len(self.area.dead_letters),
+                    self.dead_letter_address,
+                    backoff,
+                    exc,
+                )
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, DEAD_LETTER_RETRY_MAX_SECONDS)
+
+    async def _move_dead_letter_batch(self) -> None:
+        offsets, reasons = self.area.next_dead_letters(MOVE_BATCH_MESSAGES)
+        runs = np.split(offsets, np.flatnonzero(np.diff(offsets) != 1) + 1)
+        stored = [b for run in runs for b in self.log.read(int(run[0]), int(run[-1]) + 1)]
+        self.host.forget_damaged()  # a damaged one is no longer a dead letter to move
+        readable = np.isin(offsets, [o for o in offsets.tolist() if o in self.area.dead_letters])
+        offsets = offsets[readable]
+        reasons = [r for r, ok in zip(reasons, readable.tolist(), strict=True) if ok]
+        if not len(offsets):
+            return
+        batch = dead_letter_batch(stored, offsets, reasons, self.name)
+        await self.host.dead_letter_sink(self.dead_letter_address, batch)
+        await self.ack(DEAD_LETTER_HOLDER, offsets)
+        self.dead_lettered += len(offsets)
+        log.info(
+            "queue %r: %d messages moved to dead-letter queue %r",
+            self.name,
+            len(offsets),
+            self.dead_letter_address,
+        )
+
+    # -- consumers' liveness and statistics ----------------------------------------------
+
+    def consumer_stats(self, consumer_id: str) -> dict:
+        """The queue side of one consumer's TargetList (counts in messages, bytes)."""
+        t = self.area.consumers.get(consumer_id)
+        if t is None:
+            return {}
+        return {
+            "selector": None if t.selector is None else t.selector.text,
+            "held": len(t.held),
+            "delivered": t.delivered,
+            "acked": t.acked,
+            "given_back": t.given_back,
+            "cache_references": self.area.deliverable_estimate(consumer_id),
+            "cache_reference_bytes": 0 if t.candidates is None else t.candidates.nbytes,
+            "scan_remaining": max(0, t.scan_end - t.scan_pos),
+            "messages_scanned": t.messages_scanned,
+            "segments_skipped": t.segments_skipped,
+        }
+
+    def silent_consumers(self, seconds: float) -> list[tuple[str, object]]:
+        """(consumer id, watch) of consumers not heard from for ``seconds``."""
+        now = time.monotonic()
+        return [
+            (t.consumer_id, t.watch)
+            for t in self.area.consumers.values()
+            if t.watch is not None and now - t.last_seen > seconds
+        ]
+
+    def heard_from(self, consumer_id: str) -> None:
+        """Note that a consumer showed it is alive."""
+        t = self.area.consumers.get(consumer_id)
+        if t is not None:
+            t.last_seen = time.monotonic()

@@ -1,0 +1,335 @@
+"""Addresses without Ray: one stored copy, fanned out to subscriptions with their own
+ack state (issue 13). Routing filters, start positions, segment deletion once every
+subscription is done (middle segments too), subscriptions and their acks across a
+restart and a kill (a copy of the files taken while the address runs), typed errors."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+
+import msgpack
+import numpy as np
+import pytest
+
+from raymq.batch import MessageBatch
+from raymq.config import BrokerConfig, QueueConfig
+from raymq.core.queue import QueueCore
+from raymq.errors import (
+    ConsumerClosed,
+    InvalidQueueName,
+    InvalidSetting,
+    SelectorError,
+    StorageError,
+    SubscriptionExists,
+    SubscriptionNotFound,
+)
+from raymq.storage.format import SEGMENT_SUFFIX
+from raymq.storage.subscriptions import MANIFEST_NAME
+
+PAGE = 16 * 1024  # small segments: deletion of middle ones shows
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def open_address(root, name="addr", **kw) -> QueueCore:
+    core = QueueCore(
+        QueueConfig(name, page_size_bytes=PAGE, address=True, **kw),
+        BrokerConfig(paging_directory=str(root), head_cache_bytes=2**20),
+    )
+    core.start()
+    return core
+
+
+async def send(core: QueueCore, n: int, color: str | None = None, start: int = 0) -> list[int]:
+    bodies = [f"m{start + i}".encode() + b"." * 200 for i in range(n)]
+    props = None if color is None else [{"color": color, "i": start + i} for i in range(n)]
+    first, count = await core.send_batch(
+        MessageBatch.from_bodies(bodies, props, max_message_size=2**20)
+    )
+    assert count == n
+    return list(range(first, first + n))
+
+
+async def drain(core: QueueCore, sub: str, consumer: str = "c", ack: bool = True) -> list[int]:
+    """Everything the subscription delivers now, acknowledged (unless ``ack`` False)."""
+    got: list[int] = []
+    while True:
+        batch = await core.fetch(consumer, 1000, 0, 1000, subscription=sub)
+        if not batch.num_rows:
+            return got
+        offsets = batch.column("offset").to_numpy()
+        got.extend(offsets.tolist())
+        if ack:
+            await core.ack(consumer, offsets, subscription=sub)
+
+
+def segment_bases(core: QueueCore) -> list[int]:
+    names = [n for n in os.listdir(core.directory) if n.endswith(SEGMENT_SUFFIX)]
+    return sorted(int(n[: -len(SEGMENT_SUFFIX)]) for n in names)
+
+
+def test_each_subscription_gets_every_message_from_one_stored_copy(tmp_path):
+    async def main():
+        core = open_address(tmp_path)
+        for name in ("a", "b", "c"):
+            await core.create_subscription(name)
+        sent = await send(core, 500)
+        on_disk = core.log.bytes_on_disk
+        for name in ("a", "b", "c"):
+            assert await drain(core, name) == sent
+        assert core.stats().messages_out == 1500
+        # one copy: three subscriptions cost no more bytes than the records themselves
+        assert on_disk < 500 * 260
+        await core.close()
+
+    run(main())
+
+
+def test_a_segment_goes_once_every_subscription_acknowledged_it_middle_ones_too(tmp_path):
+    async def main():
+        core = open_address(tmp_path)
+        await core.create_subscription("fast")
+        await core.create_subscription("slow")
+        sent = []
+        for i in range(10):
+            sent += await send(core, 100, start=i * 100)
+        bases = segment_bases(core)
+        assert len(bases) >= 5
+        assert await drain(core, "fast") == sent
+        assert segment_bases(core) == bases  # slow still needs every one
+        # slow acknowledges only the messages of the second and third segments
+        middle = np.arange(bases[1], bases[3], dtype=np.int64)
+        got = await drain(core, "slow", ack=False)
+        await core.ack("c", middle, subscription="slow")
+        await core.flush_acks()
+        left = segment_bases(core)
+        assert bases[1] not in left and bases[2] not in left
+        assert bases[0] in left and bases[3] in left
+        assert core.stats("slow").depth == len(sent) - len(middle)
+        assert core.stats("fast").depth == 0
+        assert got == sent
+        await core.close()
+
+    run(main())
+
+
+def test_a_subscription_filter_routes_only_what_it_selects(tmp_path):
+    async def main():
+        core = open_address(tmp_path)
+        await core.create_subscription("red", filter="color = 'red'")
+        await core.create_subscription("all")
+        red = await send(core, 30, "red")
+        blue = await send(core, 40, "blue", start=30)
+        red += await send(core, 5, "red", start=70)
+        assert core.stats("red").depth == 35
+        assert core.stats("all").depth == 75
+        assert await drain(core, "red") == red
+        # a consumer's selector applies on top of the filter
+        core.register_consumer("big", 100, "i >= 72", subscription="red")
+        assert await drain(core, "all") == red[:30] + blue + red[30:]
+        await core.close()
+
+    run(main())
+
+
+def test_earliest_starts_at_the_oldest_stored_message_latest_at_the_next(tmp_path):
+    async def main():
+        core = open_address(tmp_path)
+        await core.create_subscription("first")
+        before = await send(core, 50)
+        await drain(core, "first", ack=False)
+        await core.ack("c", np.arange(0, 10), subscription="first")
+        await core.create_subscription("early", start="earliest")
+        await core.create_subscription("late", start="latest")
+        after = await send(core, 20, start=50)
+        # 0-9 were acknowledged by every subscription there was: no longer stored
+        assert await drain(core, "early") == before[10:] + after
+        assert await drain(core, "late") == after
+        await core.close()
+
+    run(main())
+
+
+def test_messages_sent_to_an_address_without_subscriptions_are_not_kept(tmp_path):
+    async def main():
+        core = open_address(tmp_path)
+        await send(core, 100)
+        await send(core, 100, start=100)
+        await core.flush_acks()
+        assert core.stats().depth == 0
+        await core.create_subscription("s", start="earliest")
+        assert await drain(core, "s") == []
+        await core.close()
+
+    run(main())
+
+
+def test_deleting_a_subscription_releases_its_hold_and_closes_its_consumers(tmp_path):
+    async def main():
+        core = open_address(tmp_path)
+        await core.create_subscription("keep")
+        await core.create_subscription("gone")
+        sent = []
+        for i in range(6):
+            sent += await send(core, 100, start=i * 100)
+        core.register_consumer("g", 10, subscription="gone")
+        assert await drain(core, "keep") == sent
+        assert len(segment_bases(core)) > 1
+        await core.delete_subscription("gone")
+        await send(core, 1, start=600)  # a commit deletes what nobody needs
+        assert len(segment_bases(core)) == 1
+        with pytest.raises(SubscriptionNotFound, match="gone"):
+            await core.fetch("g", 10, 0, 10, subscription="gone")
+        assert [s.name for s in core.list_subscriptions()] == ["keep"]
+        await core.close()
+        core = open_address(tmp_path)
+        assert [s.name for s in core.list_subscriptions()] == ["keep"]
+        assert core.stats().depth == 1
+        await core.close()
+
+    run(main())
+
+
+def test_subscriptions_positions_and_acks_survive_a_restart(tmp_path):
+    async def main():
+        core = open_address(tmp_path)
+        await core.create_subscription("a")
+        await core.create_subscription("b", filter="color = 'red'")
+        sent = await send(core, 60, "red") + await send(core, 40, "blue", start=60)
+        got = await drain(core, "a", ack=False)
+        await core.ack("c", np.array(got[:70]), subscription="a")
+        await core.close()
+        core = open_address(tmp_path)
+        assert core.stats("a").depth == 30 and core.stats("b").depth == 60
+        assert await drain(core, "a") == sent[70:]
+        assert await drain(core, "b") == sent[:60]
+        await core.close()
+
+    run(main())
+
+
+@pytest.mark.parametrize("checkpoint_interval", [0.001, 3600.0])
+def test_acknowledged_state_survives_a_kill(tmp_path, checkpoint_interval):
+    """A copy of the files taken while the address runs is what a SIGKILL leaves (the
+    process dies, the page cache stays). Acks that returned are kept; filters routed
+    after the last checkpoint are routed again."""
+
+    async def main():
+        broker = BrokerConfig(
+            paging_directory=str(tmp_path / "live"), checkpoint_interval=checkpoint_interval
+        )
+        core = QueueCore(QueueConfig("addr", page_size_bytes=PAGE, address=True), broker)
+        core.start()
+        await core.create_subscription("a")
+        await core.create_subscription("red", filter="color = 'red'")
+        red = await send(core, 50, "red")
+        blue = await send(core, 50, "blue", start=50)
+        got = await drain(core, "a", ack=False)
+        await core.ack("c", np.array(got[:80]), subscription="a")
+        assert await drain(core, "red") == red
+        shutil.copytree(tmp_path / "live", tmp_path / "killed")
+        await core.close()
+        core = QueueCore(
+            QueueConfig("addr", page_size_bytes=PAGE, address=True),
+            BrokerConfig(paging_directory=str(tmp_path / "killed")),
+        )
+        core.start()
+        assert core.stats("red").depth == 0
+        assert await drain(core, "a") == (red + blue)[80:]
+        assert await drain(core, "red") == []
+        await core.close()
+
+    run(main())
+
+
+def test_typed_errors_name_the_address_subscription_or_setting(tmp_path):
+    async def main():
+        core = open_address(tmp_path)
+        await core.create_subscription("s", filter="color = 'red'")
+        assert (await core.create_subscription("s", filter="color = 'red'")).name == "s"
+        with pytest.raises(SubscriptionExists, match="'s'"):
+            await core.create_subscription("s")
+        with pytest.raises(SubscriptionNotFound, match="addr.*'nope'"):
+            await core.fetch("c", 1, 0, 1, subscription="nope")
+        with pytest.raises(SubscriptionNotFound):
+            await core.fetch("c", 1, 0, 1)  # an address has no subscription of its own
+        with pytest.raises(SelectorError):
+            await core.create_subscription("bad", filter="color = ")
+        with pytest.raises(InvalidSetting, match="start='middle'"):
+            await core.create_subscription("t", start="middle")
+        with pytest.raises(InvalidQueueName):
+            await core.create_subscription("../x")
+        with pytest.raises(InvalidSetting, match="max_delivery_attempts"):
+            await core.create_subscription("t", max_delivery_attempts=0)
+        assert [s.name for s in core.list_subscriptions()] == ["s"]
+        core.register_consumer("c", 10, subscription="s")
+        await core.delete_subscription("s")
+        with pytest.raises((ConsumerClosed, SubscriptionNotFound)):
+            await core.fetch("c", 1, 0, 1, subscription="s")
+        await core.close()
+        queue = QueueCore(QueueConfig("plain"), BrokerConfig(paging_directory=str(tmp_path)))
+        queue.start()
+        with pytest.raises(InvalidSetting, match="'plain' is a queue"):
+            await queue.create_subscription("s")
+        with pytest.raises(SubscriptionNotFound, match="'plain' is a queue"):
+            await queue.fetch("c", 1, 0, 1, subscription="s")
+        await queue.close()
+
+    run(main())
+
+
+def test_a_damaged_subscriptions_file_is_a_storage_error_naming_it(tmp_path):
+    async def main():
+        core = open_address(tmp_path)
+        await core.create_subscription("s")
+        await core.close()
+        path = os.path.join(core.directory, MANIFEST_NAME)
+        with open(path, "r+b") as f:
+            f.seek(30)
+            byte = f.read(1)
+            f.seek(30)
+            f.write(bytes([byte[0] ^ 1]))
+        with pytest.raises(StorageError, match=MANIFEST_NAME):
+            open_address(tmp_path)
+
+    run(main())
+
+
+def test_stats_give_each_subscriptions_lag(tmp_path):
+    async def main():
+        core = open_address(tmp_path)
+        await core.create_subscription("a")
+        await core.create_subscription("b")
+        await send(core, 100)
+        await drain(core, "a")
+        assert core.subscription_depths() == {"a": 0, "b": 100}
+        assert core.stats().depth == 100 and core.stats("a").name == "addr/a"
+        props = msgpack.packb({"color": "red"})
+        assert props  # (properties round trip through the address as through a queue)
+        await core.close()
+
+    run(main())
+
+
+def test_routing_not_yet_on_disk_at_a_kill_is_done_again(tmp_path):
+    """A filter's decisions reach the ack log with the commit after the messages'; a
+    kill in between leaves them undone, and recovery routes those messages again."""
+
+    async def main():
+        core = open_address(tmp_path / "live")
+        await core.create_subscription("red", filter="color = 'red'")
+        red = await send(core, 20, "red")
+        await send(core, 30, "blue", start=20)
+        assert core.log.has_pending_acks  # the blues' routing is not on disk yet
+        shutil.copytree(tmp_path / "live", tmp_path / "killed")
+        await core.close()
+        core = open_address(tmp_path / "killed")
+        assert core.stats("red").depth == 20
+        assert await drain(core, "red") == red
+        await core.close()
+
+    run(main())

@@ -1,0 +1,119 @@
+"""Addresses through the Python handles on a real local Ray (issue 13): fan-out to
+subscriptions with competing consumers and selectors, a SIGKILL of the address's actor,
+typed errors, and the Queue calls a subscription handle shares."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from raymq.client import _call
+from raymq.errors import QueueExists, QueueNotFound, SubscriptionExists, SubscriptionNotFound
+
+
+def receive_all(consumer, want: int) -> list:
+    got = []
+    while len(got) < want:
+        batch = consumer.receive(want - len(got), timeout=30)
+        assert batch, f"only {len(got)} of {want} messages came"
+        got += batch
+    return got
+
+
+def test_fan_out_to_subscriptions_with_competing_consumers_and_selectors(broker):
+    address = broker.create_address("orders")
+    billing = address.create_subscription("billing")
+    audit = address.create_subscription("audit", selector="region = 'eu'")
+    offsets = address.send_batch(
+        [f"order {i}".encode() for i in range(300)],
+        [{"region": "eu" if i % 3 == 0 else "us"} for i in range(300)],
+    )
+    assert offsets == list(range(300))
+    first, second = billing.consumer(prefetch=50), billing.consumer(prefetch=50)
+    got = []
+    while len(got) < 300:
+        for c in (first, second):
+            batch = c.receive(50, timeout=1)
+            c.ack(batch)
+            got += [m.offset for m in batch]
+    assert sorted(got) == offsets  # competing: each message to one of them
+    with audit.consumer(selector="JMSXDeliveryCount = 1") as c:
+        eu = receive_all(c, 100)
+        c.ack(eu)
+    assert [m.offset for m in eu] == list(range(0, 300, 3))
+    assert {m.properties["region"] for m in eu} == {"eu"}
+    stats = address.stats()
+    assert stats["subscriptions"] == {"billing": 0, "audit": 0}
+    assert billing.stats()["messages_acked"] == 300 and audit.stats()["depth"] == 0
+    first.close()
+    second.close()
+    assert broker.list_addresses() == ["orders"] and broker.list_queues() == []
+    assert address.subscriptions() == ["billing", "audit"]
+
+
+def test_subscriptions_and_their_acks_survive_a_sigkill(broker):
+    address = broker.create_address("events")
+    fast = address.create_subscription("fast")
+    slow = address.create_subscription("slow")
+    address.send_batch([f"e{i}".encode() for i in range(100)])
+    with fast.consumer() as c:
+        c.ack(receive_all(c, 100))
+    with slow.consumer() as c:
+        c.ack(receive_all(c, 40))
+    pid = _call(address._actor.pid)
+    os.kill(pid, signal.SIGKILL)
+    again = broker.get_address("events")
+    assert _call(again._actor.pid) != pid
+    assert again.stats()["subscriptions"] == {"fast": 0, "slow": 60}
+    with again.subscription("slow").consumer() as c:
+        rest = receive_all(c, 60)
+        assert [m.body for m in rest] == [f"e{i}".encode() for i in range(40, 100)]
+        assert {m.delivery_count for m in rest} <= {1, 2}  # at-least-once across a kill
+        c.ack(rest)
+    assert again.stats()["depth"] == 0
+
+
+def test_typed_errors_and_what_a_subscription_handle_refuses(broker):
+    address = broker.create_address("a1")
+    sub = address.create_subscription("s")
+    assert address.create_subscription("s").name == "a1/s"  # idempotent
+    with pytest.raises(SubscriptionExists):
+        address.create_subscription("s", selector="x = 1")
+    with pytest.raises(SubscriptionNotFound, match="'nope'"):
+        address.subscription("nope")
+    with pytest.raises(TypeError, match="send to address 'a1'"):
+        sub.send(b"x")
+    with pytest.raises(TypeError, match="through a subscription"):
+        address.consumer()
+    with pytest.raises(QueueExists, match="as an address"):
+        broker.create_queue("a1")
+    with pytest.raises(QueueNotFound):
+        broker.get_address("missing")
+    broker.create_queue("plain")
+    with pytest.raises(QueueNotFound):
+        broker.get_address("plain")
+    address.delete_subscription("s")
+    assert address.subscriptions() == []
+    broker.delete_address("a1")
+    assert broker.list_addresses() == []
+
+
+def test_the_readme_address_tour_runs_as_typed(broker, monkeypatch, capsys):
+    """README.md's ``python addresses`` block, run as written (``raymq.connect`` gives
+    this test's broker instead of the default one)."""
+    import raymq
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "README.md")) as f:
+        text = f.read()
+    start = text.index("```python addresses\n") + len("```python addresses\n")
+    block = text[start : text.index("```\n", start)]
+    monkeypatch.setattr(raymq, "connect", lambda *a, **k: broker, raising=False)
+    scope: dict = {}
+    exec(compile(block, "README.md (python addresses)", "exec"), scope)
+    assert [m.body for m in scope["suspicious"]] == [b"p2"]
+    assert "{'ledger': 3, 'fraud': 0, 'audit': 3}" in capsys.readouterr().out
+    assert scope["payments"].subscriptions() == ["ledger", "fraud"]
+    assert scope["payments"].stats()["depth"] == 0
