@@ -21,6 +21,8 @@ import argparse
 import threading
 import time
 
+from raymq.placement import spares
+
 from bench.common import console, print_table, start_broker, stop_broker, timed
 
 BODY = b"x" * 1024
@@ -45,28 +47,37 @@ def send_all(target, messages: int) -> int:
     return per * 4 * BATCH
 
 
-def consume(handle, n: int) -> int:
-    """Receive and ack ``n`` messages from a queue or subscription handle."""
+def consumers_of(handles: list) -> list:
+    """A consumer of each handle, made before a clock starts (a TargetList actor's
+    process takes about a second to start: not what is measured)."""
+    out = []
+    for h in handles:
+        spares.wait_warm(timeout=30)
+        out.append(h.consumer(prefetch=10 * BATCH))
+    return out
+
+
+def consume(c, n: int) -> int:
+    """Receive and ack ``n`` messages with consumer ``c``."""
     got = 0
-    with handle.consumer(prefetch=10 * BATCH) as c:
-        while got < n:
-            batch = c.receive_batch(BATCH, timeout=30)
-            if batch.num_rows == 0:
-                raise RuntimeError(f"{handle.name}: stalled after {got} of {n} messages")
-            c.ack(batch, wait=False)
-            got += batch.num_rows
-        c.flush()
+    while got < n:
+        batch = c.receive_batch(BATCH, timeout=30)
+        if batch.num_rows == 0:
+            raise RuntimeError(f"{c.queue.name}: stalled after {got} of {n} messages")
+        c.ack(batch, wait=False)
+        got += batch.num_rows
+    c.flush()
     return got
 
 
-def consume_all(handles: list, n: int) -> int:
-    """``consume(h, n)`` for every handle at once (a thread each); returns the total."""
-    counts = [0] * len(handles)
+def consume_all(consumers: list, n: int) -> int:
+    """``consume(c, n)`` for every consumer at once (a thread each); returns the total."""
+    counts = [0] * len(consumers)
 
     def work(k: int) -> None:
-        counts[k] = consume(handles[k], n)
+        counts[k] = consume(consumers[k], n)
 
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(len(handles))]
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(len(consumers))]
     for t in threads:
         t.start()
     for t in threads:
@@ -74,17 +85,26 @@ def consume_all(handles: list, n: int) -> int:
     return sum(counts)
 
 
+def close_all(consumers: list) -> None:
+    for c in consumers:
+        c.close()
+
+
 def one_copy(broker, messages: int) -> list[list[str]]:
     """Part 1: a queue, then a 10-subscription address, same messages."""
     queue = broker.create_queue("fanout-queue")
     _, queue_in = timed(lambda: send_all(queue, messages))
     queue_disk = queue.stats()["bytes_on_disk"]
-    _, queue_out = timed(lambda: consume(queue, messages))
+    consumers = consumers_of([queue])
+    _, queue_out = timed(lambda: consume(consumers[0], messages))
+    close_all(consumers)
     address = broker.create_address("fanout")
     subs = [address.create_subscription(f"s{k}") for k in range(SUBSCRIPTIONS)]
     _, address_in = timed(lambda: send_all(address, messages))
     address_disk = address.stats()["bytes_on_disk"]
-    _, delivered = timed(lambda: consume_all(subs, messages))
+    consumers = consumers_of(subs)
+    _, delivered = timed(lambda: consume_all(consumers, messages))
+    close_all(consumers)
     left = address.stats()
     broker.delete_queue("fanout-queue")
     broker.delete_address("fanout")
@@ -107,6 +127,7 @@ def steady(broker, seconds: float, stopped: bool, tag: str) -> dict:
     address = broker.create_address(f"steady-{tag}")
     subs = [address.create_subscription(f"s{k}") for k in range(SUBSCRIPTIONS)]
     running = subs[1:] if stopped else subs
+    consumers = dict(zip([s.name for s in running], consumers_of(running), strict=True))
     stop = threading.Event()
     counts = {s.name: 0 for s in running}
     sent = [0]
@@ -119,13 +140,13 @@ def steady(broker, seconds: float, stopped: bool, tag: str) -> dict:
             time.sleep(0.02)  # steady: ~50 batches a second at most
 
     def work(sub) -> None:
-        with sub.consumer(prefetch=4 * BATCH) as c:
-            while not stop.is_set():
-                batch = c.receive_batch(BATCH, timeout=0.5)
-                if batch.num_rows:
-                    c.ack(batch, wait=False)
-                    counts[sub.name] += batch.num_rows
-            c.flush()
+        c = consumers[sub.name]
+        while not stop.is_set():
+            batch = c.receive_batch(BATCH, timeout=0.5)
+            if batch.num_rows:
+                c.ack(batch, wait=False)
+                counts[sub.name] += batch.num_rows
+        c.flush()
 
     threads = [threading.Thread(target=produce)] + [
         threading.Thread(target=work, args=(s,)) for s in running
@@ -136,6 +157,7 @@ def steady(broker, seconds: float, stopped: bool, tag: str) -> dict:
     stop.set()
     for t in threads:
         t.join()
+    close_all(consumers.values())
     keeping = subs[1:]  # the same nine in both runs
     hits = misses = 0
     for s in keeping:
@@ -151,7 +173,9 @@ def steady(broker, seconds: float, stopped: bool, tag: str) -> dict:
     }
     if stopped:
         depth = subs[0].stats()["depth"]
-        drained, rate = timed(lambda: consume(subs[0], depth))
+        late = consumers_of([subs[0]])
+        _, rate = timed(lambda: consume(late[0], depth))
+        close_all(late)
         out["drained"] = (depth, rate)
     broker.delete_address(address.name)
     return out
@@ -163,6 +187,7 @@ def earliest(broker, messages: int) -> float:
     address = broker.create_address("deep")
     address.create_subscription("keep")  # holds every message
     send_all(address, messages)
+    spares.wait_warm(timeout=30)  # the consumer's process: not what is measured
     t0 = time.perf_counter()
     sub = address.create_subscription("late", start="earliest")
     with sub.consumer(prefetch=BATCH) as c:
