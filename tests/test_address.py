@@ -25,6 +25,7 @@ from raymq.errors import (
     SubscriptionExists,
     SubscriptionNotFound,
 )
+from raymq.properties import decode_properties
 from raymq.storage.format import SEGMENT_SUFFIX
 from raymq.storage.subscriptions import MANIFEST_NAME
 
@@ -330,6 +331,43 @@ def test_routing_not_yet_on_disk_at_a_kill_is_done_again(tmp_path):
         core = open_address(tmp_path / "killed")
         assert core.stats("red").depth == 20
         assert await drain(core, "red") == red
+        await core.close()
+
+    run(main())
+
+
+def test_a_subscriptions_dead_letters_go_to_its_own_dead_letter_queue(tmp_path):
+    moved: list[tuple[str, list[int]]] = []
+
+    async def sink(name: str, batch: MessageBatch) -> None:
+        props = [
+            decode_properties(batch.prop_data[a:b])
+            for a, b in zip(batch.prop_offsets[:-1], batch.prop_offsets[1:], strict=True)
+        ]
+        moved.append((name, [p["RayMQOriginalOffset"] for p in props]))
+
+    async def all_moved(core: QueueCore) -> None:
+        while core.stats().dead_letters_pending:
+            await asyncio.sleep(0.01)  # the mover runs in the background
+
+    async def main():
+        core = QueueCore(
+            QueueConfig("addr", page_size_bytes=PAGE, address=True),
+            BrokerConfig(paging_directory=str(tmp_path)),
+            sink,
+        )
+        core.start()
+        await core.create_subscription("once", max_delivery_attempts=1)
+        await core.create_subscription("other", dead_letter_queue="elsewhere")
+        await send(core, 3)
+        got = await core.fetch("c", 10, 0, 10, subscription="once")
+        core.nack("c", got.column("offset").to_numpy(), subscription="once")
+        other = await core.fetch("d", 10, 0, 10, subscription="other")
+        core.reject("d", other.column("offset").to_numpy()[:1], subscription="other")
+        await asyncio.wait_for(all_moved(core), 30)  # a wedge fails; not a timing
+        assert sorted(moved) == [("addr.once.DLQ", [0, 1, 2]), ("elsewhere", [0])]
+        assert core.stats("once").depth == 0 and core.stats("other").depth == 2
+        assert core.stats("once").messages_dead_lettered == 3
         await core.close()
 
     run(main())
