@@ -213,8 +213,24 @@ class QueueCore:
             acks.load(spec.id, recovered.get(spec.id), spec.start_offset)
             self.subscriptions[spec.name] = self._subscription_of(spec)
         acks.settle()  # what every subscription acknowledged (one deleted before a crash)
-        for sub in self.subscriptions.values():
-            sub.route_again(self.log.scanned_from)
+        for spec in self._manifest.subscriptions.values():
+            # Routing decided after the checkpoint may not be on disk; for a subscription
+            # created just before a crash, none of it may be (nothing of it was logged).
+            start = self.log.scanned_from if spec.id in recovered else spec.start_offset
+            self.subscriptions[spec.name].route_again(start)
+        if acks.has_pending and self.config.durable:
+            self._commit_acks_now()
+
+    def _commit_acks_now(self) -> None:
+        """Make the acks applied so far durable before the address opens: recovery's
+        checkpoint is written already, so a crash before the next commit would leave the
+        messages routed again here past the next recovery's scan. Raises
+        ``StorageError``."""
+        prepared = self.log.prepare([], int(time.time() * 1e6))
+        try:
+            self.log.write(prepared)
+        finally:
+            self.log.publish(prepared)
 
     def _subscription_of(self, spec: SubscriptionSpec) -> Subscription:
         cfg = self.config
@@ -805,10 +821,17 @@ class QueueCore:
                 )
             return existing
         manifest = Manifest({**self._manifest.subscriptions, name: spec}, spec.id + 1)
-        self._write_manifest(manifest)  # inline: nothing may publish in between
+        # Routed before it exists on disk (a read that fails leaves nothing behind), and
+        # with nothing awaited until it is in the file: nothing may publish in between.
         self._subscription_acks.create(spec.id, spec.start_offset)
-        sub = self.subscriptions[name] = self._subscription_of(spec)
-        sub.route_again(spec.start_offset)
+        sub = self._subscription_of(spec)
+        try:
+            sub.route_again(spec.start_offset)
+            self._write_manifest(manifest)
+        except BaseException:
+            self._subscription_acks.remove(spec.id)
+            raise
+        self.subscriptions[name] = sub
         if self._kick is not None:
             sub.start()
         self._apply_memory_limits()
