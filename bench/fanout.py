@@ -166,6 +166,9 @@ def steady(broker, seconds: float, stopped: bool, tag: str) -> dict:
         misses += st["head_cache_misses"]
     out = {
         "rate": sum(counts[s.name] for s in keeping) / seconds,
+        # What the nine received of what was sent: the producer's pace varies with the
+        # machine's load, this does not.
+        "kept_up": sum(counts[s.name] for s in keeping) / max(1, 9 * sent[0]),
         "hit_ratio": hits / max(1, hits + misses),
         "sent": sent[0],
         "address": address,
@@ -225,6 +228,13 @@ def main() -> None:
                 ["figure", "all 10 consume", "one stopped", "ratio", "target"],
                 [
                     ratio_row("9 others' rate (msg/s)", base["rate"], slow["rate"], ">= 0.9x"),
+                    [
+                        "9 others received of what was sent",
+                        f"{base['kept_up']:.1%}",
+                        f"{slow['kept_up']:.1%}",
+                        f"{slow['kept_up'] / max(base['kept_up'], 1e-9):.2f}x",
+                        ">= 0.9x",
+                    ],
                     [
                         "9 others' HeadQueueCache hits",
                         f"{base['hit_ratio']:.1%}",
