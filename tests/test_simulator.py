@@ -1,9 +1,11 @@
 """The seeded fault simulator (``raymq.sim``): a fixed set of seeds runs here, every
-invariant checked after every step; ``make fuzz SEEDS=N`` runs many more. A failing
-seed's message holds the command that replays it."""
+invariant checked after every step, for queues and for addresses with subscriptions;
+``make fuzz SEEDS=N`` runs many more. A failing seed's message holds the command that
+replays it."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import random
@@ -13,12 +15,16 @@ import types
 
 import pytest
 
+from raymq.core.queue import QueueCore
 from raymq.sim.disk import SimDisk
-from raymq.sim.run import Violation, repro_command, run_seed
+from raymq.sim.run import Settings, Violation, is_address_seed, repro_command, run_seed
 
 #: Chosen to cover every kind of run the seeds draw: crashes, rot, full disks, I/O
-#: errors, selectors, restarts (see ``Settings.draw``).
+#: errors, selectors, restarts (see ``Settings.draw``). They run a queue.
 FIXED_SEEDS = list(range(12))
+#: Seeds that run an address: subscriptions with and without filters, created
+#: ("latest", "earliest") and deleted as they go, crashes, rot, I/O errors, restarts.
+FIXED_ADDRESS_SEEDS = [12, 13, 14, 18, 24, 26, 27, 30]
 
 
 @functools.cache
@@ -45,6 +51,85 @@ def test_the_fixed_seeds_crash_rot_and_fail_calls():
     assert totals["flips"] > 0 and totals["damaged"] > 0
     assert totals["injected_errors"] > 0
     assert totals["restarts"] > 0
+
+
+def test_a_seeds_mode_is_drawn_apart_from_its_own_random_sequence():
+    """A queue-mode seed draws what it drew before addresses came (so it replays the
+    same run), and the queue seeds fixed above still run a queue."""
+    for seed in range(50):
+        with_mode, without = random.Random(seed), random.Random(seed)
+        settings = Settings.draw(with_mode, seed)
+        assert settings.address == is_address_seed(seed)
+        assert dataclasses.replace(settings, address=False) == Settings.draw(without)
+        assert with_mode.random() == without.random()
+    assert not any(is_address_seed(seed) for seed in [*FIXED_SEEDS, 40, 41])
+    assert all(is_address_seed(seed) for seed in FIXED_ADDRESS_SEEDS)
+    assert 0.45 < sum(map(is_address_seed, range(2000))) / 2000 < 0.55
+
+
+@pytest.mark.parametrize("seed", FIXED_ADDRESS_SEEDS)
+def test_a_fixed_address_seed_holds_every_invariant(seed):
+    try:
+        summary = _run(seed)
+    except Violation as exc:
+        pytest.fail(f"{exc}\nreproduce: {repro_command(seed, 300)}")
+    assert summary["address"] == 1
+    assert summary["served"] > 0 and summary["stored"] > 0
+
+
+def test_the_fixed_address_seeds_create_delete_crash_and_restart():
+    totals: dict[str, int] = {}
+    for seed in FIXED_ADDRESS_SEEDS:
+        for k, v in _run(seed).items():
+            totals[k] = totals.get(k, 0) + v
+    # More than the 1-3 each starts with: created as the runs go, too.
+    assert totals["subscriptions_created"] > 3 * len(FIXED_ADDRESS_SEEDS)
+    assert totals["subscriptions_deleted"] > 0
+    assert totals["subscriptions_in_doubt"] > 0
+    assert totals["crashes"] > 0 and totals["restarts"] > 0
+    assert totals["flips"] > 0 and totals["damaged"] > 0
+    assert totals["injected_errors"] > 0
+
+
+def _first_violation(seeds: list[int]) -> str:
+    for seed in seeds:
+        try:
+            run_seed(seed, steps=300)
+        except Violation as exc:
+            return str(exc)
+    return ""
+
+
+def test_the_simulator_finds_an_address_that_ignores_filters(monkeypatch):
+    create = QueueCore.create_subscription
+
+    async def unfiltered(self, name, *, filter=None, **kw):
+        return await create(self, name, **kw)
+
+    monkeypatch.setattr(QueueCore, "create_subscription", unfiltered)
+    assert "filter" in _first_violation(FIXED_ADDRESS_SEEDS)
+
+
+def test_the_simulator_finds_earliest_subscriptions_that_start_at_the_latest(monkeypatch):
+    create = QueueCore.create_subscription
+
+    async def latest(self, name, *, start="latest", **kw):
+        return await create(self, name, start="latest", **kw)
+
+    monkeypatch.setattr(QueueCore, "create_subscription", latest)
+    assert "never delivered again to s" in _first_violation(FIXED_ADDRESS_SEEDS)
+
+
+def test_the_simulator_finds_an_ack_that_acknowledges_for_every_subscription(monkeypatch):
+    ack = QueueCore.ack
+
+    async def everywhere(self, consumer_id, offsets, *, subscription=None):
+        fresh = await ack(self, consumer_id, offsets, subscription=subscription)
+        self._subscription_acks.ack_everywhere(offsets)
+        return fresh
+
+    monkeypatch.setattr(QueueCore, "ack", everywhere)
+    assert "never delivered again to s" in _first_violation(FIXED_ADDRESS_SEEDS)
 
 
 def test_the_simulator_finds_a_writer_that_does_not_sync(monkeypatch):

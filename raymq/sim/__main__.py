@@ -1,7 +1,8 @@
 """``python -m raymq.sim``: run seeds of the fault simulator, print what they found.
 
-python -m raymq.sim --seeds 1000          # seeds 0..999, on every core
-python -m raymq.sim --seed 42 -v          # replay one seed, step by step
+python -m raymq.sim --seeds 1000                 # seeds 0..999, on every core
+python -m raymq.sim --seeds 300 --mode address   # the first 300 seeds that run an address
+python -m raymq.sim --seed 42 -v                 # replay one seed, step by step
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import sys
 import time
 import traceback
 
-from raymq.sim.run import Violation, repro_command, run_seed
+from raymq.sim.run import Violation, is_address_seed, repro_command, run_seed
 
 #: Wall-clock seconds one seed may take (a loop that never ends is a wedge too).
 SEED_BOUND = 300
@@ -45,6 +46,12 @@ def main(argv: list[str] | None = None) -> int:
     """Run the seeds asked for; exit status 1 if any broke an invariant."""
     parser = argparse.ArgumentParser(prog="python -m raymq.sim", description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, default=100, help="run seeds FIRST..FIRST+N-1")
+    parser.add_argument(
+        "--mode",
+        choices=("any", "queue", "address"),
+        default="any",
+        help="run only seeds of this mode: the first N of it from FIRST on",
+    )
     parser.add_argument("--first", type=int, default=0, help="the first seed")
     parser.add_argument("--seed", type=int, help="run only this seed")
     parser.add_argument("--steps", type=int, default=300, help="operations per seed")
@@ -59,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(f"seed {args.seed}: ok {summary}")
         return 0
-    seeds = range(args.first, args.first + args.seeds)
+    seeds = _seeds(args.first, args.seeds, args.mode)
     started = time.monotonic()
     failed: list[int] = []
     totals: dict[str, int] = {}
@@ -86,6 +93,18 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"all {len(seeds)} seeds held every invariant")
     return 0
+
+
+def _seeds(first: int, n: int, mode: str) -> list[int]:
+    """``n`` seeds from ``first`` on: every one, or only those of ``mode``."""
+    if mode == "any":
+        return list(range(first, first + n))
+    out, seed = [], first
+    while len(out) < n:
+        if is_address_seed(seed) == (mode == "address"):
+            out.append(seed)
+        seed += 1
+    return out
 
 
 if __name__ == "__main__":

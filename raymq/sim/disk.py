@@ -17,7 +17,8 @@ installed, those of them that touch files under its root are wrapped:
 * ``full`` fills the disk: a call that needs new space fails with ``ENOSPC`` (writes
   beyond a file's allocated length, new files), while writes into space reserved with
   ``fallocate`` still succeed, as on a real file system.
-* ``flip`` flips a bit anywhere in a file, durably (rot).
+* ``flip`` flips a bit anywhere in a file (but those named in ``unflippable``),
+  durably (rot).
 
 Every decision is drawn from the ``random.Random`` given, so a seed replays a run.
 """
@@ -117,6 +118,9 @@ class SimDisk:
         self.image: CrashImage | None = None
         self.calls = 0
         self.injected: list[str] = []  # "call path errno" of each injected failure
+        #: Names of files ``flip`` leaves alone (an address's ``subscriptions`` file: rot
+        #: there stops the address from opening by design, until an operator acts).
+        self.unflippable: frozenset[str] = frozenset()
         self._orig: dict[str, Callable] = {}
         self._fds: dict[int, Fd] = {}
         self._live: dict[str, Inode] = {}  # path -> inode, files under root
@@ -332,7 +336,11 @@ class SimDisk:
     def flip(self, path: str | None = None) -> str | None:
         """Flip one bit of a file under the root (a random one if ``path`` is None),
         in the file and in what is durable of it; returns "path@byte" or None."""
-        candidates = sorted(p for p in list(self._live) if os.path.getsize(p) > 0)
+        candidates = sorted(
+            p
+            for p in list(self._live)
+            if os.path.basename(p) not in self.unflippable and os.path.getsize(p) > 0
+        )
         if path is None:
             if not candidates:
                 return None

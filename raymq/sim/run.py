@@ -18,6 +18,19 @@ The invariants (a broken one raises ``Violation`` with the step and what was see
 * Every call returns or raises within ``CALL_BOUND`` seconds, and raises only typed
   errors from ``raymq.errors``.
 
+About half the seeds (``is_address_seed``) run an *address* instead: one stored copy,
+fanned out to 1-3 subscriptions created at the start (some with a routing filter), and
+more created ("latest" or "earliest") and deleted as the run goes; every consumer
+belongs to one subscription. The invariants above hold per subscription, and:
+
+* A subscription is served only what it should get: what its filter selects, sent
+  while it existed, or (created "earliest") what the address stored when it was
+  created, that is what some subscription then had not acknowledged.
+* No message is held by two consumers of one subscription; an ack returned by one
+  subscription says nothing of another's.
+* The subscriptions, with their acks, survive restarts and crashes: the address lists
+  exactly those whose create returned and whose delete did not.
+
 What a call observes after the crash point (the syscall after which the crash image
 was taken) happened in a timeline the crash erased: its outcome is "in doubt" (a send
 may or may not be stored, an ack may or may not be durable), never an invariant.
@@ -33,6 +46,7 @@ import random
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgpack
@@ -42,13 +56,29 @@ from raymq.batch import MessageBatch
 from raymq.config import BrokerConfig, QueueConfig
 from raymq.core import queue as queue_module
 from raymq.core.queue import QueueCore
-from raymq.errors import RayMQError, StorageError
+from raymq.errors import ConsumerClosed, RayMQError, StorageError, SubscriptionNotFound
 from raymq.sim.disk import SimDisk
+from raymq.storage.subscriptions import MANIFEST_NAME
 
 #: Seconds any one call may take before the run calls it a wedge.
 CALL_BOUND = 20.0
 QUEUE = "simq"
 COLORS = ("red", "green", "blue")
+#: Mixed into a seed for the draw of its mode (queue or address) from a generator of its
+#: own: a queue-mode seed draws the very sequence it drew before addresses came. Chosen
+#: so that the seeds the tests fix for queues (0..11, and 40, 41 of ``make fuzz``) still
+#: run the queue they ran; about half of all seeds run an address.
+ADDRESS_SALT = 0x2EAC0
+#: Most subscriptions an address has at once (deleted ones make room).
+MAX_SUBSCRIPTIONS = 4
+#: Routing filters a subscription draws, with what each selects. A message without
+#: properties has none of them: NULL, so a comparison is UNKNOWN, and not selected.
+FILTERS: dict[str | None, Callable[[dict | None], bool]] = {
+    None: lambda p: True,
+    "k < 5": lambda p: p is not None and p["k"] < 5,
+    "color = 'red'": lambda p: p is not None and p["color"] == "red",
+    "k >= 3 AND color <> 'blue'": lambda p: p is not None and p["k"] >= 3 and p["color"] != "blue",
+}
 
 
 class Violation(AssertionError):
@@ -68,6 +98,10 @@ class Message:
     offset: int | None = None
     #: Its ack returned (durably acked); "doubt" if the ack's outcome is not known.
     acked: str = ""
+    #: An address's: what each subscription should see of it. "" it must get it (until
+    #: its ack), "doubt" it may get it (its ack or its routing is in doubt), "yes" its
+    #: ack returned; a subscription not named here must never get it.
+    routes: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -76,6 +110,28 @@ class SimConsumer:
     prefetch: int
     selector: str | None
     held: set[int] = field(default_factory=set)
+    #: The address's subscription it consumes from (None: the queue's).
+    subscription: str | None = None
+
+
+@dataclass
+class SimSubscription:
+    """What the simulator knows of one subscription of the address."""
+
+    name: str
+    filter: str | None
+    start: str  # "latest" or "earliest"
+    #: Index of the first message sent after it was created.
+    first_index: int
+    #: "live"; "creating" (its create raised, or a crash point came during it: it is not
+    #: in the core's memory, and may be on disk) or "deleting" (its delete raised or a
+    #: crash point came: in memory, and may be gone from disk) until the next open.
+    state: str = "live"
+
+    @property
+    def in_memory(self) -> bool:
+        """The running core has it (consumers may use it)."""
+        return self.state != "creating"
 
 
 @dataclass
@@ -88,9 +144,13 @@ class Settings:
     flips: bool
     crashes: bool
     max_body: int
+    #: An address with subscriptions, not a queue (see ``is_address_seed``).
+    address: bool = False
 
     @classmethod
-    def draw(cls, rng: random.Random) -> Settings:
+    def draw(cls, rng: random.Random, seed: int | None = None) -> Settings:
+        """The settings of ``seed``'s run from its generator ``rng`` (and its mode from
+        ``seed`` alone, so that ``rng`` draws for a queue what it always drew)."""
         return cls(
             page_size_bytes=rng.choice([4096, 8192, 32768]),
             checkpoint_interval=rng.choice([0.001, 0.001, 3600.0]),
@@ -98,7 +158,13 @@ class Settings:
             flips=rng.random() < 0.35,
             crashes=rng.random() < 0.8,
             max_body=rng.choice([64, 600, 3000]),
+            address=seed is not None and is_address_seed(seed),
         )
+
+
+def is_address_seed(seed: int) -> bool:
+    """Whether ``seed`` runs an address (about half the seeds do)."""
+    return random.Random(seed ^ ADDRESS_SALT).random() < 0.5
 
 
 class Simulation:
@@ -108,16 +174,21 @@ class Simulation:
         self.seed = seed
         self.steps = steps
         self.rng = random.Random(seed)
-        self.settings = Settings.draw(self.rng)
+        self.settings = Settings.draw(self.rng, seed)
         self.verbose = verbose
         self._own_root = root is None
         # In memory where there is a tmpfs: the disk's behaviour is simulated anyway.
         shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
         self.root = root or tempfile.mkdtemp(prefix=f"raymq-sim-{seed}-", dir=shm)
         self.disk = SimDisk(self.root, self.rng)
+        if self.settings.address:
+            self.disk.unflippable = frozenset({MANIFEST_NAME})
         self.messages: list[Message] = []
         self.by_offset: dict[int, int] = {}  # offset -> message index, for ever
         self.consumers: dict[str, SimConsumer] = {}
+        #: An address's subscriptions by name, in creation order (names are not reused).
+        self.subs: dict[str, SimSubscription] = {}
+        self.sub_names = 0
         self.background: list[asyncio.Task] = []
         self.core: QueueCore | None = None
         self.step = 0
@@ -133,6 +204,10 @@ class Simulation:
             "restarts": 0,
             "quiet_points": 0,
             "served": 0,
+            "address": int(self.settings.address),
+            "subscriptions_created": 0,
+            "subscriptions_deleted": 0,
+            "subscriptions_in_doubt": 0,  # a create or delete whose outcome an open told
         }
 
     # -- running ------------------------------------------------------------------------
@@ -169,6 +244,9 @@ class Simulation:
 
     async def _run(self) -> None:
         self._open()
+        if self.settings.address:
+            for _ in range(self.rng.randint(1, 3)):
+                await self._bounded(self._op_create_subscription(), "create_subscription")
         ops = [
             (self._op_send, 30),
             (self._op_open_consumer, 6),
@@ -183,6 +261,8 @@ class Simulation:
             (self._op_crash, 3 if self.settings.crashes else 0),
             (self._op_flip, 2 if self.settings.flips else 0),
         ]
+        if self.settings.address:
+            ops += [(self._op_create_subscription, 2), (self._op_delete_subscription, 1)]
         funcs, weights = zip(*ops, strict=True)
         for step in range(self.steps):
             self.step = step
@@ -216,7 +296,9 @@ class Simulation:
             checkpoint_interval=s.checkpoint_interval,
             max_message_size=1 << 20,
         )
-        config = QueueConfig(QUEUE, page_size_bytes=s.page_size_bytes, page_max_cache_size=2)
+        config = QueueConfig(
+            QUEUE, page_size_bytes=s.page_size_bytes, page_max_cache_size=2, address=s.address
+        )
         for attempt in range(1000):
             try:
                 core = QueueCore(config, broker)
@@ -248,6 +330,32 @@ class Simulation:
         self.core = core
         self._check_offsets_not_reused()
         self.consumers.clear()
+        if s.address:
+            self._settle_subscriptions()
+
+    def _settle_subscriptions(self) -> None:
+        """After an open: the address lists exactly the subscriptions whose create
+        returned and whose delete did not; those in doubt are what it says."""
+        listed = {spec.name: spec for spec in self.core.list_subscriptions()}
+        for name, sub in list(self.subs.items()):
+            spec = listed.get(name)
+            if spec is None:
+                if sub.state == "live":
+                    raise Violation(f"subscription {name} is gone after a restart")
+                self._note(f"  subscription {name} does not exist ({sub.state} in doubt)")
+                self.counts["subscriptions_in_doubt"] += 1
+                del self.subs[name]
+                continue
+            if spec.filter != sub.filter:
+                raise Violation(
+                    f"subscription {name} has filter {spec.filter!r}, not {sub.filter!r}"
+                )
+            if sub.state != "live":
+                self._note(f"  subscription {name} exists ({sub.state} in doubt)")
+                self.counts["subscriptions_in_doubt"] += 1
+                sub.state = "live"
+        if set(listed) - set(self.subs):
+            raise Violation(f"subscriptions never created: {sorted(set(listed) - set(self.subs))}")
 
     def _restore(self) -> None:
         image = self.disk.image
@@ -306,7 +414,14 @@ class Simulation:
         size = rng.randrange(self.settings.max_body + 1)
         body = f"{n}|".encode() + rng.randbytes(size)
         props = {"color": rng.choice(COLORS), "n": n} if rng.random() < 0.7 else None
+        if props is not None and self.settings.address:
+            props["k"] = rng.randrange(10)  # what subscription filters select on
         m = Message(n, body, msgpack.packb(props) if props else b"")
+        # Routed now: no subscription is created or deleted while a send is under way.
+        for sub in self.subs.values():
+            if FILTERS[sub.filter](props):
+                # One in doubt may turn out to exist, holding what others still hold.
+                m.routes[sub.name] = "" if sub.in_memory else "doubt"
         self.messages.append(m)
         return m
 
@@ -355,7 +470,12 @@ class Simulation:
         self.cids += 1
         selector = "color = 'red'" if self.rng.random() < 0.3 else None
         c = SimConsumer(f"c{self.cids}", self.rng.choice([1, 5, 20, 100]), selector)
-        self.core.register_consumer(c.cid, c.prefetch, c.selector)
+        if self.settings.address:
+            names = self._subscriptions_in_memory()
+            if not names:
+                return
+            c.subscription = self.rng.choice(names)
+        self.core.register_consumer(c.cid, c.prefetch, c.selector, subscription=c.subscription)
         self.consumers[c.cid] = c
 
     def _pick_consumer(self, holding: bool = False) -> SimConsumer | None:
@@ -368,7 +488,12 @@ class Simulation:
             return await self._op_open_consumer()
         try:
             rows = await self.core.fetch(
-                c.cid, self.rng.choice([1, 10, 60]), 0.0, c.prefetch, c.selector
+                c.cid,
+                self.rng.choice([1, 10, 60]),
+                0.0,
+                c.prefetch,
+                c.selector,
+                subscription=c.subscription,
             )
         except StorageError as exc:
             self._note(f"  fetch raised {exc}")
@@ -388,19 +513,74 @@ class Simulation:
                 raise Violation(f"served offset {offset}, whose send raised")
             if c.selector and msgpack.unpackb(prop or b"\x80").get("color") != "red":
                 raise Violation(f"selector consumer {c.cid} got offset {offset}: {prop!r}")
-            if m.acked == "yes" and not self.flipped:
+            if c.subscription is not None and c.subscription not in m.routes:
+                if not self._may_come_back(m, c.subscription):
+                    why = self._why_not_routed(m, c.subscription)
+                    raise Violation(f"offset {offset} served to {c.subscription}, {why}")
+                m.routes[c.subscription] = "doubt"
+            if self._acked(m, c.subscription) == "yes" and not self.flipped:
                 raise Violation(f"offset {offset} delivered again after its ack returned")
             if after_crash:
                 continue
             self._record_offset(m, offset, "served")
             for other in self.consumers.values():
-                if offset in other.held:
+                if other.subscription == c.subscription and offset in other.held:
                     raise Violation(f"offset {offset} held by {other.cid} given to {c.cid}")
             c.held.add(offset)
             self.counts["served"] += 1
-        target = self.core.area.consumers.get(c.cid)
+        target = self._area(c.subscription).consumers.get(c.cid)
         if not after_crash and target is not None and len(target.held) > c.prefetch:
             raise Violation(f"{c.cid} holds {len(target.held)} > prefetch {c.prefetch}")
+
+    def _why_not_routed(self, m: Message, name: str) -> str:
+        """Why subscription ``name`` should never get ``m``, for a report."""
+        sub = self.subs.get(name)
+        if sub is None:
+            return "which does not exist"
+        props = msgpack.unpackb(m.properties) if m.properties else None
+        if not FILTERS[sub.filter](props):
+            return f"whose filter {sub.filter!r} rejects {props}"
+        if m.index < sub.first_index and sub.start == "latest":
+            return f"sent (message {m.index}) before that 'latest' subscription was created"
+        if m.index < sub.first_index:
+            return (
+                f"acknowledged by every subscription (message {m.index}: {m.routes}) when"
+                " that 'earliest' subscription was created"
+            )
+        return f"not routed to it (message {m.index}: {m.routes})"
+
+    def _may_come_back(self, m: Message, name: str) -> bool:
+        """Whether rot explains subscription ``name`` getting ``m``: when it was created
+        "earliest", every subscription had acknowledged ``m``; rot may lose acks (a
+        damaged checkpoint), and then ``m`` is stored again for all, as after an ack."""
+        sub = self.subs.get(name)
+        props = msgpack.unpackb(m.properties) if m.properties else None
+        return (
+            bool(self.flipped)
+            and sub is not None
+            and sub.start == "earliest"
+            and m.index < sub.first_index
+            and FILTERS[sub.filter](props)
+        )
+
+    def _acked(self, m: Message, name: str | None) -> str:
+        """What the queue (``name`` None) or a subscription acknowledged of ``m``:
+        "" nothing, "doubt" an ack of unknown outcome, "yes" its ack returned."""
+        return m.acked if name is None else m.routes.get(name, "")
+
+    def _set_acked(self, m: Message, name: str | None, state: str) -> None:
+        if name is None:
+            m.acked = state
+        elif name in m.routes:
+            m.routes[name] = state
+
+    def _area(self, name: str | None):
+        """The TargetArea of the queue, or of one subscription of the address."""
+        return self.core.subscription(name).area
+
+    def _subscriptions_in_memory(self) -> list[str]:
+        """Names of the subscriptions the running core has, in creation order."""
+        return [name for name, sub in self.subs.items() if sub.in_memory]
 
     def _message_of(self, body: bytes) -> Message | None:
         head, sep, _ = body.partition(b"|")
@@ -426,26 +606,34 @@ class Simulation:
 
     async def _ack(self, c: SimConsumer, offsets: list[int]) -> None:
         msgs = [self.messages[self.by_offset[o]] for o in offsets]
+        name = c.subscription
         for m in msgs:
-            m.acked = m.acked or "doubt"
+            self._set_acked(m, name, self._acked(m, name) or "doubt")
         try:
-            await self.core.ack(c.cid, np.array(offsets, dtype=np.int64))
+            await self.core.ack(c.cid, np.array(offsets, dtype=np.int64), subscription=name)
         except StorageError as exc:
             self._note(f"  ack raised {exc}")
             return
+        except (ConsumerClosed, SubscriptionNotFound) as exc:
+            # A pipelined ack that starts after its subscription was deleted.
+            if name is None or name in self.subs:
+                raise Violation(f"an ack of {c.cid} raised {type(exc).__name__}: {exc}") from None
+            return
         if self.disk.image is None:
             for m in msgs:
-                m.acked = "yes"
+                self._set_acked(m, name, "yes")
 
     async def _op_nack(self) -> None:
         c = self._pick_consumer(holding=True)
         if c is not None:
-            self.core.nack(c.cid, np.array(self._take_some(c), dtype=np.int64))
+            offsets = np.array(self._take_some(c), dtype=np.int64)
+            self.core.nack(c.cid, offsets, subscription=c.subscription)
 
     async def _op_give_back(self) -> None:
         c = self._pick_consumer(holding=True)
         if c is not None:
-            self.core.give_back(c.cid, np.array(self._take_some(c), dtype=np.int64))
+            offsets = np.array(self._take_some(c), dtype=np.int64)
+            self.core.give_back(c.cid, offsets, subscription=c.subscription)
 
     async def _op_close_consumer(self) -> None:
         c = self._pick_consumer()
@@ -454,7 +642,8 @@ class Simulation:
         not_received = None
         if c.held and self.rng.random() < 0.5:
             not_received = np.array(self._take_some(c), dtype=np.int64)
-        self.core.close_consumer(c.cid, not_received)  # or its death: the same call
+        # (Or its death: the same call.)
+        self.core.close_consumer(c.cid, not_received, subscription=c.subscription)
         del self.consumers[c.cid]
 
     async def _op_housekeeping(self) -> None:
@@ -491,6 +680,95 @@ class Simulation:
         if self.disk.crash_after is None:
             self.disk.crash_after = self.rng.randrange(1, 80)
 
+    async def _op_create_subscription(self) -> None:
+        if len(self.subs) >= MAX_SUBSCRIPTIONS:
+            return
+        rng = self.rng
+        self.sub_names += 1
+        sub = SimSubscription(
+            f"s{self.sub_names}",
+            rng.choice(list(FILTERS)),
+            rng.choice(["latest", "earliest"]),
+            first_index=len(self.messages),
+            state="creating",
+        )
+        self._note(f"  {sub.name} filter={sub.filter!r} start={sub.start}")
+        # What an "earliest" one starts with: what the address stores now.
+        before = self._earliest_routes(sub) if sub.start == "earliest" else {}
+        self.subs[sub.name] = sub
+        try:
+            await self.core.create_subscription(sub.name, filter=sub.filter, start=sub.start)
+        except StorageError as exc:
+            self._note(f"  create raised {exc}")
+            # The file may be on disk (a failed directory fsync), or it is in memory and
+            # its starting set not yet durable: what it gets from before is in doubt.
+            before = dict.fromkeys(before, "doubt")
+            listed = sub.name in {spec.name for spec in self.core.list_subscriptions()}
+            if listed and self.disk.image is None:
+                sub.state = "live"
+                self.counts["subscriptions_created"] += 1
+        else:
+            if self.disk.image is None:
+                sub.state = "live"
+                self.counts["subscriptions_created"] += 1
+            else:  # the crash that follows tells whether it exists
+                before = dict.fromkeys(before, "doubt")
+        for index, route in before.items():
+            self.messages[index].routes[sub.name] = route
+
+    def _earliest_routes(self, sub: SimSubscription) -> dict[int, str]:
+        """What a subscription created now from the earliest stored message should see
+        of each message sent before: "" if one in memory still must get it (it is
+        stored), "doubt" if one may still get it, nothing if every one acknowledged it
+        (or it was routed to none: never stored)."""
+        holders = [(name, s.in_memory) for name, s in self.subs.items()]
+        select = FILTERS[sub.filter]
+        out: dict[int, str] = {}
+        for m in self.messages:
+            routes = m.routes
+            if not routes:
+                continue
+            must = may = False
+            for name, in_memory in holders:
+                route = routes.get(name)
+                if route == "" and in_memory:
+                    must = True
+                    break
+                may = may or route in ("", "doubt")
+            if (must or may) and select(msgpack.unpackb(m.properties) if m.properties else None):
+                out[m.index] = "" if must else "doubt"
+        return out
+
+    async def _op_delete_subscription(self) -> None:
+        names = self._subscriptions_in_memory()
+        if not names:
+            return
+        name = self.rng.choice(names)
+        sub = self.subs[name]
+        consumers = [c for c in self.consumers.values() if c.subscription == name]
+        try:
+            await self.core.delete_subscription(name)
+        except StorageError as exc:
+            self._note(f"  delete raised {exc}")
+            if name in {spec.name for spec in self.core.list_subscriptions()}:
+                sub.state = "deleting"  # still in memory; may be gone from disk
+                return
+        if self.disk.image is not None:  # the crash that follows tells
+            sub.state = "deleting"
+            return
+        self.counts["subscriptions_deleted"] += 1
+        del self.subs[name]
+        for c in consumers:
+            del self.consumers[c.cid]
+        if consumers:  # its consumers are closed: a typed error, nothing delivered
+            c = consumers[0]
+            try:
+                await self.core.fetch(c.cid, 10, 0.0, c.prefetch, c.selector, subscription=name)
+            except (ConsumerClosed, SubscriptionNotFound):
+                pass
+            else:
+                raise Violation(f"{c.cid} fetched from deleted subscription {name}")
+
     async def _op_flip(self) -> None:
         where = self.disk.flip()
         if where:
@@ -500,9 +778,15 @@ class Simulation:
     # -- checks -------------------------------------------------------------------------
 
     def _check_holds(self) -> None:
-        area = self.core.area
+        if self.settings.address:
+            listed = sorted(spec.name for spec in self.core.list_subscriptions())
+            if listed != sorted(self._subscriptions_in_memory()):
+                raise Violation(
+                    f"the address lists subscriptions {listed}, not"
+                    f" {sorted(self._subscriptions_in_memory())}"
+                )
         for c in self.consumers.values():
-            target = area.consumers.get(c.cid)
+            target = self._area(c.subscription).consumers.get(c.cid)
             held = set() if target is None else set(target.held)
             # The queue may have released what was found damaged; never more than that.
             if not held <= c.held:
@@ -531,7 +815,7 @@ class Simulation:
             await self._crash()
         disk.crash_after = None
         for c in list(self.consumers.values()):
-            self.core.close_consumer(c.cid)
+            self.core.close_consumer(c.cid, subscription=c.subscription)
         self.consumers.clear()
         self.core.housekeeping()
         stats = self.core.stats()
@@ -541,47 +825,77 @@ class Simulation:
         await self._bounded(self._send(1), "a send after healing")
         if self.messages[-1].state != "stored":
             raise Violation("a send failed after the disk was healed")
-        drained = await self._drain()
-        self._count_damage(self.core)
+        if not self.settings.address:
+            drained = await self._drain()
+            self._count_damage(self.core)
+            self._check_outstanding(None, drained)
+        else:
+            # Some drains acknowledge what they get, some leave it for the next ones (an
+            # "earliest" subscription starts with it).
+            all_acked = True
+            for name in self._subscriptions_in_memory():
+                ack = self.rng.random() < 0.6
+                all_acked = all_acked and ack
+                drained = await self._drain(name, ack)
+                self._count_damage(self.core)
+                self._check_outstanding(name, drained)
+            if all_acked and self.core.log.depth:
+                raise Violation(f"every subscription drained, yet depth is {self.core.log.depth}")
+        if self.damage_allowed and not (self.flipped or self.holes):
+            raise Violation(f"{self.damage_allowed} messages counted damaged, no bit flipped")
+
+    def _check_outstanding(self, name: str | None, drained: set[int]) -> None:
+        """Every stored message the queue (or subscription ``name``) should still
+        deliver was in ``drained``, but for what damage took."""
         outstanding = [
             i
             for i, m in enumerate(self.messages)
-            if m.state == "stored" and not m.acked and i not in drained
+            if m.state == "stored"
+            and (not m.acked if name is None else m.routes.get(name) == "")
+            and i not in drained
         ]
         # Only rot may take a stored message (an unsynced hole never held one).
         if len(outstanding) > (self.damage_allowed if self.flipped else 0):
             sample = _ranges(sorted(self.messages[i].offset for i in outstanding))
+            of = "" if name is None else f" to {name}"
             raise Violation(
-                f"{len(outstanding)} stored messages never delivered again (damaged: "
+                f"{len(outstanding)} stored messages never delivered again{of} (damaged: "
                 f"{self.damage_allowed}); their offsets: {sample}"
             )
-        if self.damage_allowed and not (self.flipped or self.holes):
-            raise Violation(f"{self.damage_allowed} messages counted damaged, no bit flipped")
 
-    async def _drain(self) -> set[int]:
+    async def _drain(self, name: str | None = None, ack: bool = True) -> set[int]:
+        """Everything a fresh consumer of the queue (or of subscription ``name``) gets,
+        acknowledged (or, ``ack`` False, given back by closing the consumer)."""
         self.cids += 1
-        c = SimConsumer(f"drain{self.cids}", 1000, None)
-        self.core.register_consumer(c.cid, c.prefetch, None)
+        # Without acks it must hold everything at once.
+        prefetch = 1000 if ack else len(self.messages) + 1000
+        c = SimConsumer(f"drain{self.cids}", prefetch, None, subscription=name)
+        self.core.register_consumer(c.cid, c.prefetch, None, subscription=name)
         self.consumers[c.cid] = c
         got: set[int] = set()
         for _round in range(len(self.messages) + 2):  # each round takes at least one
-            rows = await self._bounded(self.core.fetch(c.cid, 1000, 0.0, 1000), "drain fetch")
+            rows = await self._bounded(
+                self.core.fetch(c.cid, 1000, 0.0, prefetch, subscription=name), "drain fetch"
+            )
             if not rows.num_rows:
                 break
             self._check_delivery(c, rows)
             for body in rows.column("body").to_pylist():
                 got.add(int(body.partition(b"|")[0]))
+            if not ack:
+                continue
             picked = sorted(c.held)
             c.held.clear()
             await self._bounded(self._ack(c, picked), "drain ack")
-            if any(self.messages[self.by_offset[o]].acked != "yes" for o in picked):
+            if any(self._acked(self.messages[self.by_offset[o]], name) != "yes" for o in picked):
                 raise Violation("an ack failed after the disk was healed")
         else:
             raise Violation("a drain does not end: the same messages come back")
-        self.core.close_consumer(c.cid)
+        self.core.close_consumer(c.cid, subscription=name)
         del self.consumers[c.cid]
-        if self.core.log.depth:
-            raise Violation(f"drained, yet depth is {self.core.log.depth}")
+        depth = self.core.log.depth if name is None else self.core.subscription_depths()[name]
+        if ack and depth:
+            raise Violation(f"drained, yet depth is {depth}")
         return got
 
 
