@@ -196,6 +196,8 @@ class AckLogContents:
     header_ok: bool = False
     #: Ranges acknowledged by each subscription of an address, by subscription id.
     subscriptions: dict[int, np.ndarray] = field(default_factory=dict)
+    #: Damaged records were skipped (their acks lost).
+    skipped: bool = False
 
 
 def read_ack_log(path: str) -> AckLogContents:
@@ -217,6 +219,7 @@ def read_ack_log(path: str) -> AckLogContents:
                 out.damage.append(f"{path}: torn tail of {len(data) - pos} bytes at {pos} ignored")
                 break
             out.damage.append(f"{path}: damaged bytes {pos}..{nxt} skipped (acks lost)")
+            out.skipped = True
             pos = nxt
             continue
         pairs, pos = rec

@@ -29,11 +29,15 @@ def encode_checkpoint(
     ack_generation: int,
     deleted: Iterable[int] = (),
     subscriptions: dict[int, bytes] | None = None,
+    routed_to: int | None = None,
 ) -> bytes:
     """The checkpoint file's bytes for the current state of ``segments``; ``deleted``:
     base offsets of deleted segments whose file could not be unlinked; ``subscriptions``:
-    an address's acknowledged ranges per subscription id (``AckRanges.to_bytes``)."""
-    extra = {} if subscriptions is None else {"subscriptions": sorted(subscriptions.items())}
+    an address's acknowledged ranges per subscription id (``AckRanges.to_bytes``), and
+    ``routed_to``: its filters' decisions below it are in them."""
+    extra = {}
+    if subscriptions is not None:
+        extra = {"subscriptions": sorted(subscriptions.items()), "routed_to": routed_to}
     body = msgpack.packb(
         {
             **extra,

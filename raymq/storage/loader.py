@@ -83,9 +83,13 @@ class Recovered:
     #: An address's acknowledged ranges per subscription id (the checkpoint's and the
     #: ack logs'); None for a queue.
     subscription_ranges: dict[int, AckRanges] | None = None
-    #: The lowest offset of the records read past the checkpoint (``next_offset`` if
-    #: none): routing decided after the checkpoint may not have reached the disk.
-    scanned_from: int = 0
+    #: An address's filters are applied again from this offset: routing decided after
+    #: the checkpoint's ``routed_to``, or in ack records lost to damage, may not be on
+    #: disk (``next_offset`` if nothing needs it).
+    route_from: int = 0
+    #: Acks were lost to damage (a damaged checkpoint, skipped ack records): a
+    #: subscription of which nothing was found may be an old one whose ranges were lost.
+    acks_damaged: bool = False
 
 
 @dataclass
@@ -145,11 +149,12 @@ class Loader:
                 self.segments.remove(seg)  # acks durable in the ack logs: delete first (room)
                 self._delete(seg)
         subscriptions = self._subscription_ranges(ckpt, logs)
+        route_from = self._route_from(ckpt, logs, next_offset)
         ack_log = self._start_ack_log(max([first_gen, *generations]) + 1, next_offset, logs)
         # Only now (a full disk fails recovery above) are damaged files moved aside: a
         # recovery that fails before must find, and count, the damage again.
         self._move_aside()
-        checkpointed = self._checkpoint(next_offset, ack_log.generation, subscriptions)
+        checkpointed = self._checkpoint(next_offset, ack_log.generation, subscriptions, route_from)
         for seg, tail in self._cuts:
             if seg.fd is None:  # deleted meanwhile (fully acknowledged)
                 continue
@@ -166,7 +171,8 @@ class Loader:
             ack_log.generation,
             self._undeleted,
             subscriptions,
-            min(self._scanned_from, next_offset),
+            route_from,
+            damage is not None or any(c.skipped for c in logs.values()),
         )
 
     def _load_segments(self, ckpt: dict | None) -> None:
@@ -211,8 +217,23 @@ class Loader:
                 out.setdefault(sid, AckRanges()).add_ranges(ranges)
         return out
 
+    def _route_from(
+        self, ckpt: dict | None, logs: dict[int, AckLogContents], next_offset: int
+    ) -> int:
+        """Where an address's filters must be applied again: from the lowest record read
+        past the checkpoint, or the checkpoint's ``routed_to`` if lower; from 0 when ack
+        records were lost to damage (the routing in them with them)."""
+        if any(c.skipped for c in logs.values()):
+            return 0
+        routed_to = None if ckpt is None else ckpt.get("routed_to")
+        return min(self._scanned_from, next_offset if routed_to is None else routed_to, next_offset)
+
     def _checkpoint(
-        self, next_offset: int, generation: int, subscriptions: dict[int, AckRanges] | None
+        self,
+        next_offset: int,
+        generation: int,
+        subscriptions: dict[int, AckRanges] | None,
+        route_from: int,
     ) -> bool:
         """Write the checkpoint at once and delete the ack logs it makes obsolete; False
         if it could not be written."""
@@ -220,7 +241,9 @@ class Loader:
         sections = None
         if subscriptions is not None:  # the ack logs about to go held some of them
             sections = {sid: r.to_bytes() for sid, r in subscriptions.items()}
-        data = encode_checkpoint(self.segments, next_offset, generation, undeleted, sections)
+        data = encode_checkpoint(
+            self.segments, next_offset, generation, undeleted, sections, route_from
+        )
         try:
             write_checkpoint(self.directory, data)
         except OSError as exc:  # the older checkpoint and ack logs stay valid

@@ -75,9 +75,10 @@ class SegmentLog:
         )
         self._recovered_lost = 0
         #: From recovery, for an address: its subscriptions' ranges (``Loader``), and
-        #: the lowest offset read past the checkpoint.
+        #: where its filters must be applied again.
         self.recovered_subscriptions: dict | None = None
-        self.scanned_from = 0
+        self.route_from = 0
+        self.recovered_acks_damaged = False
 
     # -- opening ---------------------------------------------------------------------
 
@@ -113,7 +114,8 @@ class SegmentLog:
                 got = Loader(directory, self.segments, self._acks, report).recover()
                 self._writer.resume(got.next_offset, got.ack_log, got.ack_generation, got.undeleted)
                 self.recovered_subscriptions = got.subscription_ranges
-                self.scanned_from = got.scanned_from
+                self.route_from = got.route_from
+                self.recovered_acks_damaged = got.acks_damaged
             else:
                 remove_transient_files(directory)
         except OSError as exc:

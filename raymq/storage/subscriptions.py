@@ -174,9 +174,9 @@ class SubscriptionAcks:
         if start_offset:
             initial.add_ranges(np.array([[0, start_offset]], dtype=np.int64))
         self.acked[sid] = initial
-        ranges = initial.ranges()
-        if len(ranges):
-            self._retry.setdefault(sid, []).append(ranges)
+        # Logged even if empty: recovery tells a subscription whose starting set is on
+        # disk from one created just before a crash (see QueueCore._open_subscriptions).
+        self._retry.setdefault(sid, []).append(initial.ranges().reshape(-1, 2))
 
     def remove(self, sid: int) -> int:
         """Forget a deleted subscription; what every other one has acknowledged is

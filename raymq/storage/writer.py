@@ -208,6 +208,8 @@ class Writer:
                     gen,
                     self._still_undeleted(),
                     None if self.subscriptions is None else self.subscriptions.checkpoint_section(),
+                    # Every message published so far was routed (after its commit).
+                    self.next_offset,
                 )
                 prepared.checkpoint_generation = gen
                 prepared.next_ack_log = AckLog(self.directory, gen)
