@@ -210,27 +210,18 @@ class QueueCore:
         self.log.attach_subscriptions(acks)
         recovered = self.log.recovered_subscriptions or {}
         specs = list(self._manifest.subscriptions.values())
-        # Those whose starting set is on disk first: routed again where routing may not
-        # be on disk, then what all of them acknowledged is acknowledged in the log (one
-        # deleted before a crash releases its hold). A subscription created just before
-        # a crash (nothing of it logged) then starts from what the log still holds. When
-        # acks were lost to damage, one of which nothing was found may be an old one:
-        # all are taken together, nothing acknowledged for it by the others.
-        groups = [specs]
-        if not self.log.recovered_acks_damaged:
-            groups = [
-                [s for s in specs if s.id in recovered],
-                [s for s in specs if s.id not in recovered],
-            ]
-        for group in groups:
-            for spec in group:
-                acks.load(spec.id, recovered.get(spec.id), spec.start_offset)
-                self.subscriptions[spec.name] = self._subscription_of(spec)
-            for spec in group:
-                start = self.log.route_from if spec.id in recovered else spec.start_offset
-                self.subscriptions[spec.name].route_again(start)
-            acks.settle()
-        self.subscriptions = {s.name: self.subscriptions[s.name] for s in specs}
+        # All loaded before any is settled: one of which nothing was found (created just
+        # before a crash, or its ranges lost to rot) must not lose what the others
+        # acknowledged. Then each filter is applied again where routing may not be on
+        # disk, and what every one acknowledged is acknowledged in the log (one deleted
+        # before a crash releases its hold).
+        for spec in specs:
+            acks.load(spec.id, recovered.get(spec.id), spec.start_offset)
+            self.subscriptions[spec.name] = self._subscription_of(spec)
+        for spec in specs:
+            start = self.log.route_from if spec.id in recovered else spec.start_offset
+            self.subscriptions[spec.name].route_again(start)
+        acks.settle()
         if acks.has_pending and self.config.durable:
             self._commit_acks_now()
 

@@ -702,7 +702,7 @@ class Simulation:
             self._note(f"  create raised {exc}")
             # The file may be on disk (a failed directory fsync), or it is in memory and
             # its starting set not yet durable: what it gets from before is in doubt.
-            before = dict.fromkeys(before, "doubt")
+            before = self._in_doubt_before(sub, before)
             listed = sub.name in {spec.name for spec in self.core.list_subscriptions()}
             if listed and self.disk.image is None:
                 sub.state = "live"
@@ -712,9 +712,21 @@ class Simulation:
                 sub.state = "live"
                 self.counts["subscriptions_created"] += 1
             else:  # the crash that follows tells whether it exists
-                before = dict.fromkeys(before, "doubt")
+                before = self._in_doubt_before(sub, before)
         for index, route in before.items():
             self.messages[index].routes[sub.name] = route
+
+    def _in_doubt_before(self, sub: SimSubscription, before: dict[int, str]) -> dict[int, str]:
+        """What a subscription whose create is in doubt may get of the messages sent
+        before it: for an "earliest" one, any still stored, even one routed to no
+        subscription (recovery cannot tell that routing from one lost with the
+        subscription's starting set: it errs toward delivering)."""
+        out = dict.fromkeys(before, "doubt")
+        if sub.start == "earliest":
+            for i in range(sub.first_index):
+                if self.messages[i].state == "stored":
+                    out.setdefault(i, "doubt")
+        return out
 
     def _earliest_routes(self, sub: SimSubscription) -> dict[int, str]:
         """What a subscription created now from the earliest stored message should see

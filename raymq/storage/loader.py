@@ -87,9 +87,6 @@ class Recovered:
     #: the checkpoint's ``routed_to``, or in ack records lost to damage, may not be on
     #: disk (``next_offset`` if nothing needs it).
     route_from: int = 0
-    #: Acks were lost to damage (a damaged checkpoint, skipped ack records): a
-    #: subscription of which nothing was found may be an old one whose ranges were lost.
-    acks_damaged: bool = False
 
 
 @dataclass
@@ -172,7 +169,6 @@ class Loader:
             self._undeleted,
             subscriptions,
             route_from,
-            damage is not None or any(c.skipped for c in logs.values()),
         )
 
     def _load_segments(self, ckpt: dict | None) -> None:

@@ -78,7 +78,6 @@ class SegmentLog:
         #: where its filters must be applied again.
         self.recovered_subscriptions: dict | None = None
         self.route_from = 0
-        self.recovered_acks_damaged = False
 
     # -- opening ---------------------------------------------------------------------
 
@@ -115,7 +114,6 @@ class SegmentLog:
                 self._writer.resume(got.next_offset, got.ack_log, got.ack_generation, got.undeleted)
                 self.recovered_subscriptions = got.subscription_ranges
                 self.route_from = got.route_from
-                self.recovered_acks_damaged = got.acks_damaged
             else:
                 remove_transient_files(directory)
         except OSError as exc:

@@ -160,12 +160,16 @@ class SubscriptionAcks:
 
     def load(self, sid: int, ranges: AckRanges | None, start_offset: int) -> None:
         """Take a subscription recovered from the files: its ranges, everything below
-        ``start_offset``, and what the log holds acknowledged or never published."""
+        ``start_offset``, and what the log holds acknowledged or never published. One
+        of which no ranges were found has its starting set logged with the next commit
+        (so that the next recovery finds it)."""
         acked = ranges if ranges is not None else AckRanges()
         if start_offset:
             acked.add_ranges(np.array([[0, start_offset]], dtype=np.int64))
         acked.add_ranges(self._log_acked_ranges())
         self.acked[sid] = acked
+        if ranges is None:
+            self._retry.setdefault(sid, []).append(acked.ranges().reshape(-1, 2))
 
     def create(self, sid: int, start_offset: int) -> None:
         """A new subscription, from ``start_offset`` (0: from the oldest message the
