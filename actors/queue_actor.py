@@ -62,7 +62,9 @@ class QueueActor:
         namespace of the job that created it, not its own)."""
         warm_arrow_conversions()  # not during the first fetch
         self.namespace = namespace
-        self.core = QueueCore(config, broker, self._send_dead_letters)
+        # Cached batches are put in the object store once, on their first delivery:
+        # every delivery of them, to any subscription, is then a reference.
+        self.core = QueueCore(config, broker, self._send_dead_letters, share=ray.put)
         self._dead_letter_queue = None  # its actor handle, once found
         self._death_watches: dict[str, asyncio.Task] = {}
         self._started = False
@@ -203,16 +205,19 @@ class QueueActor:
         prefetch: int,
         selector: str | None = None,
         subscription: str | None = None,
-    ) -> tuple[tuple[np.ndarray, int], pa.RecordBatch]:
+    ) -> tuple[tuple[np.ndarray, int, list[tuple[object, int, int]]], pa.RecordBatch | None]:
         """``fetch`` for a TargetList actor, called with ``num_returns=2``: a small
-        ((offsets, bytes)) object and the batch as a separate object the caller owns
-        and can hand on by reference. ``subscription``: an address's, by name."""
+        ((offsets, bytes, shared parts)) object and a batch as a separate object the
+        caller owns and can hand on by reference. The delivery is either the shared
+        parts, each (reference, first row, rows) of one object every delivery of those
+        messages shares, or that batch (None when the parts carry it).
+        ``subscription``: an address's, by name."""
         await self._ensure_started()
-        batch = await self.core.fetch(
+        delivery = await self.core.fetch_delivery(
             consumer_id, max_messages, timeout, prefetch, selector, subscription=subscription
         )
-        offsets = batch.column("offset").to_numpy() if batch.num_rows else np.zeros(0, np.int64)
-        return (offsets, batch.nbytes), batch
+        parts = [(p.ref, p.first_row, p.rows) for p in delivery.parts]
+        return (delivery.offsets, delivery.nbytes, parts), delivery.batch
 
     async def register_consumer(
         self,

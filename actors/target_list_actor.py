@@ -189,7 +189,7 @@ class TargetListActor:
             )
         meta_ref, batch_ref = self._in_flight
         try:
-            offsets, nbytes = await asyncio.wait_for(meta_ref, FETCH_ANSWER_SECONDS)
+            offsets, nbytes, parts = await asyncio.wait_for(meta_ref, FETCH_ANSWER_SECONDS)
         except asyncio.TimeoutError:
             # Still in flight: the next attempt waits for this same fetch.
             error = BrokerUnavailable(
@@ -197,7 +197,7 @@ class TargetListActor:
             )
             raise FetchFailed(error, restarting=True) from None
         self._in_flight = None
-        return DirectEntry(batch_ref, offsets, nbytes)
+        return DirectEntry(batch_ref, offsets, nbytes, parts=parts or None)
 
     async def _find_queue(self):
         """The queue's actor, looked up by name: started again (by the broker, on the

@@ -172,6 +172,11 @@ QUEUE_METRICS: list[MetricSpec] = _specs(
         ),
         ("head_cache_hits", "head_cache_hits", "Deliveries from the HeadQueueCache (reads)"),
         ("head_cache_misses", "head_cache_misses", "Deliveries not in it (reads)"),
+        (
+            "head_cache_shared_batches",
+            "head_cache_shared_batches",
+            "Cached batches put in the object store once for every delivery of them (batches)",
+        ),
         ("read_cache_hits", "read_cache_hits", "Segment reads from the read cache (reads)"),
         ("read_cache_misses", "read_cache_misses", "Segment reads from files (reads)"),
         ("bytes_in", "bytes_in", "Bytes of messages stored since the actor started (bytes)"),

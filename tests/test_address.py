@@ -36,10 +36,11 @@ def run(coro):
     return asyncio.run(coro)
 
 
-def open_address(root, name="addr", **kw) -> QueueCore:
+def open_address(root, name="addr", *, head_cache_bytes=2**20, share=None, **kw) -> QueueCore:
     core = QueueCore(
         QueueConfig(name, page_size_bytes=PAGE, address=True, **kw),
-        BrokerConfig(paging_directory=str(root), head_cache_bytes=2**20),
+        BrokerConfig(paging_directory=str(root), head_cache_bytes=head_cache_bytes),
+        share=share,
     )
     core.start()
     return core
@@ -85,6 +86,69 @@ def test_each_subscription_gets_every_message_from_one_stored_copy(tmp_path):
         assert core.stats().messages_out == 1500
         # one copy: three subscriptions cost no more bytes than the records themselves
         assert on_disk < 500 * 260
+        await core.close()
+
+    run(main())
+
+
+class Shared:
+    """What ``share`` made: one per cached batch (the shell's ray.put makes an object)."""
+
+    def __init__(self, batch):
+        self.batch = batch
+
+
+def test_every_subscription_is_delivered_references_to_one_shared_copy(tmp_path):
+    made: list[Shared] = []
+
+    def share(batch):
+        made.append(Shared(batch))
+        return made[-1]
+
+    async def main():
+        core = open_address(tmp_path, share=share)
+        for name in ("a", "b", "c"):
+            await core.create_subscription(name)
+        sent = await send(core, 500)
+        refs = {}
+        for name in ("a", "b", "c"):
+            d = await core.fetch_delivery("c", 1000, 0, 1000, subscription=name)
+            assert d.batch is None and d.offsets.tolist() == sent
+            refs[name] = [p.ref for p in d.parts]
+            rows = [p.ref.batch.slice(p.first_row, p.rows) for p in d.parts]
+            assert [o for r in rows for o in r.column("offset").to_pylist()] == sent
+        # One shared object per stored chunk (a segment file holds ~60 of these).
+        assert refs["a"] == refs["b"] == refs["c"] == made and len(made) > 1
+        # A redelivery carries its delivery count: made for it, not shared.
+        core.nack("c", np.array(sent[:10]), subscription="b")
+        again = await core.fetch_delivery("c", 1000, 0, 1000, subscription="b")
+        assert again.batch is not None and again.offsets.tolist() == sent[:10]
+        assert again.batch.column("delivery_count").to_pylist() == [2] * 10
+        assert len(made) == len(refs["a"])
+        await core.close()
+
+    run(main())
+
+
+def test_a_stopped_subscription_does_not_push_the_others_out_of_the_head_cache(tmp_path):
+    async def main():
+        # 64 KiB of cache, 20 x 50 messages of ~260 bytes: 260 KiB sent while one
+        # subscription takes nothing.
+        core = open_address(tmp_path, head_cache_bytes=64 * 1024)
+        for name in ("stopped", "b", "c"):
+            await core.create_subscription(name)
+        sent = []
+        for k in range(20):
+            sent += await send(core, 50, start=50 * k)
+            for name in ("b", "c"):
+                assert await drain(core, name, consumer=name) == sent[-50:]
+            core.housekeeping()
+        for name in ("b", "c"):
+            st = core.stats(name)
+            assert (st.head_cache_hits, st.head_cache_misses) == (20, 0), name
+        assert core.head_cache.bytes <= 64 * 1024
+        assert await drain(core, "stopped", consumer="s") == sent  # from the pages
+        assert core.stats("stopped").head_cache_misses > 0
         await core.close()
 
     run(main())

@@ -166,7 +166,7 @@ def test_head_queue_cache_serves_a_late_consumer_and_refills(tmp_path):
         core.register_consumer("c", 5000, None)
         got = await core.fetch("c", 1000, 0, 5000)
         assert got.column("offset").to_pylist() == list(range(1000))
-        assert core.head_cache.hits == 1
+        assert core.stats().head_cache_hits == 1
         await core.ack("c", got.column("offset").to_numpy())
         core.housekeeping()  # trims what was delivered, refills from the log
         assert core.head_cache.start == 1000 and core.head_cache.end > 2000

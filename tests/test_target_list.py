@@ -56,6 +56,22 @@ def test_take_hands_out_in_order_across_entries():
     assert t.take(1) == [] and t.stats()["handed_out"] == 6
 
 
+def test_take_hands_out_rows_of_shared_parts_in_order():
+    # One fetch delivered rows 500: of batch A, all of batch B and rows :200 of C.
+    e = DirectEntry(
+        None,
+        np.arange(100, 1800),
+        1700 * 100,
+        parts=[("A", 500, 500), ("B", 0, 1000), ("C", 0, 200)],
+    )
+    t = TargetList(10_000, 10**9, 0)
+    t.loaded(e)
+    assert t.take(300) == [("A", 500, 300)]
+    assert t.take(1300) == [("A", 800, 200), ("B", 0, 1000), ("C", 0, 100)]
+    assert t.take(500) == [("C", 100, 100)]
+    assert t.watermark == 0 and t.stats()["handed_out"] == 1700
+
+
 def test_a_lower_high_watermark_moves_entries_to_the_pending_cache_then_gives_back():
     t = TargetList(high_watermark=10, high_watermark_bytes=10**6, pending_cache_bytes=300)
     for first in (0, 3, 6):

@@ -1,90 +1,182 @@
-"""HeadQueueCache: a memory-bounded FIFO of the oldest undelivered messages of a queue.
+"""HeadQueueCache: a memory-bounded window of undelivered messages, shared by every
+subscription of a queue or address.
 
 As in the ActiveMQ design it serves consumers arriving at a deep queue (and steady
 dispatch, when consumers keep up) without reading the QueueArea. It covers one
-contiguous offset range from the head; when full, newer batches are not added (the
-newest are evicted first) and a refill from the log extends it once room returns.
+contiguous offset range; when full, newer batches are not added and a refill from the
+log extends it once room returns.
+
+An address has one for all its subscriptions (one copy in memory, as on disk). Which
+range it keeps follows the *leading* subscriptions: those whose undelivered head is
+within the cache's size of the most advanced head. A subscription further behind (a
+stopped or slow one) reads pages and does not hold the window back, so the ones that
+keep up stay in memory; this is where RayMQ does better than Artemis, where one lazy
+subscription makes the whole address page. A queue has one subscription, so its
+window simply starts at its head.
+
+Each cached batch is converted to Arrow and shared once, on its first delivery
+(``share``: the shell's ``ray.put``): every later delivery of its messages, to any
+subscription, is a reference to that one object rather than a new copy.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import bisect
+from collections.abc import Callable, Iterable
+
+import pyarrow as pa
 
 from raymq.batch import MessageBatch
 
 
-class HeadQueueCache:
-    """Contiguous batches [start, end) from the queue's head, at most ``max_bytes``."""
+class CachedBatch:
+    """One cached batch and, once delivered, its shared Arrow form."""
 
-    def __init__(self, max_bytes: int):
+    __slots__ = ("batch", "arrow", "ref")
+
+    def __init__(self, batch: MessageBatch):
+        self.batch = batch
+        self.arrow: pa.RecordBatch | None = None
+        self.ref: object = None
+
+
+class SharedPart:
+    """Rows ``first_row:first_row + rows`` of a cached batch's shared Arrow object."""
+
+    __slots__ = ("ref", "arrow", "first_row", "rows", "nbytes")
+
+    def __init__(self, ref: object, arrow: pa.RecordBatch, first_row: int, rows: int, nbytes: int):
+        self.ref = ref
+        self.arrow = arrow
+        self.first_row = first_row
+        self.rows = rows
+        self.nbytes = nbytes  # approximate: the whole batch's, pro rata
+
+
+def _identity(batch: pa.RecordBatch) -> object:
+    return batch
+
+
+class HeadQueueCache:
+    """Contiguous batches [start, end) of the log, at most ``max_bytes``."""
+
+    def __init__(self, max_bytes: int, share: Callable[[pa.RecordBatch], object] | None = None):
+        """``share`` turns a batch's Arrow form into what deliveries carry (a Ray
+        object reference in the actor; the batch itself without Ray)."""
         self.max_bytes = max_bytes
-        self._batches: deque[MessageBatch] = deque()
+        self.share = share or _identity
+        # Parallel lists from index ``_lo`` on (front pops move ``_lo``; compacted now
+        # and then): bisecting ``_firsts`` finds a range in O(log n) however small the
+        # batches (single sends make many).
+        self._chunks: list[CachedBatch] = []
+        self._firsts: list[int] = []
+        self._lo = 0
         self.bytes = 0
+        self.messages = 0
         #: True when batches after ``end`` exist in the log but are not cached.
         self.behind = False
-        self.hits = 0
-        self.misses = 0
+        self.shared_batches = 0  # batches converted and shared (one copy each)
+
+    # -- range ---------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._chunks) - self._lo
 
     @property
     def start(self) -> int:
         """First cached offset (-1 when empty)."""
-        return self._batches[0].first_offset if self._batches else -1
+        return self._firsts[self._lo] if len(self) else -1
 
     @property
     def end(self) -> int:
         """One past the last cached offset (-1 when empty)."""
-        return self._batches[-1].end_offset if self._batches else -1
+        return self._chunks[-1].batch.end_offset if len(self) else -1
 
-    @property
-    def messages(self) -> int:
-        """Messages cached."""
-        return sum(len(b) for b in self._batches)
+    def covers(self, start: int, end: int) -> bool:
+        """True if every offset of [start, end) is cached."""
+        return len(self) > 0 and self.start <= start and end <= self.end
 
-    def append(self, batch: MessageBatch) -> bool:
-        """Cache a newly published batch if it continues the range and fits."""
-        contiguous = not self._batches or batch.first_offset == self.end
-        if self.behind or not contiguous or self.bytes + batch.nbytes > self.max_bytes:
-            if self._batches or self.bytes + batch.nbytes > self.max_bytes:
-                self.behind = True
+    # -- filling -------------------------------------------------------------------------
+
+    def append(self, batch: MessageBatch, window_start: int | None = None) -> bool:
+        """Cache a newly published batch if it continues the range and fits.
+
+        An empty cache that fell behind starts again with it only if ``window_start``
+        (where the window starts now, when the caller knows) is this batch's offset:
+        else what lies between is the refill's to read first.
+        """
+        if len(self):
+            continues = batch.first_offset == self.end
+        else:
+            continues = not self.behind or window_start == batch.first_offset
+        if not continues or self.bytes + batch.nbytes > self.max_bytes:
+            self.behind = True
             return False
-        self._batches.append(batch)
-        self.bytes += batch.nbytes
+        self._push(batch)
+        self.behind = False  # it is the log's newest batch
         return True
 
+    def _push(self, batch: MessageBatch) -> None:
+        self._chunks.append(CachedBatch(batch))
+        self._firsts.append(batch.first_offset)
+        self.bytes += batch.nbytes
+        self.messages += len(batch)
+
+    def _pop_front(self) -> None:
+        chunk = self._chunks[self._lo]
+        self._chunks[self._lo] = None  # type: ignore[call-overload]  # drop the reference now
+        self._lo += 1
+        self.bytes -= chunk.batch.nbytes
+        self.messages -= len(chunk.batch)
+        if self._lo > 64 and self._lo * 2 > len(self._chunks):
+            del self._chunks[: self._lo], self._firsts[: self._lo]
+            self._lo = 0
+
+    def _pop_back(self) -> None:
+        chunk = self._chunks.pop()
+        self._firsts.pop()
+        self.bytes -= chunk.batch.nbytes
+        self.messages -= len(chunk.batch)
+        if not len(self):
+            self._chunks, self._firsts, self._lo = [], [], 0
+
+    def window_start(
+        self, heads: Iterable[int], message_bytes: float, newest: int | None = None
+    ) -> int | None:
+        """Where the window should start: the lowest head within the cache's size
+        (``max_bytes`` over ``message_bytes`` per message) of the most advanced one,
+        or of ``newest`` (one past a batch to add) when that one is itself within
+        reach of it (the leaders keep up); None when no head is given."""
+        heads = sorted(heads)
+        if not heads:
+            return None
+        reach = self.max_bytes / max(message_bytes, 1.0)
+        lead = heads[-1]
+        if newest is not None and newest - lead <= reach:
+            lead = newest
+        return next((h for h in heads if lead - h <= reach), lead)
+
     def trim(self, head: int) -> None:
-        """Drop batches wholly below ``head`` (delivered or acknowledged)."""
-        while self._batches and self._batches[0].end_offset <= head:
-            self.bytes -= self._batches.popleft().nbytes
+        """Drop batches wholly below ``head`` (delivered, or left to the log for the
+        subscriptions behind the window)."""
+        while len(self) and self._chunks[self._lo].batch.end_offset <= head:
+            self._pop_front()
 
     def resize(self, max_bytes: int) -> None:
         """Change the budget (bytes); evicts the newest batches until it fits."""
         self.max_bytes = max_bytes
-        while self._batches and self.bytes > max_bytes:
-            self.bytes -= self._batches.pop().nbytes
+        while len(self) and self.bytes > max_bytes:
+            self._pop_back()
             self.behind = True
 
-    def get(self, start: int, end: int) -> list[MessageBatch] | None:
-        """Batches covering exactly [start, end) if all cached, else None (a miss)."""
-        if not self._batches or start < self.start or end > self.end:
-            self.misses += 1
-            return None
-        out = []
-        for b in self._batches:
-            if b.end_offset <= start:
-                continue
-            if b.first_offset >= end:
-                break
-            lo, hi = max(start, b.first_offset), min(end, b.end_offset)
-            out.append(b.slice(lo - b.first_offset, hi - b.first_offset))
-        self.hits += 1
-        return out
-
-    def refill(self, read, head: int, log_end: int) -> None:
+    def refill(
+        self, read: Callable[[int, int], list[MessageBatch]], head: int, log_end: int
+    ) -> None:
         """Extend the cache with ``read(start, end)`` batches from the log while it has room.
 
         ``head`` is where the cache should start when empty; ``log_end`` the log's end.
         """
-        if not self._batches:
+        if not len(self):
             self.behind = head < log_end
             pos = head
         else:
@@ -94,10 +186,47 @@ class HeadQueueCache:
             for b in read(pos, chunk_end):
                 if self.bytes + b.nbytes > self.max_bytes:
                     return
-                if self._batches and b.first_offset != self.end:
+                if len(self) and b.first_offset != self.end:
                     return  # a gap (acked or damaged records): the range must stay contiguous
-                self._batches.append(b)
-                self.bytes += b.nbytes
+                self._push(b)
             pos = chunk_end
         if pos >= log_end:
             self.behind = False
+
+    # -- reading -------------------------------------------------------------------------
+
+    def _index(self, offset: int) -> int:
+        return bisect.bisect_right(self._firsts, offset, self._lo) - 1
+
+    def get(self, start: int, end: int) -> list[MessageBatch] | None:
+        """Batches covering exactly [start, end) if all cached, else None."""
+        if not self.covers(start, end):
+            return None
+        out = []
+        for k in range(self._index(start), len(self._chunks)):
+            b = self._chunks[k].batch
+            if b.first_offset >= end:
+                break
+            lo, hi = max(start, b.first_offset), min(end, b.end_offset)
+            out.append(b.slice(lo - b.first_offset, hi - b.first_offset))
+        return out
+
+    def shared(self, start: int, end: int) -> list[SharedPart] | None:
+        """[start, end) as parts of shared Arrow objects (each batch converted and
+        shared once, on its first delivery), or None if not all cached."""
+        if not self.covers(start, end):
+            return None
+        out = []
+        for k in range(self._index(start), len(self._chunks)):
+            chunk = self._chunks[k]
+            b = chunk.batch
+            if b.first_offset >= end:
+                break
+            if chunk.ref is None:
+                chunk.arrow = b.to_arrow()
+                chunk.ref = self.share(chunk.arrow)
+                self.shared_batches += 1
+            lo, hi = max(start, b.first_offset), min(end, b.end_offset)
+            nbytes = b.nbytes * (hi - lo) // len(b)
+            out.append(SharedPart(chunk.ref, chunk.arrow, lo - b.first_offset, hi - lo, nbytes))
+        return out

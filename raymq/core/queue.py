@@ -28,7 +28,7 @@ from raymq.batch import MessageBatch, check_sizes
 from raymq.config import BrokerConfig, QueueConfig, check_int, validate_queue_name
 from raymq.core.budget import QueueUsage, split_queue_bytes
 from raymq.core.head_cache import HeadQueueCache
-from raymq.core.subscription import Subscription
+from raymq.core.subscription import Delivery, Subscription
 from raymq.core.supervisor import Supervisor
 from raymq.errors import (
     AddressFull,
@@ -99,6 +99,9 @@ class QueueStats:
     head_cache_messages: int
     head_cache_hits: int
     head_cache_misses: int
+    #: Cached batches put in the object store for deliveries (once each, however many
+    #: subscriptions and consumers receive them).
+    head_cache_shared_batches: int
     read_cache_hits: int
     read_cache_misses: int
     read_cache_bytes: int
@@ -141,9 +144,12 @@ class QueueCore:
         config: QueueConfig,
         broker: BrokerConfig,
         dead_letter_sink: DeadLetterSink | None = None,
+        share: Callable[[pa.RecordBatch], object] | None = None,
     ):
         """``dead_letter_sink`` moves dead letters to the dead-letter queue; without one
-        they wait (counted in ``dead_letters_pending``) and are never delivered again."""
+        they wait (counted in ``dead_letters_pending``) and are never delivered again.
+        ``share`` makes a cached batch's one shared copy for deliveries (the shell's
+        ``ray.put``; without it deliveries carry the batch itself)."""
         self.config = config
         self.broker = broker
         self.name = config.name
@@ -158,6 +164,9 @@ class QueueCore:
             read_cache_bytes=max(config.page_max_cache_size, 1) * config.page_size_bytes,
         )
         self.dead_letter_sink = dead_letter_sink
+        #: One for the queue or the whole address (see ``_cache_housekeeping``).
+        self.head_cache = HeadQueueCache(0, share)
+        self._message_bytes = 0.0  # running average of a published message (bytes)
         #: An address's subscriptions by name (a queue has only ``_own``).
         self.subscriptions: dict[str, Subscription] = {}
         self._own: Subscription | None = None
@@ -475,6 +484,15 @@ class QueueCore:
             seg.note_properties(groups)
             for sub in subscriptions:
                 sub.arrived(chunk, groups)
+            if self.config.durable and len(chunk):
+                size = chunk.nbytes / len(chunk)
+                m = self._message_bytes
+                self._message_bytes = size if not m else 0.9 * m + 0.1 * size
+                cache, start = self.head_cache, None
+                if cache.bytes + chunk.nbytes > cache.max_bytes or not len(cache):
+                    # Room, if the leading ones moved on.
+                    start = self._trim_head_cache(chunk.end_offset)
+                cache.append(chunk, start)
             if not subscriptions:  # an address with none: routed nowhere (as Artemis)
                 self.log.ack(np.arange(chunk.first_offset, chunk.end_offset, dtype=np.int64))
 
@@ -521,6 +539,33 @@ class QueueCore:
         for sub in self.all_subscriptions():
             sub.housekeeping()
         self.forget_damaged()
+        if self.config.durable:
+            self._cache_housekeeping()
+
+    def _trim_head_cache(self, newest: int | None = None) -> int:
+        """Drop what the HeadQueueCache holds below its window (see
+        ``HeadQueueCache.window_start``; ``newest``: one past a batch to add); returns
+        the window's start."""
+        end = self.log.next_offset
+        heads = [h for sub in self.all_subscriptions() if (h := sub.undelivered()) < end]
+        cache = self.head_cache
+        per_message = cache.bytes / cache.messages if cache.messages else self._message_bytes
+        start = cache.window_start(heads, per_message or 1024.0, newest)
+        start = end if start is None else start
+        cache.trim(start)
+        return start
+
+    def _cache_housekeeping(self) -> None:
+        """Trim the HeadQueueCache to its window and refill it from the log."""
+        start = self._trim_head_cache()
+        # Around the read cache: the HeadQueueCache keeps what it reads (no message
+        # held twice, and bytes_in_memory + head_cache_bytes is a true sum).
+        try:
+            self.head_cache.refill(
+                lambda a, b: self.log.read(a, b, cache=False), start, self.log.next_offset
+            )
+        except StorageError as exc:  # a cache fill is best effort; reads try again
+            log.warning("queue %r: HeadQueueCache refill: %s", self.name, exc)
 
     # -- memory budget ---------------------------------------------------------------
 
@@ -545,10 +590,7 @@ class QueueCore:
         )
         self.log.set_read_cache_bytes(memory.read_cache_bytes)
         if cfg.durable:
-            # An address's subscriptions share it (a stopped one keeps only its share).
-            subscriptions = self.all_subscriptions()
-            for sub in subscriptions:
-                sub.head_cache.resize(memory.head_cache_bytes // max(1, len(subscriptions)))
+            self.head_cache.resize(memory.head_cache_bytes)
         else:
             self.log.memory_limit = memory.transient_bytes
 
@@ -571,18 +613,13 @@ class QueueCore:
             name=self.name,
             node_id=node_id,
             size_bytes=self.log.bytes_queued,
-            memory_bytes=self._head_cache_bytes() + self.log.bytes_in_memory,
+            memory_bytes=self.head_cache.bytes + self.log.bytes_in_memory,
             index_bytes=self._index_bytes(),
             active=active,
             delivering=delivering,
             max_size_bytes=self.config.max_size_bytes,
             transient_bytes=transient,
         )
-
-    def _head_cache_bytes(self) -> int:
-        """Bytes the HeadQueueCaches hold (an address's subscriptions that keep up hold
-        the same batches: counted once each, an over-count)."""
-        return sum(sub.head_cache.bytes for sub in self.all_subscriptions())
 
     def _index_bytes(self) -> int:
         subscriptions = self.all_subscriptions()
@@ -611,11 +648,6 @@ class QueueCore:
     def area(self):
         """A queue's TargetArea (its own subscription's)."""
         return self.subscription().area
-
-    @property
-    def head_cache(self) -> HeadQueueCache:
-        """A queue's HeadQueueCache (its own subscription's)."""
-        return self.subscription().head_cache
 
     def all_subscriptions(self) -> list[Subscription]:
         """The queue's own subscription, or every subscription of the address."""
@@ -663,6 +695,20 @@ class QueueCore:
         """Deliver up to ``max_messages``, waiting up to ``timeout`` seconds for some."""
         sub = self.subscription(subscription)
         return await sub.fetch(consumer_id, max_messages, timeout, prefetch, selector)
+
+    async def fetch_delivery(
+        self,
+        consumer_id: str,
+        max_messages: int,
+        timeout: float,
+        prefetch: int,
+        selector: str | None = None,
+        *,
+        subscription: str | None = None,
+    ) -> Delivery:
+        """``fetch`` as a ``Delivery`` (shared batches' rows where it can)."""
+        sub = self.subscription(subscription)
+        return await sub.fetch_delivery(consumer_id, max_messages, timeout, prefetch, selector)
 
     def browse(
         self,
@@ -771,10 +817,11 @@ class QueueCore:
             storage_errors=self.log.storage_errors,
             writable=self.log.writable,
             scrubbed_bytes=self.log.scrubbed_bytes,
-            head_cache_bytes=sum(s.head_cache.bytes for s in subs),
-            head_cache_messages=sum(s.head_cache.messages for s in subs),
-            head_cache_hits=sum(s.head_cache.hits for s in subs),
-            head_cache_misses=sum(s.head_cache.misses for s in subs),
+            head_cache_bytes=self.head_cache.bytes,  # one, shared by the subscriptions
+            head_cache_messages=self.head_cache.messages,
+            head_cache_hits=sum(s.head_cache_hits for s in subs),
+            head_cache_misses=sum(s.head_cache_misses for s in subs),
+            head_cache_shared_batches=self.head_cache.shared_batches,
             read_cache_hits=self.log.cache_hits,
             read_cache_misses=self.log.cache_misses,
             read_cache_bytes=self.log.read_cache_used,

@@ -2,10 +2,11 @@
 
 A queue has one; an address (Artemis's address with several queues bound to it) has one
 per subscription, all over the address's one stored copy. Each owns its TargetArea (the
-queue side of its consumers' TargetLists), its HeadQueueCache, its closed-consumer
-memory and its dead-letter mover. What it reads and acknowledges goes through ``log``:
-the queue's ``SegmentLog`` itself, or a ``SubscriptionLog`` (the address's log seen
-through the subscription's own acknowledged set).
+queue side of its consumers' TargetLists), its closed-consumer memory and its
+dead-letter mover; they share the host's one HeadQueueCache. What it reads and
+acknowledges goes through ``log``: the queue's ``SegmentLog`` itself, or a
+``SubscriptionLog`` (the address's log seen through the subscription's own
+acknowledged set).
 
 The ``QueueCore`` that hosts it runs the group commit: ``host.flush_acks()`` returns
 once acks are durable, and the host fans new messages and damage out to every
@@ -18,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -25,9 +27,9 @@ import pyarrow as pa
 
 from raymq.batch import EMPTY_DELIVERY, MessageBatch, PropertyGroups
 from raymq.core.dead_letter import MOVE_BATCH_MESSAGES, REASON_REJECTED, dead_letter_batch
-from raymq.core.head_cache import HeadQueueCache
+from raymq.core.head_cache import SharedPart
 from raymq.core.target_area import DEAD_LETTER_HOLDER, TargetArea
-from raymq.errors import ConsumerClosed, StorageError
+from raymq.errors import ConsumerClosed
 from raymq.selector import Selector
 
 if TYPE_CHECKING:
@@ -44,6 +46,32 @@ MATERIALIZE_GAP = 64
 CLOSED_CONSUMERS_REMEMBERED = 100_000
 #: Longest wait between two attempts to move dead letters that failed (seconds).
 DEAD_LETTER_RETRY_MAX_SECONDS = 5.0
+
+
+@dataclass
+class Delivery:
+    """What one fetch delivers, in offset order: rows of shared batches (``parts``,
+    each a reference to one object every subscription's deliveries share) or, for
+    what the HeadQueueCache cannot share (redeliveries, selector matches, reads from
+    the log), one batch made for this delivery."""
+
+    offsets: np.ndarray  # of every row, in order
+    nbytes: int
+    parts: list[SharedPart] = field(default_factory=list)
+    batch: pa.RecordBatch | None = None
+
+    def to_batch(self) -> pa.RecordBatch:
+        """The delivery as one RecordBatch in ``DELIVERY_SCHEMA`` (slices, no copy when
+        it is one part)."""
+        if self.batch is not None:
+            return self.batch
+        slices = [p.arrow.slice(p.first_row, p.rows) for p in self.parts]
+        if not slices:
+            return EMPTY_DELIVERY
+        return slices[0] if len(slices) == 1 else pa.concat_batches(slices)
+
+
+NOTHING = Delivery(np.zeros(0, dtype=np.int64), 0, batch=EMPTY_DELIVERY)
 
 
 class Subscription:
@@ -72,7 +100,8 @@ class Subscription:
         self.filter = None if filter is None else Selector(filter)
         self.dead_letter_address = dead_letter_address
         self.area = TargetArea(log, name, max_delivery_attempts)
-        self.head_cache = HeadQueueCache(0)
+        self.head_cache_hits = 0  # reads the host's HeadQueueCache served
+        self.head_cache_misses = 0  # reads that went to the log (pages)
         self.counters = {"out": 0, "acked": 0, "bytes_out": 0}
         self.dead_lettered = 0
         self.dead_letter_failures = 0
@@ -105,8 +134,6 @@ class Subscription:
             if rejected.any():
                 self.log.ack(np.flatnonzero(rejected) + chunk.first_offset)
         self.area.arrived(chunk, groups)
-        if self.host.config.durable:
-            self.head_cache.append(chunk)
 
     def route_again(self, start: int) -> int:
         """Apply the filter to unacknowledged messages from ``start`` on (after a
@@ -136,20 +163,14 @@ class Subscription:
             self._arrival = asyncio.Event()
 
     def housekeeping(self) -> None:
-        """Trim the HeadQueueCache to what is undelivered and refill it from the log."""
+        """Offer released messages to selector consumers again, and the like (see
+        ``TargetArea.housekeeping``)."""
         self.area.housekeeping()
-        if not self.host.config.durable:
-            return
-        undelivered = self.area.head() if self.area.selective else self.area.cursor
-        self.head_cache.trim(undelivered)
-        # Around the read cache: the HeadQueueCache keeps what it reads (no message
-        # held twice, and bytes_in_memory + head_cache_bytes is a true sum).
-        try:
-            self.head_cache.refill(
-                lambda a, b: self.log.read(a, b, cache=False), undelivered, self.log.next_offset
-            )
-        except StorageError as exc:  # a cache fill is best effort; reads try again
-            log.warning("queue %r: HeadQueueCache refill: %s", self.name, exc)
+
+    def undelivered(self) -> int:
+        """The first offset not yet delivered: where this subscription's consumers
+        read next (with selectors, the first unacknowledged one)."""
+        return self.area.head() if self.area.selective else self.area.cursor
 
     # -- consuming -------------------------------------------------------------------
 
@@ -183,6 +204,19 @@ class Subscription:
         Returns a RecordBatch in ``raymq.batch.DELIVERY_SCHEMA`` (empty when nothing came
         in time). An unknown consumer (e.g. after an actor restart) is registered again.
         """
+        delivery = await self.fetch_delivery(consumer_id, max_messages, timeout, prefetch, selector)
+        return delivery.to_batch()
+
+    async def fetch_delivery(
+        self,
+        consumer_id: str,
+        max_messages: int,
+        timeout: float,
+        prefetch: int,
+        selector: str | None = None,
+    ) -> Delivery:
+        """``fetch``, as a ``Delivery``: shared batches' rows where the HeadQueueCache
+        holds them (a reference each, not a copy), else a batch made for it."""
         if consumer_id in self._closed_consumers or self.closed:
             raise ConsumerClosed(f"consumer {consumer_id} of queue {self.name!r} is closed")
         if consumer_id not in self.area.consumers:
@@ -191,24 +225,24 @@ class Subscription:
         deadline = time.monotonic() + min(max(timeout, 0.0), MAX_POLL_SECONDS)
         while True:
             if self.area.consumers.get(consumer_id) is not target:
-                return EMPTY_DELIVERY  # closed (or closed and back) while we waited
+                return NOTHING  # closed (or closed and back) while we waited
             arrival = self._arrival
             offsets, counts = self.area.take(consumer_id, max_messages)
             if len(offsets):
                 try:
-                    batch = self._materialize(offsets, counts)
+                    delivery = self._deliver(offsets, counts)
                 except BaseException:
                     # Unread, so not delivered: nobody may hold them (uncounted).
                     self.area.release(consumer_id, offsets, count_delivery=False)
                     self.wake()
                     raise
                 self.host.forget_damaged()  # what could not be read is not held by anyone
-                self._count("out", batch.num_rows)
-                self._count("bytes_out", batch.nbytes)
-                return batch
+                self._count("out", len(delivery.offsets))
+                self._count("bytes_out", delivery.nbytes)
+                return delivery
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                return EMPTY_DELIVERY
+                return NOTHING
             # Nothing taken while its scan goes on means no credit: match ahead meanwhile
             # (a prefetch's worth), so that returning credit finds candidates ready,
             # then wait for the credit rather than ask again at once.
@@ -223,10 +257,30 @@ class Subscription:
         self.counters[counter] += n
         self.host.count(counter, n)
 
+    def _deliver(self, offsets: np.ndarray, counts: np.ndarray) -> Delivery:
+        """The messages of sorted ``offsets`` (taken, with their delivery counts) as a
+        Delivery: a first delivery of a run the HeadQueueCache holds is shared rows,
+        anything else is materialized."""
+        n = len(offsets)
+        first, end = int(offsets[0]), int(offsets[-1]) + 1
+        if self.host.config.durable and end - first == n and int(counts.max()) == 1:
+            parts = self.host.head_cache.shared(first, end)
+            if parts is not None:
+                self.head_cache_hits += 1
+                return Delivery(offsets, sum(p.nbytes for p in parts), parts)
+        batch = self._materialize(offsets, counts)
+        have = batch.column(0).to_numpy() if batch.num_rows != n else offsets
+        return Delivery(have, batch.nbytes, batch=batch)
+
     def _read(self, start: int, end: int) -> list[MessageBatch]:
         """Messages [start, end) from the HeadQueueCache, else the log (its read cache)."""
-        cached = self.head_cache.get(start, end) if self.host.config.durable else None
-        return cached if cached is not None else self.log.read(start, end)
+        cached = self.host.head_cache.get(start, end) if self.host.config.durable else None
+        if cached is not None:
+            self.head_cache_hits += 1
+            return cached
+        if self.host.config.durable:
+            self.head_cache_misses += 1
+        return self.log.read(start, end)
 
     def _materialize(self, offsets: np.ndarray, counts: np.ndarray, *, read=None) -> pa.RecordBatch:
         """The messages of sorted ``offsets`` as one delivery RecordBatch.

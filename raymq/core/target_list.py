@@ -49,12 +49,29 @@ RETRY_BACKOFF_MAX_SECONDS = 2.0
 
 @dataclass
 class DirectEntry:
-    """Rows ``start:`` of one delivery batch held through a reference."""
+    """Rows ``start:`` of one delivery held through references: one delivery batch
+    (``ref``), or rows of shared batches (``parts``: (reference, first row, rows)
+    each, in order; ``ref`` unused)."""
 
     ref: object
     offsets: np.ndarray  # offset of every row, in row order
-    nbytes: int  # bytes of the whole batch
+    nbytes: int  # bytes of the whole delivery
     start: int = 0  # first row not yet handed out
+    parts: list[tuple[object, int, int]] | None = None
+
+    def refs(self, start: int, n: int) -> list[tuple[object, int, int]]:
+        """Rows ``start:start + n`` of the delivery as (reference, first row, rows)."""
+        if not self.parts:
+            return [(self.ref, start, n)]
+        out, row = [], 0
+        for ref, first, rows in self.parts:
+            lo, hi = max(start, row), min(start + n, row + rows)
+            if lo < hi:
+                out.append((ref, first + lo - row, hi - lo))
+            row += rows
+            if row >= start + n:
+                break
+        return out
 
     @property
     def remaining(self) -> int:
@@ -154,7 +171,7 @@ class TargetList:
         while need > 0 and self.direct:
             e = self.direct[0]
             n = min(need, e.remaining)
-            out.append((e.ref, e.start, n))
+            out.extend(e.refs(e.start, n))
             e.start += n
             need -= n
             if e.remaining == 0:
