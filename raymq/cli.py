@@ -1,5 +1,5 @@
 """The ``raymq`` command: start, stop and inspect a broker; create queues, addresses and
-their subscriptions; send; consume.
+their subscriptions, and delete addresses and subscriptions; send; consume.
 
 Every command joins a running Ray cluster (``ray start --head`` first; ``--address``
 or ``$RAY_ADDRESS``, default ``auto``: the cluster running on this machine), except
@@ -613,18 +613,31 @@ def create_address(ctx: click.Context, name: str, **settings: Any) -> None:
     _say(f"address {a.name!r} ready")
 
 
-def find_address(broker, name: str):
-    """The ``Address`` named; ``QueueNotFound`` (saying so when it is a queue) if none."""
+def find_address(broker, name: str, queue_hint: str = " (raymq create-address makes an address)"):
+    """The ``Address`` named; ``QueueNotFound`` (saying so when it is a queue, followed by
+    ``queue_hint``) if none."""
     if name in broker.list_addresses():
         return broker.get_address(name)
     from raymq.config import validate_queue_name
 
     validate_queue_name(name)  # a name that can be no address says why
     if name in broker.list_queues():
-        raise QueueNotFound(
-            f"{name!r} is a queue, not an address (raymq create-address makes an address)"
-        )
+        raise QueueNotFound(f"{name!r} is a queue, not an address{queue_hint}")
     raise QueueNotFound(f"address {name!r} does not exist in namespace {broker.namespace!r}")
+
+
+def find_subscription(address, name: str):
+    """The ``Subscription`` ``name`` of ``address``; ``SubscriptionNotFound`` (listing
+    the address's subscriptions) if there is none."""
+    subs = address.subscriptions()
+    if name not in subs:
+        raise SubscriptionNotFound(
+            f"address {address.name!r} has no subscription {name!r}"
+            f" (it has: {', '.join(subs) or 'none'})"
+        )
+    from raymq.client import Subscription
+
+    return Subscription(address, name)
 
 
 def find_target(broker, name: str):
@@ -633,16 +646,7 @@ def find_target(broker, name: str):
     (listing the address's subscriptions) if there is none."""
     if "/" in name:  # no queue or address name holds one
         address_name, _, sub = name.partition("/")
-        address = find_address(broker, address_name)
-        subs = address.subscriptions()
-        if sub not in subs:
-            raise SubscriptionNotFound(
-                f"address {address_name!r} has no subscription {sub!r}"
-                f" (it has: {', '.join(subs) or 'none'})"
-            )
-        from raymq.client import Subscription
-
-        return Subscription(address, sub)
+        return find_subscription(find_address(broker, address_name), sub)
     if name in broker.list_addresses():
         return broker.get_address(name)
     try:
@@ -711,6 +715,96 @@ def subscribe(
         dead_letter_queue=dead_letter_queue,
     )
     _say(f"subscription {sub.name!r} ready")
+
+
+_yes_option = click.option(
+    "-y", "--yes", is_flag=True, help="Delete without asking (needed when stdin is no terminal)."
+)
+
+
+def confirm_deletion(what: str, yes: bool) -> None:
+    """Ask on the terminal before deleting ``what`` unless ``yes``; a no ends the command
+    (``raymq: aborted``, status 1). With no terminal to ask on, refuse: a script says
+    --yes."""
+    if yes:
+        return
+    if not sys.stdin.isatty():
+        raise click.ClickException(
+            f"not deleting {what} without --yes (stdin is no terminal to ask on)"
+        )
+    click.confirm(f"delete {what}?", abort=True, err=True)
+
+
+def kept_dead_letter_queues(broker, stats: Iterable[dict]) -> list[str]:
+    """The dead-letter queues named in ``stats`` (of an address or its subscriptions)
+    that exist: queues of their own, which a deletion leaves."""
+    queues = set(broker.list_queues())
+    named = {s.get("dead_letter_queue") for s in stats}
+    return sorted(q for q in named if q in queues)
+
+
+def _kept_text(dlqs: list[str]) -> str:
+    if not dlqs:
+        return ""
+    return f"; dead-letter queue(s) {', '.join(repr(q) for q in dlqs)} kept (queues of their own)"
+
+
+@cli.command("delete-address")
+@click.argument("address")
+@_yes_option
+@click.pass_context
+def delete_address(ctx: click.Context, address: str, yes: bool) -> None:
+    """Delete ADDRESS with its subscriptions, its stored messages and its files; their
+    consumers are closed. Asks first (the count of what is lost), unless --yes.
+
+    Dead-letter queues are queues of their own: they stay.
+    """
+    broker = _connect(ctx)
+    a = find_address(broker, address, queue_hint="")
+    stats = a.stats()
+    subs = subscription_stats(broker, address)
+    if subs is None:  # deleted meanwhile
+        raise QueueNotFound(f"address {address!r} does not exist in namespace {broker.namespace!r}")
+    names = ", ".join(subs) or "none"
+    confirm_deletion(
+        f"address {address!r}: {stats['depth']:,} stored message(s),"
+        f" {len(subs)} subscription(s) ({names})",
+        yes,
+    )
+    broker.delete_address(address)
+    kept = kept_dead_letter_queues(broker, [stats, *subs.values()])
+    _say(
+        f"address {address!r} deleted, with {len(subs)} subscription(s) and"
+        f" {stats['depth']:,} stored message(s){_kept_text(kept)}"
+    )
+
+
+@cli.command()
+@click.argument("address")
+@click.argument("subscription")
+@_yes_option
+@click.pass_context
+def unsubscribe(ctx: click.Context, address: str, subscription: str, yes: bool) -> None:
+    """Delete SUBSCRIPTION of ADDRESS (made by raymq subscribe): its consumers are
+    closed and the messages it has not acknowledged are dropped for it (the address
+    keeps what other subscriptions still need). Asks first, unless --yes.
+
+    Its dead-letter queue is a queue of its own: it stays.
+    """
+    broker = _connect(ctx)
+    a = find_address(broker, address, queue_hint="")
+    s = find_subscription(a, subscription).stats()
+    confirm_deletion(
+        f"subscription {f'{address}/{subscription}'!r}: {s['depth']:,} unacknowledged"
+        f" message(s), {s['consumers']} consumer(s)",
+        yes,
+    )
+    a.delete_subscription(subscription)
+    kept = kept_dead_letter_queues(broker, [s])
+    _say(
+        f"subscription {f'{address}/{subscription}'!r} deleted, with {s['depth']:,}"
+        f" unacknowledged message(s){_kept_text(kept)}"
+    )
 
 
 # -- send -------------------------------------------------------------------------------

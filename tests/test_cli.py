@@ -7,7 +7,9 @@ stdout and stderr, and how fast an unreachable address fails.)
 from __future__ import annotations
 
 import json
+import os
 import re
+import shlex
 import threading
 import time
 import uuid
@@ -17,6 +19,7 @@ import pytest
 import raymq
 from raymq import cli
 from raymq.cli import BYTES, main
+from tests.jobs_scenario import readme_block
 
 #: Generous bound on a command that must not wait out its --timeout (seconds; a loaded
 #: machine can be slow); the timeouts given are twice this, so passing proves the
@@ -188,6 +191,10 @@ def test_ray_errors_are_one_line(monkeypatch, capsys):
         ["subscribe", "a"],
         ["subscribe", "a", "s", "--start", "middle"],
         ["subscribe", "a", "s", "--max-delivery-attempts", "0"],
+        ["unsubscribe", "a"],
+        ["unsubscribe", "a/s"],  # two arguments, as subscribe takes
+        ["delete-address"],
+        ["delete-address", "a", "--force"],
         ["start", "--housekeeping-period", "0"],
         ["bench", "no-such-bench"],
         ["no-such-command"],
@@ -205,8 +212,8 @@ def test_usage_errors_exit_2_before_touching_ray(monkeypatch, capsys, args):
 
 def test_help_explains_each_command_and_the_exit_status(capsys):
     commands = (
-        "start", "stop", "status", "create-queue", "create-address", "subscribe", "send",
-        "consume", "bench",
+        "start", "stop", "status", "create-queue", "create-address", "subscribe",
+        "unsubscribe", "delete-address", "send", "consume", "bench",
     )  # fmt: skip
     for command in commands:
         assert main([command, "--help"]) == 0
@@ -216,6 +223,12 @@ def test_help_explains_each_command_and_the_exit_status(capsys):
     out = capsys.readouterr().out
     assert "Usage: raymq subscribe [OPTIONS] ADDRESS SUBSCRIPTION" in out
     assert all(o in out for o in ("--selector", "--start", "--dead-letter-queue"))
+    assert main(["unsubscribe", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "Usage: raymq unsubscribe [OPTIONS] ADDRESS SUBSCRIPTION" in out and "--yes" in out
+    assert main(["delete-address", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "Usage: raymq delete-address [OPTIONS] ADDRESS" in out and "-y, --yes" in out
     assert main(["consume", "--help"]) == 0
     assert "ADDRESS/SUBSCRIPTION" in capsys.readouterr().out
     assert main(["send", "--help"]) == 0
@@ -226,7 +239,7 @@ def test_help_explains_each_command_and_the_exit_status(capsys):
     assert main(["--help"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert all(c in out for c in ("create-queue", "consume", "bench", "status", "subscribe"))
-    assert "create-address" in out
+    assert "create-address" in out and "delete-address" in out and "unsubscribe" in out
     assert "1 on an error" in out and "2 on a usage error" in out
     assert "Exit status: 0 on success; 1 on an error" in " ".join(cli.__doc__.split())
 
@@ -636,16 +649,90 @@ def test_address_and_subscription_errors_are_one_line(ns, capsys):
         (("send", "nowhere", "x"), ["no queue or address 'nowhere'"]),
         (("create-address", "orders"), ["'orders' exists, as a queue"]),
         (("create-queue", "events"), ["'events' exists, as an address"]),
+        (("unsubscribe", "nowhere", "s", "--yes"), ["address 'nowhere' does not exist"]),
+        (("unsubscribe", "orders", "s", "--yes"), ["'orders' is a queue, not an address"]),
+        (("unsubscribe", "events", "nosub", "--yes"),
+         ["address 'events' has no subscription 'nosub'", "it has: audit"]),
+        (("unsubscribe", "events", "audit"),  # stdin is no terminal: no one to ask
+         ["not deleting subscription 'events/audit': 0 unacknowledged", "without --yes"]),
+        (("delete-address", "nowhere", "--yes"), ["address 'nowhere' does not exist"]),
+        (("delete-address", "orders", "--yes"), ["'orders' is a queue, not an address"]),
+        (("delete-address", "../escape", "--yes"), ["'../escape'"]),
+        (("delete-address", "events"),
+         ["not deleting address 'events'", "1 subscription(s) (audit)", "without --yes"]),
     ]  # fmt: skip
     for args, parts in cases:
         code, out, err = run(capsys, ns, *args)
         line = one_error_line(err)
         assert code == 1 and out == "", (args, out)
         assert all(p in line for p in parts), (args, line)
-    # Nothing was made by the failures.
+    # The errors are typed (the class shows in --verbose's traceback).
+    for args, error in (
+        (("unsubscribe", "events", "nosub", "--yes"), "raymq.errors.SubscriptionNotFound"),
+        (("delete-address", "nowhere", "--yes"), "raymq.errors.QueueNotFound"),
+    ):
+        code, _, err = run(capsys, ns, "--verbose", *args)
+        assert code == 1 and error in err, err
+    # Nothing was made, nor deleted, by the failures.
     status = status_json(capsys, ns)
     assert list(status["addresses"]["events"]["subscriptions"]) == ["audit"]
     assert set(status["queues"]) == {"orders"}
+
+
+def test_unsubscribe_and_delete_address(ns, capsys, paging_dir):
+    ok(capsys, ns, "create-address", "events")
+    ok(capsys, ns, "create-queue", "poison")
+    ok(capsys, ns, "subscribe", "events", "audit")
+    ok(capsys, ns, "subscribe", "events", "red", "--selector", "color = 'red'")
+    dl = ("--max-delivery-attempts", "1", "--dead-letter-queue", "poison")
+    ok(capsys, ns, "subscribe", "events", "dl", "--selector", "color = 'red'", *dl)
+    ok(capsys, ns, "send", "events", "a", "-p", "color=blue")
+    ok(capsys, ns, "send", "events", "b", "-p", "color=red")
+    assert status_json(capsys, ns)["addresses"]["events"]["depth"] == 2
+
+    out = ok(capsys, ns, "unsubscribe", "events", "audit", "--yes")
+    assert out.strip() == "subscription 'events/audit' deleted, with 2 unacknowledged message(s)"
+    events = status_json(capsys, ns)["addresses"]["events"]
+    assert list(events["subscriptions"]) == ["red", "dl"]
+    assert events["depth"] == 1  # 'a' was audit's alone: released with it
+    out = ok(capsys, ns, "unsubscribe", "events", "dl", "-y")
+    assert out.strip() == (
+        "subscription 'events/dl' deleted, with 1 unacknowledged message(s);"
+        " dead-letter queue(s) 'poison' kept (queues of their own)"
+    )
+    code, _, err = run(capsys, ns, "consume", "events/dl")
+    assert code == 1 and "no subscription 'dl' (it has: red)" in one_error_line(err)
+    ok(capsys, ns, "subscribe", "events", "dl", "--start", "earliest", *dl)  # again, anew
+    assert status_json(capsys, ns)["addresses"]["events"]["subscriptions"]["dl"]["depth"] == 1
+
+    assert os.path.isdir(os.path.join(paging_dir, "events"))
+    out = ok(capsys, ns, "delete-address", "events", "--yes")
+    assert out.strip() == (
+        "address 'events' deleted, with 2 subscription(s) and 1 stored message(s);"
+        " dead-letter queue(s) 'poison' kept (queues of their own)"
+    )
+    assert not os.path.exists(os.path.join(paging_dir, "events"))  # its files went too
+    status = status_json(capsys, ns)
+    assert status["addresses"] == {} and set(status["queues"]) == {"poison"}
+    code, _, err = run(capsys, ns, "consume", "events/red")
+    assert code == 1 and "address 'events' does not exist" in one_error_line(err)
+    ok(capsys, ns, "create-queue", "events")  # the name is free again
+    out = ok(capsys, ns, "start")
+    assert "already running" in out and "; 2 queue(s)\n" in out  # and no address
+
+
+def test_the_readme_address_commands_run_as_typed(ns, capsys):
+    """README.md's ``address-commands`` block, each line run as the shell splits it."""
+    outs = []
+    for line in readme_block("address-commands"):
+        raymq_, *args = shlex.split(line)
+        assert raymq_ == "raymq", line
+        outs.append(ok(capsys, ns, *args))
+    consumed = [json.loads(x) for x in outs[4].splitlines()]
+    assert [(m["body"], m["properties"]) for m in consumed] == [("hello", {"color": "red"})]
+    assert "subscription 'events/red' deleted" in outs[5]
+    assert "address 'events' deleted, with 1 subscription(s) and 1 stored message(s)" in outs[6]
+    assert status_json(capsys, ns)["addresses"] == {}
 
 
 def test_subscription_sources_label_their_dead_letter_queues():

@@ -123,6 +123,43 @@ def test_commands_print_no_ray_log_lines(ns, tmp_path, gcs_address):
     assert len(err.splitlines()) == 1
 
 
+def on_a_terminal(*args: str, answer: str, env: dict[str, str]):
+    """Run the installed script with a terminal (a pty) as its stdin, on which ``answer``
+    is typed ahead; returns (exit status, stdout, stderr)."""
+    master, slave = os.openpty()
+    try:
+        os.write(master, answer.encode() + b"\n")
+        done = subprocess.run(
+            [RAYMQ, *args], env=env, capture_output=True, text=True, timeout=120, stdin=slave
+        )
+    finally:
+        os.close(slave)
+        os.close(master)
+    return done.returncode, done.stdout, done.stderr
+
+
+def test_deleting_asks_on_a_terminal(ns, tmp_path, gcs_address):
+    """unsubscribe and delete-address say what is lost and ask on a terminal; with no
+    terminal (a script) and no --yes they refuse, in one line."""
+    for args in (["create-address", "ev"], ["subscribe", "ev", "s"], ["send", "ev", "x"]):
+        assert main(["--namespace", ns, *args]) == 0
+    env = auto_env(tmp_path, gcs_address)
+    code, out, err = on_a_terminal("--namespace", ns, "unsubscribe", "ev", "s", answer="n", env=env)
+    assert code == 1 and out == "" and ray_lines(err) == [], err
+    assert "delete subscription 'ev/s': 1 unacknowledged message(s), 0 consumer(s)? [y/N]" in err
+    assert err.rstrip().endswith("raymq: aborted")
+    code, out, err, _ = raymq("--namespace", ns, "unsubscribe", "ev", "s", env=env)  # no tty
+    assert code == 1 and out == "" and len(err.splitlines()) == 1, err
+    assert err.startswith("raymq: error: not deleting subscription 'ev/s'") and "--yes" in err
+    code, out, err = on_a_terminal("--namespace", ns, "unsubscribe", "ev", "s", answer="y", env=env)
+    assert code == 0 and ray_lines(err) == [], err
+    assert out == "subscription 'ev/s' deleted, with 1 unacknowledged message(s)\n"
+    code, out, err = on_a_terminal("--namespace", ns, "delete-address", "ev", answer="y", env=env)
+    assert code == 0 and ray_lines(err) == [], err
+    assert "delete address 'ev': 0 stored message(s), 0 subscription(s) (none)? [y/N]" in err
+    assert out == "address 'ev' deleted, with 0 subscription(s) and 0 stored message(s)\n"
+
+
 def test_verbose_lets_ray_speak(ns, tmp_path, gcs_address):
     """The check above is not vacuous: with --verbose, Ray's lines show on this path."""
     env = auto_env(tmp_path, gcs_address)
