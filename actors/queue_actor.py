@@ -208,9 +208,9 @@ class QueueActor:
     ) -> tuple[tuple[np.ndarray, int, list[tuple[object, int, int]]], pa.RecordBatch | None]:
         """``fetch`` for a TargetList actor, called with ``num_returns=2``: a small
         ((offsets, bytes, shared parts)) object and a batch as a separate object the
-        caller owns and can hand on by reference. The delivery is either the shared
-        parts, each (reference, first row, rows) of one object every delivery of those
-        messages shares, or that batch (None when the parts carry it).
+        caller owns and can hand on by reference. The delivery is the shared parts,
+        each (reference, first row, rows) of one object every delivery of those
+        messages shares, then that batch's rows (None when the parts carry it all).
         ``subscription``: an address's, by name."""
         await self._ensure_started()
         delivery = await self.core.fetch_delivery(

@@ -197,6 +197,9 @@ class TargetListActor:
             )
             raise FetchFailed(error, restarting=True) from None
         self._in_flight = None
+        if parts:  # shared rows, then those of the batch made for this delivery
+            rest = len(offsets) - sum(rows for _, _, rows in parts)
+            parts = [*parts, (batch_ref, 0, rest)] if rest else parts
         return DirectEntry(batch_ref, offsets, nbytes, parts=parts or None)
 
     async def _find_queue(self):

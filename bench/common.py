@@ -17,6 +17,24 @@ console = Console()
 apply_ray_env_defaults()  # the benchmarks start Ray themselves, as RayMQ would
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds process ``pid`` has used (0 if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except OSError:
+        return 0.0
+
+
+def machine_cpu_seconds() -> float:
+    """CPU seconds every process of the machine has used since boot (all cores)."""
+    with open("/proc/stat") as f:
+        fields = f.readline().split()[1:]
+    busy = sum(int(x) for x in fields[:8]) - int(fields[3]) - int(fields[4])  # not idle/iowait
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
 def timed(fn: Callable[[], int]) -> tuple[float, float]:
     """Run ``fn`` (which returns a message count); returns (seconds, messages per second)."""
     t0 = time.perf_counter()

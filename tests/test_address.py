@@ -130,6 +130,40 @@ def test_every_subscription_is_delivered_references_to_one_shared_copy(tmp_path)
     run(main())
 
 
+def test_a_delivery_beyond_the_head_cache_is_shared_as_far_as_it_reaches(tmp_path):
+    async def main():
+        core = open_address(tmp_path, head_cache_bytes=20 * 1024)  # ~60 of the messages
+        await core.create_subscription("a")
+        sent = []
+        for k in range(10):  # batches of 20: the cache takes the first few whole
+            sent += await send(core, 20, start=20 * k)
+        cached = core.head_cache.messages
+        assert 0 < cached < 200
+        d = await core.fetch_delivery("c", 1000, 0, 1000, subscription="a")
+        assert sum(p.rows for p in d.parts) == cached
+        assert d.batch.num_rows == 200 - cached
+        assert d.offsets.tolist() == sent
+        assert d.to_batch().column("offset").to_pylist() == sent
+        await core.close()
+
+    run(main())
+
+
+def test_a_share_that_fails_delivers_a_batch_of_its_own(tmp_path):
+    def share(batch):
+        raise MemoryError("object store full")
+
+    async def main():
+        core = open_address(tmp_path, share=share)
+        await core.create_subscription("a")
+        sent = await send(core, 100)
+        d = await core.fetch_delivery("c", 1000, 0, 1000, subscription="a")
+        assert d.parts == [] and d.batch.column("offset").to_pylist() == sent
+        await core.close()
+
+    run(main())
+
+
 def test_a_stopped_subscription_does_not_push_the_others_out_of_the_head_cache(tmp_path):
     async def main():
         # 64 KiB of cache, 20 x 50 messages of ~260 bytes: 260 KiB sent while one

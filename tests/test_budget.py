@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pickle
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -235,6 +236,21 @@ def test_linked_cache_split_order() -> None:
     assert mid.direct == {"c1": 300, "c2": 100}
     assert mid.pending == {"c1": 25, "c2": 25}
     assert mid.queue_bytes == 0
+
+
+def test_an_addresss_consumers_share_one_copy_of_what_they_reference() -> None:
+    # Ten subscriptions' consumers, each wanting 12 MB of direct references and 4 MB of
+    # PendingCache, on a 32 MB share: references into the same shared batches.
+    wants = tuple(c(f"c{i}", 12 * MB, 4 * MB) for i in range(10))
+    shared = split_share(
+        replace(q("a", 1, index=MB, consumers=wants), shared_deliveries=True), 32 * MB
+    )
+    assert set(shared.direct.values()) == {12 * MB}
+    assert set(shared.pending.values()) == {4 * MB}  # room for one eviction each
+    assert shared.queue_bytes == 32 * MB - MB - 16 * MB  # one consumer's worth charged
+    # The same consumers of a queue hold their own batches: the head cache gets nothing.
+    alone = split_share(q("a", 1, index=MB, consumers=wants), 32 * MB)
+    assert sum(alone.direct.values()) == 31 * MB and alone.queue_bytes == 0
 
 
 def test_head_cache_shrinks_to_zero_under_consumer_demand_in_plan() -> None:

@@ -104,7 +104,9 @@ class QueueUsage:
     ``consumers`` may be given as any iterable; it is stored as a tuple.
     ``transient_bytes`` is the most a non-durable queue held of its own messages over
     the last period: they are the queue's store, not a cache, and are budgeted before
-    the caches (what does not fit flows to disk).
+    the caches (what does not fit flows to disk). ``shared_deliveries``: its consumers
+    hold references to the same shared batches (an address's subscriptions keeping
+    pace), so their direct references and PendingCaches are one copy, not one each.
     """
 
     name: str
@@ -117,6 +119,7 @@ class QueueUsage:
     consumers: tuple[ConsumerUsage, ...] = ()
     transient_bytes: int = 0
     delivering: bool = False
+    shared_deliveries: bool = False
 
     def __post_init__(self) -> None:
         _check_bytes("size_bytes", self.size_bytes)
@@ -144,6 +147,7 @@ class QueueUsage:
             "active": self.active,
             "delivering": self.delivering,
             "max_size_bytes": self.max_size_bytes,
+            "shared_deliveries": self.shared_deliveries,
         }
 
 
@@ -335,11 +339,30 @@ def split_share(usage: QueueUsage, share: int) -> QueueBudget:
     it *grows*, so it is budgeted what it holds plus room for one more eviction of its
     direct references, at most ``want_pending_bytes``; its cap alone would take memory
     the queue needs for its own messages.
+
+    With ``shared_deliveries`` (an address) every consumer's references point into the
+    same shared batches: each consumer may have what it wants (up to what is left), and
+    the most any one of them takes is charged once.
     """
     index = min(usage.index_bytes, share)
     left = share - index
     transient = min(left, int(usage.transient_bytes * WORKING_SET_SLACK))
     left -= transient
+    if usage.shared_deliveries:
+        direct, pending = {}, {}
+        for c in usage.consumers:
+            direct[c.consumer_id] = d = min(c.want_direct_bytes, left)
+            pending[c.consumer_id] = min(c.want_pending_bytes, c.pending_bytes + d, left - d)
+        left -= max((direct[k] + pending[k] for k in direct), default=0)
+        return QueueBudget(
+            name=usage.name,
+            node_id=usage.node_id,
+            share=share,
+            index_bytes=index,
+            direct=direct,
+            pending=pending,
+            queue_bytes=transient + left,
+        )
     direct = _proportional(left, {c.consumer_id: c.want_direct_bytes for c in usage.consumers})
     left -= sum(direct.values())
     pending = _proportional(

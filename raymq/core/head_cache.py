@@ -170,18 +170,25 @@ class HeadQueueCache:
             self.behind = True
 
     def refill(
-        self, read: Callable[[int, int], list[MessageBatch]], head: int, log_end: int
+        self,
+        read: Callable[[int, int], list[MessageBatch]],
+        head: int,
+        log_end: int,
+        until: int | None = None,
     ) -> None:
         """Extend the cache with ``read(start, end)`` batches from the log while it has room.
 
-        ``head`` is where the cache should start when empty; ``log_end`` the log's end.
+        ``head`` is where the cache should start when empty; ``log_end`` the log's end;
+        ``until``: stop once offsets below it are cached (a delivery's need), not at
+        the budget.
         """
         if not len(self):
             self.behind = head < log_end
             pos = head
         else:
             pos = self.end
-        while self.behind and pos < log_end and self.bytes < self.max_bytes:
+        stop = log_end if until is None else min(until, log_end)
+        while self.behind and pos < stop and self.bytes < self.max_bytes:
             chunk_end = min(log_end, pos + 4096)
             for b in read(pos, chunk_end):
                 if self.bytes + b.nbytes > self.max_bytes:

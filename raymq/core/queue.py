@@ -27,7 +27,7 @@ import pyarrow as pa
 from raymq.batch import MessageBatch, check_sizes
 from raymq.config import BrokerConfig, QueueConfig, check_int, validate_queue_name
 from raymq.core.budget import QueueUsage, split_queue_bytes
-from raymq.core.head_cache import HeadQueueCache
+from raymq.core.head_cache import HeadQueueCache, SharedPart
 from raymq.core.subscription import Delivery, Subscription
 from raymq.core.supervisor import Supervisor
 from raymq.errors import (
@@ -542,30 +542,48 @@ class QueueCore:
         if self.config.durable:
             self._cache_housekeeping()
 
-    def _trim_head_cache(self, newest: int | None = None) -> int:
+    def _trim_head_cache(self, newest: int | None = None, keep: int | None = None) -> int:
         """Drop what the HeadQueueCache holds below its window (see
-        ``HeadQueueCache.window_start``; ``newest``: one past a batch to add); returns
-        the window's start."""
+        ``HeadQueueCache.window_start``; ``newest``: one past a batch to add), but not
+        from ``keep`` on (a delivery under way); returns where it now starts."""
         end = self.log.next_offset
         heads = [h for sub in self.all_subscriptions() if (h := sub.undelivered()) < end]
         cache = self.head_cache
         per_message = cache.bytes / cache.messages if cache.messages else self._message_bytes
         start = cache.window_start(heads, per_message or 1024.0, newest)
         start = end if start is None else start
+        if keep is not None:
+            start = min(start, keep)
         cache.trim(start)
         return start
 
-    def _cache_housekeeping(self) -> None:
-        """Trim the HeadQueueCache to its window and refill it from the log."""
-        start = self._trim_head_cache()
+    def _cache_housekeeping(self, until: int | None = None, keep: int | None = None) -> None:
+        """Trim the HeadQueueCache to its window and refill it from the log (up to
+        ``until`` only, when given: see ``HeadQueueCache.refill``; ``keep`` as for
+        ``_trim_head_cache``)."""
+        start = self._trim_head_cache(keep=keep)
         # Around the read cache: the HeadQueueCache keeps what it reads (no message
         # held twice, and bytes_in_memory + head_cache_bytes is a true sum).
         try:
             self.head_cache.refill(
-                lambda a, b: self.log.read(a, b, cache=False), start, self.log.next_offset
+                lambda a, b: self.log.read(a, b, cache=False), start, self.log.next_offset, until
             )
         except StorageError as exc:  # a cache fill is best effort; reads try again
             log.warning("queue %r: HeadQueueCache refill: %s", self.name, exc)
+
+    def shared_delivery(self, start: int, end: int) -> list[SharedPart]:
+        """As much of [start, end) from ``start`` on as the HeadQueueCache holds, as
+        shared parts of its batches (empty when ``start`` is not cached). Where the
+        cache fell behind just there it reads ahead first: a deep backlog is then read
+        and shared once for every subscription."""
+        cache = self.head_cache
+        if cache.behind and cache.end < end and (not len(cache) or cache.start <= start):
+            # The delivery's offsets are taken already: its subscription's head is past
+            # them, but they are what is read ahead for.
+            self._cache_housekeeping(until=end, keep=start)
+        if not len(cache) or not cache.start <= start < cache.end:
+            return []
+        return cache.shared(start, min(end, cache.end)) or []
 
     # -- memory budget ---------------------------------------------------------------
 
@@ -619,6 +637,7 @@ class QueueCore:
             delivering=delivering,
             max_size_bytes=self.config.max_size_bytes,
             transient_bytes=transient,
+            shared_deliveries=self.config.address,
         )
 
     def _index_bytes(self) -> int:

@@ -51,7 +51,7 @@ DEAD_LETTER_RETRY_MAX_SECONDS = 5.0
 @dataclass
 class Delivery:
     """What one fetch delivers, in offset order: rows of shared batches (``parts``,
-    each a reference to one object every subscription's deliveries share) or, for
+    each a reference to one object every subscription's deliveries share), then, for
     what the HeadQueueCache cannot share (redeliveries, selector matches, reads from
     the log), one batch made for this delivery."""
 
@@ -62,13 +62,13 @@ class Delivery:
 
     def to_batch(self) -> pa.RecordBatch:
         """The delivery as one RecordBatch in ``DELIVERY_SCHEMA`` (slices, no copy when
-        it is one part)."""
-        if self.batch is not None:
-            return self.batch
-        slices = [p.arrow.slice(p.first_row, p.rows) for p in self.parts]
-        if not slices:
+        it is one piece)."""
+        pieces = [p.arrow.slice(p.first_row, p.rows) for p in self.parts]
+        if self.batch is not None and (self.batch.num_rows or not pieces):
+            pieces.append(self.batch)
+        if not pieces:
             return EMPTY_DELIVERY
-        return slices[0] if len(slices) == 1 else pa.concat_batches(slices)
+        return pieces[0] if len(pieces) == 1 else pa.concat_batches(pieces)
 
 
 NOTHING = Delivery(np.zeros(0, dtype=np.int64), 0, batch=EMPTY_DELIVERY)
@@ -259,18 +259,29 @@ class Subscription:
 
     def _deliver(self, offsets: np.ndarray, counts: np.ndarray) -> Delivery:
         """The messages of sorted ``offsets`` (taken, with their delivery counts) as a
-        Delivery: a first delivery of a run the HeadQueueCache holds is shared rows,
-        anything else is materialized."""
+        Delivery: a first delivery of a run the HeadQueueCache holds is shared rows (as
+        far as it holds them), anything else is materialized."""
         n = len(offsets)
         first, end = int(offsets[0]), int(offsets[-1]) + 1
+        parts: list[SharedPart] = []
         if self.host.config.durable and end - first == n and int(counts.max()) == 1:
-            parts = self.host.head_cache.shared(first, end)
-            if parts is not None:
-                self.head_cache_hits += 1
-                return Delivery(offsets, sum(p.nbytes for p in parts), parts)
-        batch = self._materialize(offsets, counts)
-        have = batch.column(0).to_numpy() if batch.num_rows != n else offsets
-        return Delivery(have, batch.nbytes, batch=batch)
+            try:
+                parts = self.host.shared_delivery(first, end)
+            except Exception as exc:  # the object store full, say: a batch of its own
+                log.warning("queue %r: sharing a cached batch failed: %r", self.name, exc)
+        shared = sum(p.rows for p in parts)
+        nbytes = sum(p.nbytes for p in parts)
+        if parts:
+            self.head_cache_hits += 1
+            if shared == n:
+                return Delivery(offsets, nbytes, parts)
+        batch = self._materialize(offsets[shared:], counts[shared:])
+        have = offsets[shared:]
+        if batch.num_rows != len(have):  # damaged records are missing from it
+            have = batch.column(0).to_numpy()
+        if shared:
+            have = np.concatenate([offsets[:shared], have])
+        return Delivery(have, nbytes + batch.nbytes, parts, batch)
 
     def _read(self, start: int, end: int) -> list[MessageBatch]:
         """Messages [start, end) from the HeadQueueCache, else the log (its read cache)."""
