@@ -24,6 +24,14 @@ from raymq.errors import StorageError
 from raymq.storage import SegmentLog
 from raymq.storage.files import create_queue_directory
 from raymq.storage.format import RECORD_HEADER, SEGMENT_SUFFIX, segment_name
+from raymq.storage.subscriptions import (
+    MANIFEST_NAME,
+    Manifest,
+    SubscriptionAcks,
+    SubscriptionSpec,
+    read_manifest,
+    write_manifest,
+)
 from tests.storage_helpers import (
     NOW_US,
     Faults,
@@ -678,3 +686,144 @@ def test_damage_found_by_a_recovery_that_fails_is_found_again(tmp_path, faults, 
     assert sorted(read_all(log)) == list(range(8, 24))
     assert commit(log, [b"next"]) == [24]
     log.close()
+
+
+# -- an address: its open may fail after recovery ------------------------------------------
+
+
+def _address_with_damage(path, where: str) -> tuple[list[str], str]:
+    """An address (a ``subscriptions`` file, one subscription) with 3 segments of 8
+    messages, the newest not checkpointed, then one bit flipped: in the first segment's
+    header, in a record of the newest one, or in its last record (its damaged end).
+    Returns the segment files and the flipped one."""
+    log, _ = open_log(path, page=4096)
+    acks = SubscriptionAcks(log)
+    log.attach_subscriptions(acks)
+    acks.create(0, 0)
+    write_manifest(str(path), Manifest({"s": SubscriptionSpec("s", 0, None, 0)}, 1))
+    for _ in range(2):
+        commit(log, [b"m" * 400] * 8)
+    commit(log, checkpoint=True)
+    for _ in range(2):
+        commit(log, [b"n" * 400] * 4)  # the newest segment: two records, scanned again
+    assert [s.count for s in log.segments] == [8, 8, 8]
+    files = [s.path for s in log.segments]
+    newest = log.segments[-1]
+    if where == "header":
+        damaged, position = files[0], 20
+    elif where == "record":
+        damaged, position = newest.path, int(newest.positions[0]) + 60
+    else:
+        damaged, position = newest.path, int(newest.positions[1]) + 60
+    log.close()
+    flip(damaged, position)
+    return files, damaged
+
+
+def _address_opened(path) -> tuple[SegmentLog, SubscriptionAcks]:
+    """The address's log, opened with its subscription settled as ``QueueCore`` does."""
+    log, report = open_log(path, page=4096)
+    acks = SubscriptionAcks(log)
+    log.attach_subscriptions(acks)
+    acks.load(0, log.recovered_subscriptions.get(0), 0)
+    acks.settle()
+    return log, report
+
+
+def _snapshot(path) -> dict[str, bytes]:
+    out = {}
+    for name in sorted(os.listdir(path)):
+        with open(os.path.join(path, name), "rb") as f:
+            out[name] = f.read()
+    return out
+
+
+@pytest.mark.parametrize("where", ["header", "record", "end"])
+def test_damage_found_before_an_address_fails_to_open_is_found_again(tmp_path, where):
+    """An address can fail to open after recovery (its subscriptions file unreadable,
+    the disk full while their acks are committed): recovery's checkpoint, the renaming
+    of a file with a bad header and the cutting of a damaged end then hid the damage it
+    found from the next recovery, which counted none of it. They wait for the first
+    checkpoint of the running log, which comes with its first commit."""
+    files, damaged = _address_with_damage(tmp_path, where)
+    lost = 8 if where == "header" else 4
+    log, report = open_log(tmp_path, page=4096)
+    assert report.damaged == lost, report.damage
+    log.close()  # the address's open failed before any commit
+    before = _snapshot(tmp_path)
+    log, report = open_log(tmp_path, page=4096)  # and again: nothing hidden, not even
+    log.close()  # by a recovery that did not find it first
+    assert report.damaged == lost, report.damage
+    after = _snapshot(tmp_path)
+    assert {n: b for n, b in after.items() if not n.startswith("acks-")} == {
+        n: b for n, b in before.items() if not n.startswith("acks-")
+    }
+    log, report = _address_opened(tmp_path)
+    assert report.damaged == lost
+    assert log.has_pending_acks  # the checkpoint recovery left to the first commit
+    commit(log)  # the open's commit: acks, then that checkpoint
+    assert not log.has_pending_acks
+    assert os.path.exists(damaged + ".damaged") == (where == "header")
+    kept = sorted(read_all(log))
+    log.close()
+    if where == "end":  # cut, once that checkpoint was durable
+        assert os.path.getsize(damaged) < len(before[os.path.basename(damaged)])
+    log, report = _address_opened(tmp_path)
+    assert report.damaged == 0, report.damage  # found, counted and recorded once
+    assert report.lost_messages == (0 if where == "header" else lost)
+    assert sorted(read_all(log)) == kept
+    assert commit(log, [b"next"])[0] >= 24  # (past what a file moved aside could hold)
+    log.close()
+
+
+@pytest.mark.parametrize("fails", ["manifest", "commit"])
+def test_an_address_that_fails_to_open_counts_its_damage_at_the_next_open(
+    tmp_path, faults, monkeypatch, fails
+):
+    """Through QueueCore: an address whose open fails after recovery found damage (its
+    ``subscriptions`` file damaged, or the disk failing while the acks settled at open
+    are committed) leaves that damage for the next open to find and count."""
+    broker = BrokerConfig(paging_directory=str(tmp_path), checkpoint_interval=3600.0)
+    config = QueueConfig("addr", page_size_bytes=4096, address=True)
+    directory = tmp_path / "addr"
+
+    async def fill():
+        core = QueueCore(config, broker)
+        core.start()
+        await core.create_subscription("s")
+        for _ in range(3):
+            await core.send_batch(batch([b"m" * 400] * 8))
+        await core.close()
+
+    asyncio.run(fill())
+    flip(str(directory / segment_files(directory)[0]), 20)  # a header: 8 messages lost
+    manifest = directory / MANIFEST_NAME
+    good = manifest.read_bytes()
+    commit_acks = QueueCore._commit_acks_now
+    if fails == "manifest":
+        flip(str(manifest), 30)
+    else:  # one created just before a crash: its starting set is committed at open
+        m = read_manifest(str(directory), "addr")
+        late = SubscriptionSpec("late", m.next_id, None, 0)
+        write_manifest(str(directory), Manifest({**m.subscriptions, "late": late}, m.next_id + 1))
+
+        def failing(self):
+            faults.fail("fdatasync", errno.EIO, match="acks-")
+            commit_acks(self)
+
+        monkeypatch.setattr(QueueCore, "_commit_acks_now", failing)
+    with pytest.raises(StorageError):
+        QueueCore(config, broker)
+    faults.heal()
+    monkeypatch.setattr(QueueCore, "_commit_acks_now", commit_acks)
+    manifest.write_bytes(good if fails == "manifest" else manifest.read_bytes())
+
+    async def reopen():
+        core = QueueCore(config, broker)
+        core.start()
+        await core.close()
+        return core.recovery
+
+    report = asyncio.run(reopen())
+    assert report.damaged == 8, report.damage
+    assert asyncio.run(reopen()).damaged == 0  # counted once its open succeeded

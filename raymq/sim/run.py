@@ -314,16 +314,21 @@ class Simulation:
                     self.disk.full, self.disk.fail_rate = False, 0.0
         else:
             raise Violation("the queue does not open on a healthy disk")
+        recovery = core.recovery
+        # Every incarnation's count, one the crash point came in too (its recovery may
+        # have recorded the damage before it: the next one then finds it no more). The
+        # log's count is recovery's ``lost_messages`` plus what reads and the scrub
+        # found since, those made while the core opened too (an address applies its
+        # filters again: a properties read may quarantine a record), added later.
+        self.damage_allowed += recovery.damaged
+        self._counted = recovery.lost_messages
         if self.disk.image is not None:  # the crash point came while opening
             self.core = core
             return
-        recovery = core.recovery
         # (Files moved aside whose messages were all acknowledged lose nothing: a
         # failed write's burned segment, for one.)
         if recovery.damaged and not (self.flipped or self.holes):
             raise Violation(f"recovery found damage with no bit flipped: {recovery.damage}")
-        self.damage_allowed += recovery.damaged
-        self._counted = core.log.damaged_messages  # recovery.damaged of it is added
         # Housekeeping runs when the simulator says, not on the wall clock: a seed replays.
         core._tick_loop = _forever
         core.start()

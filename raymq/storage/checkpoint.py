@@ -14,11 +14,12 @@ import numpy as np
 
 from raymq.storage.files import fsync_directory, write_synced
 from raymq.storage.format import (
-    CHECKPOINT_HEADER,
     CHECKPOINT_MAGIC,
     CHECKPOINT_NAME,
     CHECKPOINT_VERSION,
-    crc32,
+    DamagedFile,
+    frame,
+    unframe,
 )
 from raymq.storage.segment import Segment
 
@@ -60,8 +61,7 @@ def encode_checkpoint(
             ],
         }
     )
-    header = CHECKPOINT_HEADER.pack(CHECKPOINT_MAGIC, CHECKPOINT_VERSION, crc32([body]), len(body))
-    return header + body
+    return frame(CHECKPOINT_MAGIC, CHECKPOINT_VERSION, body)
 
 
 def checkpoint_path(directory: str) -> str:
@@ -96,21 +96,13 @@ def read_checkpoint(directory: str) -> tuple[dict | None, str | None]:
             data = f.read()
     except FileNotFoundError:
         return None, None
-    hs = CHECKPOINT_HEADER.size
-    if len(data) >= hs:
-        magic, version, crc, length = CHECKPOINT_HEADER.unpack_from(data, 0)
-        body = data[hs : hs + length]
-        if (
-            magic == CHECKPOINT_MAGIC
-            and version == CHECKPOINT_VERSION
-            and len(body) == length
-            and crc32([body]) == crc
-        ):
-            try:
-                return msgpack.unpackb(body), None
-            except (ValueError, msgpack.UnpackException):
-                pass
-    return None, f"{path}: damaged checkpoint ignored; all files rescanned"
+    try:
+        return msgpack.unpackb(unframe(data, CHECKPOINT_MAGIC, CHECKPOINT_VERSION, path)), None
+    except DamagedFile as exc:
+        why = str(exc)
+    except (ValueError, msgpack.UnpackException) as exc:
+        why = f"{path} is damaged (its body: {exc})"
+    return None, f"{why}; checkpoint ignored, all files rescanned"
 
 
 def subscription_sections(ckpt: dict | None) -> dict[int, bytes]:

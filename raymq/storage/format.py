@@ -43,10 +43,11 @@ ACK_HEADER_V1 = struct.Struct("<8sIIQ")  # 24 bytes
 ACK_RECORD_MAGIC = 0x4B434152  # b"RACK"
 ACK_RECORD_HEADER = struct.Struct("<III")  # 12 bytes
 
-#: Checkpoint file header: magic, version, CRC of body, body length; body is msgpack.
+#: Header of a framed file (the checkpoint, an address's ``subscriptions``): magic,
+#: version, CRC of the body, body length; the body (msgpack) follows. See ``frame``.
+CHECKPOINT_HEADER = struct.Struct("<8sIIQ")  # 24 bytes
 CHECKPOINT_MAGIC = b"RAYMQCKP"
 CHECKPOINT_VERSION = 1
-CHECKPOINT_HEADER = struct.Struct("<8sIIQ")  # 24 bytes
 
 SEGMENT_SUFFIX = ".seg"
 #: A damaged region of a segment, copied aside: ``<segment file>.damaged-<position>``.
@@ -75,6 +76,38 @@ def crc32(buffers, crc: int = 0) -> int:
     for buf in buffers:
         crc = _crc32(buf, crc)
     return crc
+
+
+class DamagedFile(ValueError):
+    """A framed file whose frame does not hold; the message names the file and why."""
+
+
+def frame(magic: bytes, version: int, body: bytes) -> bytes:
+    """A framed file's bytes: ``CHECKPOINT_HEADER`` (``magic``, ``version``, the CRC
+    and length of ``body``), then ``body``."""
+    return CHECKPOINT_HEADER.pack(magic, version, crc32([body]), len(body)) + body
+
+
+def unframe(data: bytes, magic: bytes, version: int, path: str) -> bytes:
+    """The body of the framed file ``path`` whose bytes are ``data`` (see ``frame``).
+    Raises ``DamagedFile`` naming the file if it is too short for its header or its
+    body, or its magic, version or CRC is not the one expected."""
+    hs = CHECKPOINT_HEADER.size
+    if len(data) < hs:
+        raise DamagedFile(f"{path} is damaged ({len(data)} bytes, shorter than a header)")
+    got_magic, got_version, crc, length = CHECKPOINT_HEADER.unpack_from(data, 0)
+    body = data[hs : hs + length]
+    if got_magic != magic:
+        why = f"magic {got_magic!r}, not {magic!r}"
+    elif got_version != version:
+        why = f"version {got_version}, not {version}"
+    elif len(body) != length:
+        why = f"{len(body)} bytes of body where its header says {length}"
+    elif crc32([body]) != crc:
+        why = "its CRC does not match"
+    else:
+        return body
+    raise DamagedFile(f"{path} is damaged ({why})")
 
 
 def record_seed(salt: int | None, position: int) -> int:

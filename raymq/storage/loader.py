@@ -87,6 +87,57 @@ class Recovered:
     #: the checkpoint's ``routed_to``, or in ack records lost to damage, may not be on
     #: disk (``next_offset`` if nothing needs it).
     route_from: int = 0
+    #: What recovery left for the log's first checkpoint (``recover(defer=True)``, and
+    #: damage found): None if it did it all.
+    deferred: Deferred | None = None
+
+
+@dataclass
+class Deferred:
+    """The steps of recovery that would hide the damage it found from the next one,
+    left for the log's first checkpoint: an address may still fail to open after
+    recovery (settling its subscriptions), and the next recovery must then find, and
+    count, the same damage again (docs/FORMAT.md, "Recovery", step 6)."""
+
+    #: Segment files with a bad header, renamed to ``<file>.damaged`` just before that
+    #: checkpoint (one it does not list, below its next offset, would be removed unread).
+    aside: list[str]
+    #: (segment, position) of damaged ends, cut off once that checkpoint is durable.
+    cuts: list[tuple[Segment, int]]
+    #: The checkpoint's subscription section and ``routed_to`` as recovery found them,
+    #: for a checkpoint taken before the address's subscriptions are attached.
+    sections: dict[int, bytes] | None
+    routed_to: int
+
+    def move_aside(self) -> OSError | None:
+        """Rename the files with a bad header (one renamed already is skipped), then
+        fsync the directory; returns that fsync's error, if any: the renames may then
+        not be durable, and no checkpoint may follow (one that reached the disk without
+        them would have the next recovery remove those files unread). Raises
+        ``OSError`` if a rename fails."""
+        for path in self.aside:
+            if os.path.exists(path) or not os.path.exists(path + DAMAGED_SUFFIX):
+                os.replace(path, path + DAMAGED_SUFFIX)
+        if self.aside:
+            try:
+                fsync_directory(os.path.dirname(self.aside[0]))
+            except OSError as exc:
+                return exc
+        return None
+
+    def cut(self) -> None:
+        """Cut the damaged ends off, once a durable checkpoint records them. A segment
+        cut becomes appendable again (a version-2 file); one whose cut fails keeps its
+        damaged bytes and is never written over."""
+        for seg, tail in self.cuts:
+            if seg.fd is None:  # deleted meanwhile (fully acknowledged)
+                continue
+            try:
+                os.ftruncate(seg.fd, tail)
+                os.fsync(seg.fd)
+            except OSError:
+                continue
+            seg.appendable = seg.salt is not None
 
 
 @dataclass
@@ -116,10 +167,15 @@ class Loader:
         self._scanned_from = 2**63 - 1  # lowest offset of a record read past the checkpoint
         self._undeleted: list[str] = []
 
-    def recover(self) -> Recovered:
+    def recover(self, *, defer: bool = False) -> Recovered:
         """Read the checkpoint and the ack logs, scan the segments, apply the acks, then
         delete what is fully acknowledged and start a new ack generation with a
-        checkpoint written at once."""
+        checkpoint written at once.
+
+        ``defer`` (an address: its open can still fail after this, while its
+        subscriptions are settled): if damage was found, what would hide it from the
+        next recovery (renaming files with a bad header, the checkpoint, cutting
+        damaged ends) is left to the log's first checkpoint (``Recovered.deferred``)."""
         ckpt, damage = read_checkpoint(self.directory)
         if damage:
             self.report.damage.append(damage)
@@ -147,29 +203,35 @@ class Loader:
                 self._delete(seg)
         subscriptions = self._subscription_ranges(ckpt, logs)
         route_from = self._route_from(ckpt, logs, next_offset)
+        sections = None
+        if subscriptions is not None:  # the ack logs about to go held some of them
+            sections = {sid: r.to_bytes() for sid, r in subscriptions.items()}
+        deferred = Deferred(self._aside, self._cuts, sections, route_from)
+        defer = defer and bool(self.report.damaged or self._aside or self._cuts)
+        if defer:  # a file with a bad header keeps its name a while: no new one takes it
+            next_offset = max([next_offset, *(base + 1 for base, _ in self._lost_whole)])
         ack_log = self._start_ack_log(max([first_gen, *generations]) + 1, next_offset, logs)
-        # Only now (a full disk fails recovery above) are damaged files moved aside: a
-        # recovery that fails before must find, and count, the damage again.
-        self._move_aside()
-        checkpointed = self._checkpoint(next_offset, ack_log.generation, subscriptions, route_from)
-        for seg, tail in self._cuts:
-            if seg.fd is None:  # deleted meanwhile (fully acknowledged)
-                continue
-            try:
-                if not checkpointed:
-                    raise OSError("no checkpoint records the damage yet")
-                os.ftruncate(seg.fd, tail)
-                os.fsync(seg.fd)
-            except OSError:
-                seg.appendable = False  # the damaged bytes stay: never write over them
-        return Recovered(
-            next_offset,
-            ack_log,
-            ack_log.generation,
-            self._undeleted,
-            subscriptions,
-            route_from,
+        got = Recovered(
+            next_offset, ack_log, ack_log.generation, self._undeleted, subscriptions, route_from
         )
+        for seg, _tail in self._cuts:
+            seg.appendable = False  # the damaged bytes stay until cut: never write over them
+        # Only now (a full disk fails recovery above) may damage be hidden from the next
+        # recovery: one that fails before must find, and count, the damage again. An
+        # address can still fail to open after this: it leaves that to its first
+        # checkpoint.
+        if defer:
+            got.deferred = deferred
+            return got
+        unsynced = deferred.move_aside()
+        if unsynced is not None:
+            self.report.damage.append(
+                f"{self.directory}: no checkpoint written at recovery ({unsynced}); the next"
+                " one will be"
+            )
+        elif self._checkpoint(next_offset, ack_log.generation, sections, route_from):
+            deferred.cut()
+        return got
 
     def _load_segments(self, ckpt: dict | None) -> None:
         saved = {s["base"]: s for s in ckpt["segments"]} if ckpt else {}
@@ -228,15 +290,12 @@ class Loader:
         self,
         next_offset: int,
         generation: int,
-        subscriptions: dict[int, AckRanges] | None,
+        sections: dict[int, bytes] | None,
         route_from: int,
     ) -> bool:
         """Write the checkpoint at once and delete the ack logs it makes obsolete; False
         if it could not be written."""
         undeleted = [int(os.path.basename(p)[: -len(SEGMENT_SUFFIX)]) for p in self._undeleted]
-        sections = None
-        if subscriptions is not None:  # the ack logs about to go held some of them
-            sections = {sid: r.to_bytes() for sid, r in subscriptions.items()}
         data = encode_checkpoint(
             self.segments, next_offset, generation, undeleted, sections, route_from
         )
@@ -441,15 +500,6 @@ class Loader:
         self.report.damage.append(
             f"{exc}; offsets {f.base}..{end} not served; moved aside to {path}{DAMAGED_SUFFIX}"
         )
-
-    def _move_aside(self) -> None:
-        """Rename the segment files whose header is bad to ``<file>.damaged`` (their
-        names then keep their offsets from being given again: ``_moved_aside_floor``)."""
-        for path in self._aside:
-            os.replace(path, path + DAMAGED_SUFFIX)
-        if self._aside:
-            with contextlib.suppress(OSError):
-                fsync_directory(self.directory)
 
     def _keep_aside(self, seg: Segment, start: int, end: int) -> str:
         """Copy damaged bytes aside; returns the text for the report ("" if not kept)."""

@@ -19,6 +19,7 @@ only one write may be in flight at a time. Everything else runs in the event loo
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import numpy as np
@@ -34,7 +35,7 @@ from raymq.storage.read_cache import ReadCache
 from raymq.storage.reader import Reader
 from raymq.storage.scrub import Scrubber
 from raymq.storage.segment import Segment, Segments
-from raymq.storage.subscriptions import SubscriptionAcks
+from raymq.storage.subscriptions import MANIFEST_NAME, Manifest, SubscriptionAcks, read_manifest
 from raymq.storage.writer import PreparedWrite, Writer
 
 log = logging.getLogger("raymq.storage")
@@ -78,6 +79,9 @@ class SegmentLog:
         #: where its filters must be applied again.
         self.recovered_subscriptions: dict | None = None
         self.route_from = 0
+        #: An address's ``subscriptions`` file, read before recovery changes anything
+        #: (None: there is none, or the queue is not durable).
+        self.manifest: Manifest | None = None
 
     # -- opening ---------------------------------------------------------------------
 
@@ -93,7 +97,12 @@ class SegmentLog:
     ) -> tuple[SegmentLog, RecoveryReport]:
         """Open (creating if needed) the queue's directory and recover its state.
 
-        A non-durable queue starts empty and keeps its messages in memory.
+        A non-durable queue starts empty and keeps its messages in memory. An address
+        (a directory with a ``subscriptions`` file) has that file read first, so that a
+        damaged one (``StorageError``) stops the open before anything changes; and as it
+        may still fail to open after recovery (while its subscriptions are settled),
+        what would hide the damage recovery found from the next one is left to the
+        log's first checkpoint (docs/FORMAT.md, "Recovery", step 6).
         """
         t0 = time.perf_counter()
         try:
@@ -110,8 +119,12 @@ class SegmentLog:
         report = RecoveryReport(queue=queue)
         try:
             if durable:
-                got = Loader(directory, self.segments, self._acks, report).recover()
+                if os.path.exists(os.path.join(directory, MANIFEST_NAME)):
+                    self.manifest = read_manifest(directory, queue)
+                loader = Loader(directory, self.segments, self._acks, report)
+                got = loader.recover(defer=self.manifest is not None)
                 self._writer.resume(got.next_offset, got.ack_log, got.ack_generation, got.undeleted)
+                self._writer.deferred = got.deferred
                 self.recovered_subscriptions = got.subscription_ranges
                 self.route_from = got.route_from
             else:
@@ -266,9 +279,14 @@ class SegmentLog:
 
     @property
     def has_pending_acks(self) -> bool:
-        """True when acks wait for the next write (the subscriptions' too)."""
+        """True when acks wait for the next write (the subscriptions' too), or the
+        checkpoint recovery left to it (``Writer.deferred``)."""
         subs = self._writer.subscriptions
-        return self._acks.has_pending or (subs is not None and subs.has_pending)
+        return (
+            self._acks.has_pending
+            or (subs is not None and subs.has_pending)
+            or self._writer.deferred is not None
+        )
 
     def attach_subscriptions(self, subscriptions: SubscriptionAcks) -> None:
         """An address's subscriptions: their acks go to the ack log with each commit,

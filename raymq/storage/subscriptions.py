@@ -27,7 +27,7 @@ from raymq.errors import StorageError
 from raymq.storage.ack_ranges import AckRanges
 from raymq.storage.acklog import to_ranges
 from raymq.storage.files import write_file_atomic
-from raymq.storage.format import CHECKPOINT_HEADER, crc32
+from raymq.storage.format import DamagedFile, frame, unframe
 
 MANIFEST_NAME = "subscriptions"
 MANIFEST_MAGIC = b"RAYMQSUB"
@@ -71,25 +71,17 @@ def read_manifest(directory: str, queue: str) -> Manifest:
         return Manifest({})
     except OSError as exc:
         raise StorageError(f"address {queue!r}: cannot read {path}: {exc}") from exc
-    hs = CHECKPOINT_HEADER.size
-    if len(data) >= hs:
-        magic, version, crc, length = CHECKPOINT_HEADER.unpack_from(data, 0)
-        body = data[hs : hs + length]
-        if (
-            magic == MANIFEST_MAGIC
-            and version == MANIFEST_VERSION
-            and len(body) == length
-            and crc32([body]) == crc
-        ):
-            try:
-                doc = msgpack.unpackb(body)
-                specs = [SubscriptionSpec(**s) for s in doc["subscriptions"]]
-                return Manifest({s.name: s for s in specs}, doc["next_id"])
-            except (ValueError, TypeError, KeyError, msgpack.UnpackException):
-                pass
+    try:
+        doc = msgpack.unpackb(unframe(data, MANIFEST_MAGIC, MANIFEST_VERSION, path))
+        specs = [SubscriptionSpec(**s) for s in doc["subscriptions"]]
+        return Manifest({s.name: s for s in specs}, doc["next_id"])
+    except DamagedFile as exc:
+        why = str(exc)
+    except (ValueError, TypeError, KeyError, msgpack.UnpackException) as exc:
+        why = f"{path} is damaged (its body: {type(exc).__name__} {exc})"
     raise StorageError(
-        f"address {queue!r}: {path} is damaged; its subscriptions are unknown (restore the"
-        " file, or remove it to start with none)"
+        f"address {queue!r}: {why}; its subscriptions are unknown (restore the file, or"
+        " remove it to start with none)"
     )
 
 
@@ -101,8 +93,9 @@ def write_manifest(directory: str, manifest: Manifest) -> None:
             "subscriptions": [asdict(s) for s in manifest.subscriptions.values()],
         }
     )
-    header = CHECKPOINT_HEADER.pack(MANIFEST_MAGIC, MANIFEST_VERSION, crc32([body]), len(body))
-    write_file_atomic(os.path.join(directory, MANIFEST_NAME), header + body)
+    write_file_atomic(
+        os.path.join(directory, MANIFEST_NAME), frame(MANIFEST_MAGIC, MANIFEST_VERSION, body)
+    )
 
 
 class SubscriptionAcks:
@@ -301,7 +294,10 @@ class SubscriptionLog:
         return self._log.properties(start, end)
 
     def is_acked(self, offsets: np.ndarray) -> np.ndarray:
-        """Ack flag per offset for this subscription."""
+        """Ack flag per offset for this subscription. The log's flags too: what it
+        acknowledged but the subscription does not know yet (a record a read found
+        damaged, until the queue drains it; offsets never published, e.g. burned) is
+        acknowledged here as well."""
         offsets = np.asarray(offsets, dtype=np.int64)
         return self._acks.acked[self.sid].contains(offsets) | self._log.is_acked(offsets)
 

@@ -29,6 +29,7 @@ import contextlib
 import logging
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -48,6 +49,9 @@ from raymq.storage.read_cache import ReadCache
 from raymq.storage.record import record_header, record_payload
 from raymq.storage.segment import Segment, Segments
 from raymq.storage.subscriptions import SubscriptionAcks
+
+if TYPE_CHECKING:
+    from raymq.storage.loader import Deferred
 
 log = logging.getLogger("raymq.storage")
 
@@ -71,6 +75,8 @@ class PreparedWrite:
     checkpoint: bytes | None = None
     checkpoint_generation: int = 0
     next_ack_log: AckLog | None = None
+    #: What recovery left to this checkpoint (``Writer.deferred``), done with it.
+    deferred: Deferred | None = None
     deletable: list[Segment] = field(default_factory=list)
     #: First offset given to each input batch, in the order of the batches.
     firsts: list[int] = field(default_factory=list)
@@ -140,6 +146,9 @@ class Writer:
         self.storage_errors = 0
         self.checkpoint_failures = 0
         self.last_error: StorageError | None = None
+        #: What recovery left to the first checkpoint (an address's, when it found
+        #: damage): every commit takes a checkpoint until one is durable.
+        self.deferred: Deferred | None = None
 
     @property
     def writable(self) -> bool:
@@ -200,19 +209,26 @@ class Writer:
                 if prepared.subscription_ranges and prepared.ack_ranges is None:
                     prepared.ack_ranges = np.zeros((0, 2), dtype=np.int64)
             prepared.ack_log = self.ack_log
-            if checkpoint and refused is None:
+            deferred = self.deferred
+            if (checkpoint or deferred is not None) and refused is None:
                 gen = self.ack_generation + 1
+                # Every message published so far was routed (after its commit).
+                sections, routed_to = None, self.next_offset
+                if self.subscriptions is not None:
+                    sections = self.subscriptions.checkpoint_section()
+                elif deferred is not None:  # not attached yet: what recovery found
+                    sections, routed_to = deferred.sections, deferred.routed_to
                 prepared.checkpoint = encode_checkpoint(
                     self.segments,
                     self.next_offset,
                     gen,
                     self._still_undeleted(),
-                    None if self.subscriptions is None else self.subscriptions.checkpoint_section(),
-                    # Every message published so far was routed (after its commit).
-                    self.next_offset,
+                    sections,
+                    routed_to,
                 )
                 prepared.checkpoint_generation = gen
                 prepared.next_ack_log = AckLog(self.directory, gen)
+                prepared.deferred = deferred
         written = {id(item[0]) for item in prepared.items}
         # The newest segment stays, even fully acknowledged: its name and records keep
         # the highest offset given, whatever happens to the ack log and checkpoint.
@@ -355,8 +371,22 @@ class Writer:
                 raise _WriteFailed("fsync of the directory", self.directory, exc) from exc
 
     def _write_checkpoint(self, prepared: PreparedWrite) -> None:
-        """Start the next ack log, then stage and commit the checkpoint naming it."""
+        """Start the next ack log, then stage and commit the checkpoint naming it. What
+        recovery left to it: files with a bad header are renamed first, damaged ends cut
+        once it is durable."""
         next_log, path = prepared.next_ack_log, checkpoint_path(self.directory)
+        deferred = prepared.deferred
+        if deferred is not None:
+            try:
+                unsynced = deferred.move_aside()
+            except OSError as exc:
+                unsynced = exc
+            if unsynced is not None:
+                where = unsynced.filename if isinstance(unsynced.filename, str) else self.directory
+                prepared.checkpoint_error = storage_error(
+                    self.queue, "moving damaged segments aside", where, unsynced
+                )
+                return
         try:
             next_log.create(prepared.ack_high)
             stage_checkpoint(self.directory, prepared.checkpoint)
@@ -381,6 +411,9 @@ class Writer:
         except OSError as exc:
             prepared.checkpoint_error = storage_error(self.queue, "checkpoint", path, exc)
             prepared.checkpoint_unsynced = True
+            return
+        if deferred is not None:
+            deferred.cut()
 
     # -- publish / abort -------------------------------------------------------------
 
@@ -447,6 +480,8 @@ class Writer:
             self.checkpoint_failures += 1
             self._note(prepared.checkpoint_error, what="checkpoint (tried again later)")
             return
+        if prepared.deferred is not None:
+            self.deferred = None  # what recovery left is done
         self.remove_ack_logs_before(prepared.checkpoint_generation)
 
     def _roll_back(self, prepared: PreparedWrite) -> None:
