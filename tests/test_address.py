@@ -107,9 +107,15 @@ def test_every_subscription_is_delivered_references_to_one_shared_copy(tmp_path)
 
     async def main():
         core = open_address(tmp_path, share=share)
-        for name in ("a", "b", "c"):
+        await core.create_subscription("a")
+        await send(core, 10)
+        # Alone, a subscription is delivered each batch once: nothing is shared.
+        alone = await core.fetch_delivery("c", 1000, 0, 1000, subscription="a")
+        assert alone.parts == [] and alone.batch.num_rows == 10 and not made
+        await core.ack("c", alone.offsets, subscription="a")
+        for name in ("b", "c"):
             await core.create_subscription(name)
-        sent = await send(core, 500)
+        sent = await send(core, 500, start=10)
         refs = {}
         for name in ("a", "b", "c"):
             d = await core.fetch_delivery("c", 1000, 0, 1000, subscription=name)
@@ -133,7 +139,8 @@ def test_every_subscription_is_delivered_references_to_one_shared_copy(tmp_path)
 def test_a_delivery_beyond_the_head_cache_is_shared_as_far_as_it_reaches(tmp_path):
     async def main():
         core = open_address(tmp_path, head_cache_bytes=20 * 1024)  # ~60 of the messages
-        await core.create_subscription("a")
+        for name in ("a", "b"):
+            await core.create_subscription(name)
         sent = []
         for k in range(10):  # batches of 20: the cache takes the first few whole
             sent += await send(core, 20, start=20 * k)
@@ -155,7 +162,8 @@ def test_a_share_that_fails_delivers_a_batch_of_its_own(tmp_path):
 
     async def main():
         core = open_address(tmp_path, share=share)
-        await core.create_subscription("a")
+        for name in ("a", "b"):
+            await core.create_subscription(name)
         sent = await send(core, 100)
         d = await core.fetch_delivery("c", 1000, 0, 1000, subscription="a")
         assert d.parts == [] and d.batch.column("offset").to_pylist() == sent

@@ -214,7 +214,9 @@ class QueueCore:
                 dead_letter_address=cfg.dead_letter_address,
             )
             return
-        self._manifest = read_manifest(self.directory, cfg.name)
+        # A durable address's file was read by SegmentLog.open, before recovery changed
+        # anything (a damaged one failed the open there): not read again.
+        self._manifest = self.log.manifest or read_manifest(self.directory, cfg.name)
         acks = self._subscription_acks = SubscriptionAcks(self.log)
         self.log.attach_subscriptions(acks)
         recovered = self.log.recovered_subscriptions or {}
@@ -237,8 +239,9 @@ class QueueCore:
     def _commit_acks_now(self) -> None:
         """Make the acks applied so far durable before the address opens: recovery's
         checkpoint is written already, so a crash before the next commit would leave the
-        messages routed again here past the next recovery's scan. Raises
-        ``StorageError``."""
+        messages routed again here past the next recovery's scan (when recovery found
+        damage, it left that checkpoint to this commit: written after the acks). Raises
+        ``StorageError``: the open fails, and the next one finds the damage again."""
         prepared = self.log.prepare([], int(time.time() * 1e6))
         try:
             self.log.write(prepared)
@@ -570,6 +573,14 @@ class QueueCore:
             )
         except StorageError as exc:  # a cache fill is best effort; reads try again
             log.warning("queue %r: HeadQueueCache refill: %s", self.name, exc)
+
+    @property
+    def shares_deliveries(self) -> bool:
+        """True for a durable address with two subscriptions or more: its deliveries
+        are shared batches' rows. A queue's batches are delivered once each: one made
+        for each delivery costs the queue actor less than a shared one (a Ray task's
+        return is written to the object store off its event loop, a put is not)."""
+        return self.config.durable and self.config.address and len(self.subscriptions) > 1
 
     def shared_delivery(self, start: int, end: int) -> list[SharedPart]:
         """As much of [start, end) from ``start`` on as the HeadQueueCache holds, as

@@ -259,12 +259,12 @@ class Subscription:
 
     def _deliver(self, offsets: np.ndarray, counts: np.ndarray) -> Delivery:
         """The messages of sorted ``offsets`` (taken, with their delivery counts) as a
-        Delivery: a first delivery of a run the HeadQueueCache holds is shared rows (as
-        far as it holds them), anything else is materialized."""
+        Delivery: on an address, a first delivery of a run the HeadQueueCache holds is
+        shared rows (as far as it holds them); anything else is materialized."""
         n = len(offsets)
         first, end = int(offsets[0]), int(offsets[-1]) + 1
         parts: list[SharedPart] = []
-        if self.host.config.durable and end - first == n and int(counts.max()) == 1:
+        if self.host.shares_deliveries and end - first == n and int(counts.max()) == 1:
             try:
                 parts = self.host.shared_delivery(first, end)
             except Exception as exc:  # the object store full, say: a batch of its own
