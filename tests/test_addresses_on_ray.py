@@ -117,3 +117,31 @@ def test_the_readme_address_tour_runs_as_typed(broker, monkeypatch, capsys):
     assert "{'ledger': 3, 'fraud': 0, 'audit': 3}" in capsys.readouterr().out
     assert scope["payments"].subscriptions() == ["ledger", "fraud"]
     assert scope["payments"].stats()["depth"] == 0
+
+
+def test_a_consumer_holding_shared_batches_gets_every_message_across_a_sigkill(broker):
+    # Two subscriptions: deliveries are references to batches the address's actor put
+    # in the object store. Killing that actor loses them (their owner is gone) while the
+    # consumer's TargetList still holds some: the restarted actor delivers them again.
+    address = broker.create_address("shared")
+    a, _b = address.create_subscription("a"), address.create_subscription("b")
+    bodies = [f"m{i}".encode() for i in range(2000)]
+    address.send_batch(bodies[:1000])
+    address.send_batch(bodies[1000:])
+    with a.consumer(prefetch=300) as c:
+        # The consumer takes up to 300 at a time from its TargetList, which loads 300
+        # more meanwhile: references nobody has read yet when the actor dies.
+        first = c.receive(10, timeout=30)
+        c.ack(first)
+        assert address.stats()["head_cache_shared_batches"] >= 1
+        pid = _call(address._actor.pid)
+        os.kill(pid, signal.SIGKILL)
+        got = {m.offset: m.body for m in first}
+        while len(got) < 2000:
+            batch = c.receive(500, timeout=30)
+            assert batch, f"only {len(got)} of 2000 messages came"
+            got.update((m.offset, m.body) for m in batch)
+            c.ack(batch)
+    assert [got[i] for i in range(2000)] == bodies
+    assert _call(broker.get_address("shared")._actor.pid) != pid
+    assert a.stats()["depth"] == 0
