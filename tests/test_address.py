@@ -243,6 +243,38 @@ def test_a_subscription_filter_routes_only_what_it_selects(tmp_path):
     run(main())
 
 
+def test_an_earliest_filter_over_a_backlog_is_routed_while_the_address_serves_sends(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr("raymq.core.queue.ROUTE_STEP_MESSAGES", 100)  # many steps
+
+    async def main():
+        core = open_address(tmp_path)
+        await core.create_subscription("all")
+        red = []
+        for k in range(10):  # 1000 stored: half red
+            red += await send(core, 50, "red", start=100 * k)
+            await send(core, 50, "blue", start=100 * k + 50)
+        creating = asyncio.ensure_future(
+            core.create_subscription("late", filter="color = 'red'", start="earliest")
+        )
+        during = routing = 0
+        while not creating.done():  # sends are served between the steps
+            red += await send(core, 10, "red", start=1000 + 20 * during)
+            await send(core, 10, "blue", start=1010 + 20 * during)
+            during += 1
+            routing += "late" not in [s.name for s in core.list_subscriptions()]
+        spec = await creating
+        assert routing >= 2, "the routing held the actor until it was done"
+        same = await core.create_subscription("late", filter="color = 'red'", start="earliest")
+        assert same == spec and core.list_subscriptions()[-1] == spec
+        red += await send(core, 5, "red", start=5000)
+        assert await drain(core, "late") == red
+        await core.close()
+
+    run(main())
+
+
 def test_earliest_starts_at_the_oldest_stored_message_latest_at_the_next(tmp_path):
     async def main():
         core = open_address(tmp_path)

@@ -30,6 +30,7 @@ from raymq.core.budget import QueueUsage, split_queue_bytes
 from raymq.core.head_cache import HeadQueueCache, SharedPart
 from raymq.core.subscription import Delivery, Subscription
 from raymq.core.supervisor import Supervisor
+from raymq.core.target_area import TargetArea
 from raymq.errors import (
     AddressFull,
     InvalidSetting,
@@ -40,6 +41,7 @@ from raymq.errors import (
 from raymq.properties import check_encoded_properties
 from raymq.selector import Selector
 from raymq.storage import RecoveryReport, SegmentLog
+from raymq.storage.ack_ranges import AckRanges
 from raymq.storage.files import storage_error
 from raymq.storage.subscriptions import (
     MANIFEST_NAME,
@@ -58,6 +60,9 @@ INLINE_WRITE_BYTES = 256 * 1024
 
 #: Appends a batch durably to the named dead-letter queue (creating it if needed).
 DeadLetterSink = Callable[[str, MessageBatch], Awaitable[None]]
+#: Stored messages a new subscription's filter is applied to between two turns of the
+#: event loop (about 30 ms of property reads here).
+ROUTE_STEP_MESSAGES = 16384
 
 
 @dataclass(frozen=True)
@@ -893,21 +898,27 @@ class QueueCore:
         same settings; ``SubscriptionExists`` with others.
         """
         spec = self._new_spec(name, filter, start, max_delivery_attempts, dead_letter_queue)
-        existing = self._manifest.subscriptions.get(name)
+        existing = self._existing_subscription(spec)
         if existing is not None:
-            if replace(existing, id=spec.id, start_offset=spec.start_offset) != spec:
-                raise SubscriptionExists(
-                    f"address {self.name!r} has a subscription {name!r} with other settings:"
-                    f" {existing}"
-                )
             return existing
+        # A filter over what is stored (start="earliest"): routed step by step, the
+        # actor serving everything else in between, in a set of its own that no ack
+        # record or checkpoint holds until the file lists the subscription.
+        initial, routed_to = None, spec.start_offset
+        if spec.filter is not None and spec.start_offset < self.log.next_offset:
+            initial = self._subscription_acks.starting_set(spec.start_offset)
+            routed_to = await self._route_backlog(initial, Selector(spec.filter), routed_to)
+            existing = self._existing_subscription(spec)  # made meanwhile by another call
+            if existing is not None:
+                return existing
+            spec = replace(spec, id=self._manifest.next_id)
         manifest = Manifest({**self._manifest.subscriptions, name: spec}, spec.id + 1)
         # Routed before it exists on disk (a read that fails leaves nothing behind), and
         # with nothing awaited until it is in the file: nothing may publish in between.
-        self._subscription_acks.create(spec.id, spec.start_offset)
+        self._subscription_acks.create(spec.id, spec.start_offset, initial)
         sub = self._subscription_of(spec)
         try:
-            sub.route_again(spec.start_offset)
+            sub.route_again(routed_to)  # what was published during the steps, if any
             self._write_manifest(manifest)
         except BaseException:
             self._subscription_acks.remove(spec.id)
@@ -920,6 +931,36 @@ class QueueCore:
             await self.flush_acks()  # its starting set
         log.info("address %r: subscription %r created (%s)", self.name, name, start)
         return spec
+
+    def _existing_subscription(self, spec: SubscriptionSpec) -> SubscriptionSpec | None:
+        """The subscription named as ``spec`` if it exists with its settings (None if
+        there is none); ``SubscriptionExists`` if it has others."""
+        existing = self._manifest.subscriptions.get(spec.name)
+        if existing is None:
+            return None
+        if replace(existing, id=spec.id, start_offset=spec.start_offset) != spec:
+            raise SubscriptionExists(
+                f"address {self.name!r} has a subscription {spec.name!r} with other settings:"
+                f" {existing}"
+            )
+        return existing
+
+    async def _route_backlog(self, acked: AckRanges, selector: Selector, start: int) -> int:
+        """Add to ``acked`` the stored messages from ``start`` on that ``selector`` does
+        not select, ``ROUTE_STEP_MESSAGES`` at a time with the event loop free between
+        steps; returns the offset it routed up to (the log's end when it returned)."""
+        area = TargetArea(self.log, self.name)  # reads properties for the selector
+        pos = start
+        while True:
+            end = self.log.next_offset
+            got = acked.gaps(pos, end, ROUTE_STEP_MESSAGES)
+            if not len(got):
+                return end
+            pos = int(got[-1]) + 1
+            got = got[~self.log.is_acked(got)]  # gone meanwhile: nothing to route
+            if len(got):
+                acked.add(got[~area.select(selector, got)])
+            await asyncio.sleep(0)
 
     def _new_spec(
         self,

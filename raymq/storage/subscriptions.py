@@ -166,12 +166,23 @@ class SubscriptionAcks:
         if ranges is None:
             self._retry.setdefault(sid, []).append(acked.ranges().reshape(-1, 2))
 
-    def create(self, sid: int, start_offset: int) -> None:
-        """A new subscription, from ``start_offset`` (0: from the oldest message the
-        log still holds). Its starting set is logged with the next commit."""
+    def starting_set(self, start_offset: int) -> AckRanges:
+        """What a subscription created now from ``start_offset`` starts with
+        acknowledged: everything below it, and what the log holds acknowledged or never
+        published."""
         initial = AckRanges.from_ranges(self._log_acked_ranges())
         if start_offset:
             initial.add_ranges(np.array([[0, start_offset]], dtype=np.int64))
+        return initial
+
+    def create(self, sid: int, start_offset: int, initial: AckRanges | None = None) -> None:
+        """A new subscription, from ``start_offset`` (0: from the oldest message the
+        log still holds), or with ``initial`` (a ``starting_set`` routed since, brought
+        up to date here). Its starting set is logged with the next commit."""
+        if initial is None:
+            initial = self.starting_set(start_offset)
+        else:
+            initial.add_ranges(self._log_acked_ranges())
         self.acked[sid] = initial
         # Logged even if empty: recovery tells a subscription whose starting set is on
         # disk from one created just before a crash (see QueueCore._open_subscriptions).
