@@ -29,6 +29,7 @@ from raymq.batch import MessageBatch, warm_arrow_conversions
 from raymq.config import BrokerConfig, QueueConfig
 from raymq.core.budget import QueueUsage
 from raymq.core.queue import QueueCore, QueueStats
+from raymq.core.target_list import FetchAnswer
 from raymq.send_channel import SendChannelServer
 from raymq.storage.subscriptions import SubscriptionSpec
 
@@ -205,19 +206,17 @@ class QueueActor:
         prefetch: int,
         selector: str | None = None,
         subscription: str | None = None,
-    ) -> tuple[tuple[np.ndarray, int, list[tuple[object, int, int]]], pa.RecordBatch | None]:
+    ) -> tuple[FetchAnswer, pa.RecordBatch | None]:
         """``fetch`` for a TargetList actor, called with ``num_returns=2``: a small
-        ((offsets, bytes, shared parts)) object and a batch as a separate object the
-        caller owns and can hand on by reference. The delivery is the shared parts,
-        each (reference, first row, rows) of one object every delivery of those
-        messages shares, then that batch's rows (None when the parts carry it all).
-        ``subscription``: an address's, by name."""
+        ``FetchAnswer`` and a batch as a separate object the caller owns and can hand on
+        by reference. The delivery is the answer's shared parts, then that batch's rows
+        (None when the parts carry it all). ``subscription``: an address's, by name."""
         await self._ensure_started()
         delivery = await self.core.fetch_delivery(
             consumer_id, max_messages, timeout, prefetch, selector, subscription=subscription
         )
         parts = [(p.ref, p.first_row, p.rows) for p in delivery.parts]
-        return (delivery.offsets, delivery.nbytes, parts), delivery.batch
+        return FetchAnswer(delivery.offsets, delivery.nbytes, parts), delivery.batch
 
     async def register_consumer(
         self,

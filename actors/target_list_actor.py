@@ -33,7 +33,13 @@ from raymq.actors.queue_actor import queue_actor_name
 from raymq import metrics
 from raymq.core.budget import ConsumerUsage
 from raymq.core.supervisor import Supervisor
-from raymq.core.target_list import DirectEntry, EagerLoader, FetchFailed, TargetList
+from raymq.core.target_list import (
+    DirectEntry,
+    EagerLoader,
+    FetchAnswer,
+    FetchFailed,
+    TargetList,
+)
 from raymq.errors import BrokerUnavailable, RayMQError
 
 log = logging.getLogger("raymq.consumer")
@@ -189,7 +195,7 @@ class TargetListActor:
             )
         meta_ref, batch_ref = self._in_flight
         try:
-            offsets, nbytes, parts = await asyncio.wait_for(meta_ref, FETCH_ANSWER_SECONDS)
+            answer: FetchAnswer = await asyncio.wait_for(meta_ref, FETCH_ANSWER_SECONDS)
         except asyncio.TimeoutError:
             # Still in flight: the next attempt waits for this same fetch.
             error = BrokerUnavailable(
@@ -197,10 +203,11 @@ class TargetListActor:
             )
             raise FetchFailed(error, restarting=True) from None
         self._in_flight = None
+        parts = answer.parts
         if parts:  # shared rows, then those of the batch made for this delivery
-            rest = len(offsets) - sum(rows for _, _, rows in parts)
+            rest = len(answer.offsets) - sum(rows for _, _, rows in parts)
             parts = [*parts, (batch_ref, 0, rest)] if rest else parts
-        return DirectEntry(batch_ref, offsets, nbytes, parts=parts or None)
+        return DirectEntry(batch_ref, answer.offsets, answer.nbytes, parts=parts or None)
 
     async def _find_queue(self):
         """The queue's actor, looked up by name: started again (by the broker, on the
@@ -296,7 +303,8 @@ class TargetListActor:
         if in_flight is None:
             return np.zeros(0, dtype=np.int64)
         try:
-            offsets, _nbytes = await asyncio.wait_for(in_flight[0], LOADER_POLL_SECONDS + 5.0)
+            answer: FetchAnswer = await asyncio.wait_for(in_flight[0], LOADER_POLL_SECONDS + 5.0)
+            offsets = answer.offsets
         except Exception:  # the queue restarted or is slow: it forgot or counts them
             return np.zeros(0, dtype=np.int64)
         return np.asarray(offsets, dtype=np.int64)

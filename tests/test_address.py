@@ -136,21 +136,40 @@ def test_every_subscription_is_delivered_references_to_one_shared_copy(tmp_path)
     run(main())
 
 
-def test_a_delivery_beyond_the_head_cache_is_shared_as_far_as_it_reaches(tmp_path):
+def test_a_delivery_beyond_the_head_cache_is_shared_as_far_as_it_reaches(tmp_path, monkeypatch):
+    monkeypatch.setattr("raymq.core.queue.SHARED_MIN_ROWS", 1)  # 16 KiB pages: small chunks
+
     async def main():
-        core = open_address(tmp_path, head_cache_bytes=20 * 1024)  # ~60 of the messages
+        core = open_address(tmp_path, head_cache_bytes=80 * 1024)  # ~300 of the messages
         for name in ("a", "b"):
             await core.create_subscription(name)
         sent = []
-        for k in range(10):  # batches of 20: the cache takes the first few whole
-            sent += await send(core, 20, start=20 * k)
+        for k in range(10):  # batches of 100: the cache takes the first few whole
+            sent += await send(core, 100, start=100 * k)
         cached = core.head_cache.messages
-        assert 0 < cached < 200
+        assert 0 < cached < 1000
         d = await core.fetch_delivery("c", 1000, 0, 1000, subscription="a")
-        assert sum(p.rows for p in d.parts) == cached
-        assert d.batch.num_rows == 200 - cached
+        shared = sum(p.rows for p in d.parts)  # the cache reads ahead into what room is left
+        assert cached <= shared == core.head_cache.end < 1000
+        assert d.batch.num_rows == 1000 - shared
         assert d.offsets.tolist() == sent
         assert d.to_batch().column("offset").to_pylist() == sent
+        await core.close()
+
+    run(main())
+
+
+def test_single_sends_are_delivered_in_a_batch_made_for_the_delivery(tmp_path):
+    async def main():
+        core = open_address(tmp_path)
+        for name in ("a", "b"):
+            await core.create_subscription(name)
+        sent = []
+        for k in range(200):  # one message a batch: a put each would cost more
+            sent += await send(core, 1, start=k)
+        d = await core.fetch_delivery("c", 1000, 0, 1000, subscription="a")
+        assert d.parts == [] and d.batch.column("offset").to_pylist() == sent
+        assert core.head_cache.shared_batches == 0
         await core.close()
 
     run(main())

@@ -238,19 +238,23 @@ def test_linked_cache_split_order() -> None:
     assert mid.queue_bytes == 0
 
 
-def test_an_addresss_consumers_share_one_copy_of_what_they_reference() -> None:
+def test_an_addresss_subscriptions_share_one_copy_of_what_they_reference() -> None:
     # Ten subscriptions' consumers, each wanting 12 MB of direct references and 4 MB of
     # PendingCache, on a 32 MB share: references into the same shared batches.
     wants = tuple(c(f"c{i}", 12 * MB, 4 * MB) for i in range(10))
-    shared = split_share(
-        replace(q("a", 1, index=MB, consumers=wants), shared_deliveries=True), 32 * MB
-    )
+    groups = tuple((f"c{i}",) for i in range(10))
+    address = replace(q("a", 1, index=MB, consumers=wants), shared_groups=groups)
+    shared = split_share(address, 32 * MB)
     assert set(shared.direct.values()) == {12 * MB}
     assert set(shared.pending.values()) == {4 * MB}  # room for one eviction each
-    assert shared.queue_bytes == 32 * MB - MB - 16 * MB  # one consumer's worth charged
+    assert shared.queue_bytes == 32 * MB - MB - 16 * MB  # one subscription's worth charged
     # The same consumers of a queue hold their own batches: the head cache gets nothing.
     alone = split_share(q("a", 1, index=MB, consumers=wants), 32 * MB)
     assert sum(alone.direct.values()) == 31 * MB and alone.queue_bytes == 0
+    # Competing consumers of one subscription hold different messages: summed.
+    competing = replace(address, shared_groups=(tuple(f"c{i}" for i in range(10)),))
+    one = split_share(competing, 32 * MB)
+    assert sum(one.direct.values()) == 31 * MB and one.queue_bytes == 0
 
 
 def test_head_cache_shrinks_to_zero_under_consumer_demand_in_plan() -> None:

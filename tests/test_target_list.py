@@ -20,6 +20,7 @@ from raymq.core.target_list import (
     DirectEntry,
     EagerLoader,
     FailureStreak,
+    FetchAnswer,
     FetchFailed,
     TargetList,
 )
@@ -371,3 +372,21 @@ def test_a_loader_bug_is_restarted_by_its_supervisor_and_reaches_take_if_it_pers
 
     restarts, got = asyncio.run(main())
     assert restarts >= PERSISTENT_FAILURES - 1 and offsets_of(got) == [0, 1, 2, 3, 4]
+
+
+def test_closing_gives_back_the_fetch_under_way_as_not_received():
+    # The loader's fetch was answered but not yet taken in when the consumer closed:
+    # its offsets are held by this consumer in the queue, and go back unseen.
+    from raymq.actors.target_list_actor import TargetListActor
+
+    actor = TargetListActor.__ray_metadata__.modified_class.__new__(
+        TargetListActor.__ray_metadata__.modified_class
+    )
+
+    async def main():
+        answered = asyncio.get_running_loop().create_future()
+        answered.set_result(FetchAnswer(np.array([7, 8, 9]), 300, [("shared", 0, 3)]))
+        actor._in_flight = (answered, None)
+        return await actor._unreceived_fetch()
+
+    assert asyncio.run(main()).tolist() == [7, 8, 9]

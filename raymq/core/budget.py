@@ -104,9 +104,11 @@ class QueueUsage:
     ``consumers`` may be given as any iterable; it is stored as a tuple.
     ``transient_bytes`` is the most a non-durable queue held of its own messages over
     the last period: they are the queue's store, not a cache, and are budgeted before
-    the caches (what does not fit flows to disk). ``shared_deliveries``: its consumers
-    hold references to the same shared batches (an address's subscriptions keeping
-    pace), so their direct references and PendingCaches are one copy, not one each.
+    the caches (what does not fit flows to disk). ``shared_groups``: when deliveries
+    are shared (an address's subscriptions), its consumers by subscription. Consumers
+    of one subscription hold different messages; each subscription's hold references
+    into the same shared batches as the others', so the groups are one copy, not one
+    each.
     """
 
     name: str
@@ -119,7 +121,7 @@ class QueueUsage:
     consumers: tuple[ConsumerUsage, ...] = ()
     transient_bytes: int = 0
     delivering: bool = False
-    shared_deliveries: bool = False
+    shared_groups: tuple[tuple[str, ...], ...] = ()
 
     def __post_init__(self) -> None:
         _check_bytes("size_bytes", self.size_bytes)
@@ -130,6 +132,7 @@ class QueueUsage:
             raise InvalidSetting(f"max_size_bytes={self.max_size_bytes!r} must be an int")
         # Frozen: normalise a list to a tuple so the usage stays immutable and hashable.
         object.__setattr__(self, "consumers", tuple(self.consumers))
+        object.__setattr__(self, "shared_groups", tuple(tuple(g) for g in self.shared_groups))
         ids = [c.consumer_id for c in self.consumers]
         if len(set(ids)) != len(ids):
             raise ValueError(f"queue {self.name!r} lists a consumer id twice: {ids!r}")
@@ -147,7 +150,7 @@ class QueueUsage:
             "active": self.active,
             "delivering": self.delivering,
             "max_size_bytes": self.max_size_bytes,
-            "shared_deliveries": self.shared_deliveries,
+            "shared_deliveries": bool(self.shared_groups),
         }
 
 
@@ -326,6 +329,23 @@ def working_set(usage: QueueUsage) -> int:
     return int(need * WORKING_SET_SLACK)
 
 
+def _split_consumers(
+    consumers: list[ConsumerUsage], left: int
+) -> tuple[dict[str, int], dict[str, int]]:
+    """Direct references, then PendingCaches, of ``consumers`` out of ``left`` bytes
+    (see ``split_share``)."""
+    direct = _proportional(left, {c.consumer_id: c.want_direct_bytes for c in consumers})
+    left -= sum(direct.values())
+    pending = _proportional(
+        left,
+        {
+            c.consumer_id: min(c.want_pending_bytes, c.pending_bytes + direct[c.consumer_id])
+            for c in consumers
+        },
+    )
+    return direct, pending
+
+
 def split_share(usage: QueueUsage, share: int) -> QueueBudget:
     """Split one queue's ``share`` (bytes) into its linked caches, in priority order.
 
@@ -340,39 +360,27 @@ def split_share(usage: QueueUsage, share: int) -> QueueBudget:
     direct references, at most ``want_pending_bytes``; its cap alone would take memory
     the queue needs for its own messages.
 
-    With ``shared_deliveries`` (an address) every consumer's references point into the
-    same shared batches: each consumer may have what it wants (up to what is left), and
-    the most any one of them takes is charged once.
+    With ``shared_groups`` (an address) each group (a subscription's consumers) is
+    split as if it were alone, and the largest group's total is charged once: the
+    groups' references point into the same shared batches.
     """
     index = min(usage.index_bytes, share)
     left = share - index
     transient = min(left, int(usage.transient_bytes * WORKING_SET_SLACK))
     left -= transient
-    if usage.shared_deliveries:
-        direct, pending = {}, {}
-        for c in usage.consumers:
-            direct[c.consumer_id] = d = min(c.want_direct_bytes, left)
-            pending[c.consumer_id] = min(c.want_pending_bytes, c.pending_bytes + d, left - d)
-        left -= max((direct[k] + pending[k] for k in direct), default=0)
-        return QueueBudget(
-            name=usage.name,
-            node_id=usage.node_id,
-            share=share,
-            index_bytes=index,
-            direct=direct,
-            pending=pending,
-            queue_bytes=transient + left,
-        )
-    direct = _proportional(left, {c.consumer_id: c.want_direct_bytes for c in usage.consumers})
-    left -= sum(direct.values())
-    pending = _proportional(
-        left,
-        {
-            c.consumer_id: min(c.want_pending_bytes, c.pending_bytes + direct[c.consumer_id])
-            for c in usage.consumers
-        },
-    )
-    left -= sum(pending.values())
+    by_id = {c.consumer_id: c for c in usage.consumers}
+    groups = [[by_id[i] for i in g if i in by_id] for g in usage.shared_groups]
+    grouped = {c.consumer_id for g in groups for c in g}
+    groups.append([c for c in usage.consumers if c.consumer_id not in grouped])
+    direct: dict[str, int] = {}
+    pending: dict[str, int] = {}
+    charged = 0
+    for group in groups:
+        d, p = _split_consumers(group, left)
+        direct.update(d)
+        pending.update(p)
+        charged = max(charged, sum(d.values()) + sum(p.values()))
+    left -= charged
     return QueueBudget(
         name=usage.name,
         node_id=usage.node_id,

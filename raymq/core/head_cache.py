@@ -28,6 +28,9 @@ import pyarrow as pa
 
 from raymq.batch import MessageBatch
 
+#: Most messages one refill read asks the log for.
+REFILL_STEP_MESSAGES = 4096
+
 
 class CachedBatch:
     """One cached batch and, once delivered, its shared Arrow form."""
@@ -175,12 +178,14 @@ class HeadQueueCache:
         head: int,
         log_end: int,
         until: int | None = None,
+        message_bytes: float = 1024.0,
     ) -> None:
         """Extend the cache with ``read(start, end)`` batches from the log while it has room.
 
         ``head`` is where the cache should start when empty; ``log_end`` the log's end;
         ``until``: stop once offsets below it are cached (a delivery's need), not at
-        the budget.
+        the budget. Each read asks for about as many messages as there is room for
+        (``message_bytes`` each), so what does not fit is hardly read.
         """
         if not len(self):
             self.behind = head < log_end
@@ -188,8 +193,10 @@ class HeadQueueCache:
         else:
             pos = self.end
         stop = log_end if until is None else min(until, log_end)
-        while self.behind and pos < stop and self.bytes < self.max_bytes:
-            chunk_end = min(log_end, pos + 4096)
+        per_message = max(self.bytes / self.messages if self.messages else message_bytes, 1.0)
+        while self.behind and pos < stop and self.max_bytes - self.bytes >= per_message:
+            room = int((self.max_bytes - self.bytes) / per_message)
+            chunk_end = min(log_end, pos + max(1, min(REFILL_STEP_MESSAGES, room)))
             for b in read(pos, chunk_end):
                 if self.bytes + b.nbytes > self.max_bytes:
                     return
@@ -218,13 +225,19 @@ class HeadQueueCache:
             out.append(b.slice(lo - b.first_offset, hi - b.first_offset))
         return out
 
-    def shared(self, start: int, end: int) -> list[SharedPart] | None:
+    def shared(self, start: int, end: int, min_rows: int = 1) -> list[SharedPart] | None:
         """[start, end) as parts of shared Arrow objects (each batch converted and
-        shared once, on its first delivery), or None if not all cached."""
+        shared once, on its first delivery), or None if not all cached, or if the
+        parts would be fewer than ``min_rows`` rows each on average (many small
+        batches: one batch made for the delivery costs less)."""
         if not self.covers(start, end):
             return None
+        first = self._index(start)
+        parts = self._index(end - 1) - first + 1
+        if parts > 1 and (end - start) < min_rows * parts:
+            return None
         out = []
-        for k in range(self._index(start), len(self._chunks)):
+        for k in range(first, len(self._chunks)):
             chunk = self._chunks[k]
             b = chunk.batch
             if b.first_offset >= end:

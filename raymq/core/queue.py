@@ -60,6 +60,10 @@ INLINE_WRITE_BYTES = 256 * 1024
 
 #: Appends a batch durably to the named dead-letter queue (creating it if needed).
 DeadLetterSink = Callable[[str, MessageBatch], Awaitable[None]]
+#: Fewest rows per shared batch, on average, for a delivery to be shared: single sends
+#: make batches of one message, and a put and a reference each would cost more than one
+#: batch made for the delivery.
+SHARED_MIN_ROWS = 64
 #: Stored messages a new subscription's filter is applied to between two turns of the
 #: event loop (about 30 ms of property reads here).
 ROUTE_STEP_MESSAGES = 16384
@@ -497,8 +501,12 @@ class QueueCore:
                 m = self._message_bytes
                 self._message_bytes = size if not m else 0.9 * m + 0.1 * size
                 cache, start = self.head_cache, None
-                if cache.bytes + chunk.nbytes > cache.max_bytes or not len(cache):
-                    # Room, if the leading ones moved on.
+                # The window is worked out only where it decides: a full cache may
+                # make room (the leading ones moved on), an empty one that fell
+                # behind may start again here. Never for what cannot be added.
+                fits = chunk.nbytes <= cache.max_bytes and not (len(cache) and cache.behind)
+                full = cache.bytes + chunk.nbytes > cache.max_bytes
+                if fits and (full or (cache.behind and not len(cache))):
                     start = self._trim_head_cache(chunk.end_offset)
                 cache.append(chunk, start)
             if not subscriptions:  # an address with none: routed nowhere (as Artemis)
@@ -555,7 +563,8 @@ class QueueCore:
         ``HeadQueueCache.window_start``; ``newest``: one past a batch to add), but not
         from ``keep`` on (a delivery under way); returns where it now starts."""
         end = self.log.next_offset
-        heads = [h for sub in self.all_subscriptions() if (h := sub.undelivered()) < end]
+        # A subscription that delivered everything leads (its head is the log's end).
+        heads = [sub.undelivered() for sub in self.all_subscriptions()]
         cache = self.head_cache
         per_message = cache.bytes / cache.messages if cache.messages else self._message_bytes
         start = cache.window_start(heads, per_message or 1024.0, newest)
@@ -574,7 +583,11 @@ class QueueCore:
         # held twice, and bytes_in_memory + head_cache_bytes is a true sum).
         try:
             self.head_cache.refill(
-                lambda a, b: self.log.read(a, b, cache=False), start, self.log.next_offset, until
+                lambda a, b: self.log.read(a, b, cache=False),
+                start,
+                self.log.next_offset,
+                until,
+                self._message_bytes or 1024.0,
             )
         except StorageError as exc:  # a cache fill is best effort; reads try again
             log.warning("queue %r: HeadQueueCache refill: %s", self.name, exc)
@@ -599,7 +612,7 @@ class QueueCore:
             self._cache_housekeeping(until=end, keep=start)
         if not len(cache) or not cache.start <= start < cache.end:
             return []
-        return cache.shared(start, min(end, cache.end)) or []
+        return cache.shared(start, min(end, cache.end), SHARED_MIN_ROWS) or []
 
     # -- memory budget ---------------------------------------------------------------
 
@@ -653,7 +666,9 @@ class QueueCore:
             delivering=delivering,
             max_size_bytes=self.config.max_size_bytes,
             transient_bytes=transient,
-            shared_deliveries=self.config.address,
+            shared_groups=tuple(
+                tuple(sub.area.consumers) for sub in subscriptions if self.shares_deliveries
+            ),
         )
 
     def _index_bytes(self) -> int:

@@ -25,6 +25,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -45,6 +46,17 @@ RESTART_PATIENCE_SECONDS = 60.0
 #: First and longest wait before the loader fetches again after a failure (seconds).
 RETRY_BACKOFF_SECONDS = 0.25
 RETRY_BACKOFF_MAX_SECONDS = 2.0
+
+
+class FetchAnswer(NamedTuple):
+    """What a queue actor answers a TargetList's fetch with, beside the batch it made
+    (a separate object): the offsets of every row, their bytes, and the shared parts
+    that come first, each (reference, first row, rows) of an object every delivery of
+    those messages shares (see ``DirectEntry``)."""
+
+    offsets: np.ndarray
+    nbytes: int
+    parts: list[tuple[object, int, int]]
 
 
 @dataclass
