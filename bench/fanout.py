@@ -62,13 +62,13 @@ def send_all(target, messages: int) -> int:
     return per * 4 * BATCH
 
 
-def consumers_of(handles: list) -> list:
+def consumers_of(handles: list, prefetch: int = 10 * BATCH) -> list:
     """A consumer of each handle, made before a clock starts (a TargetList actor's
     process takes about a second to start: not what is measured)."""
     out = []
     for h in handles:
         spares.wait_warm(timeout=30)
-        out.append(h.consumer(prefetch=10 * BATCH))
+        out.append(h.consumer(prefetch=prefetch))
     return out
 
 
@@ -163,7 +163,7 @@ def ratio_row(figure: str, base: float, value: float, target: str, digits: int =
     return [figure, f"{base:,.{digits}f}", f"{value:,.{digits}f}", ratio, target]
 
 
-def steady(broker, seconds: float, stopped: bool, tag: str) -> dict:
+def steady(broker, seconds: float, stopped: bool, tag: str, prefetch: int) -> dict:
     """Part 2: a producer at a steady pace, 10 subscriptions, one stopped if
     ``stopped``; returns the 9 others' rate and HeadQueueCache hit ratio."""
     # Artemis's case pages: beyond max_size_bytes messages are on disk only, and the
@@ -173,7 +173,7 @@ def steady(broker, seconds: float, stopped: bool, tag: str) -> dict:
     )
     subs = [address.create_subscription(f"s{k}") for k in range(SUBSCRIPTIONS)]
     running = subs[1:] if stopped else subs
-    consumers = dict(zip([s.name for s in running], consumers_of(running), strict=True))
+    consumers = dict(zip([s.name for s in running], consumers_of(running, prefetch), strict=True))
     stop = threading.Event()
     counts = {s.name: 0 for s in running}
     sent = [0]
@@ -274,6 +274,13 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=15.0, help="part 2 run length")
     parser.add_argument("--earliest", type=int, default=5_000_000, help="part 3 messages")
     parser.add_argument("--parts", default="123", help="which parts to run")
+    parser.add_argument(
+        "--steady-prefetch",
+        type=int,
+        default=10 * BATCH,
+        help="part 2 consumers' prefetch (their references are charged to the address's"
+        " budget before its HeadQueueCache)",
+    )
     args = parser.parse_args()
     broker = start_broker(namespace="raymq-bench-fanout", head_cache_bytes=32 * 2**20)
     try:
@@ -287,8 +294,8 @@ def main() -> None:
             )
         if "2" in args.parts:
             console.print(f"part 2: {args.seconds:.0f} s with all 10, then with one stopped ...")
-            base = steady(broker, args.seconds, False, "a")
-            slow = steady(broker, args.seconds, True, "b")
+            base = steady(broker, args.seconds, False, "a", args.steady_prefetch)
+            slow = steady(broker, args.seconds, True, "b", args.steady_prefetch)
             depth, drain_rate = slow["drained"]
             print_table(
                 "one stopped subscription (same run)",
