@@ -247,14 +247,25 @@ def test_an_addresss_subscriptions_share_one_copy_of_what_they_reference() -> No
     shared = split_share(address, 32 * MB)
     assert set(shared.direct.values()) == {12 * MB}
     assert set(shared.pending.values()) == {4 * MB}  # room for one eviction each
-    assert shared.queue_bytes == 32 * MB - MB - 16 * MB  # one subscription's worth charged
+    # Holding nothing yet (they keep up), they are charged nothing: the cache has it all.
+    assert shared.queue_bytes == 32 * MB - MB
+    # Charged what the most loaded subscription holds, twice, at most its budgets.
+    holding = tuple(ConsumerUsage(f"c{i}", i * MB // 2, 0, 12 * MB, 4 * MB) for i in range(10))
+    loaded = split_share(replace(address, consumers=holding), 32 * MB)
+    assert loaded.queue_bytes == 32 * MB - MB - 9 * MB  # c9 holds 4.5 MB
+    full = tuple(ConsumerUsage(f"c{i}", 12 * MB, 4 * MB, 12 * MB, 4 * MB) for i in range(10))
+    assert split_share(replace(address, consumers=full), 32 * MB).queue_bytes == 15 * MB
     # The same consumers of a queue hold their own batches: the head cache gets nothing.
     alone = split_share(q("a", 1, index=MB, consumers=wants), 32 * MB)
     assert sum(alone.direct.values()) == 31 * MB and alone.queue_bytes == 0
     # Competing consumers of one subscription hold different messages: summed.
-    competing = replace(address, shared_groups=(tuple(f"c{i}" for i in range(10)),))
-    one = split_share(competing, 32 * MB)
-    assert sum(one.direct.values()) == 31 * MB and one.queue_bytes == 0
+    busy = tuple(ConsumerUsage(f"c{i}", 2 * MB, 0, 12 * MB, 4 * MB) for i in range(10))
+    apart = split_share(replace(address, consumers=busy), 32 * MB)
+    assert apart.queue_bytes == 32 * MB - MB - 4 * MB
+    competing = replace(
+        address, consumers=busy, shared_groups=(tuple(u.consumer_id for u in busy),)
+    )
+    assert split_share(competing, 32 * MB).queue_bytes == 0  # 40 MB held x2: all of it
 
 
 def test_head_cache_shrinks_to_zero_under_consumer_demand_in_plan() -> None:

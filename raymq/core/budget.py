@@ -361,8 +361,9 @@ def split_share(usage: QueueUsage, share: int) -> QueueBudget:
     the queue needs for its own messages.
 
     With ``shared_groups`` (an address) each group (a subscription's consumers) is
-    split as if it were alone, and the largest group's total is charged once: the
-    groups' references point into the same shared batches.
+    split as if it were alone, and only the largest group's charge is taken from the
+    share: the groups' references point into the same shared batches. A group is
+    charged what its consumers hold (twice), at most its budgets.
     """
     index = min(usage.index_bytes, share)
     left = share - index
@@ -375,11 +376,19 @@ def split_share(usage: QueueUsage, share: int) -> QueueBudget:
     direct: dict[str, int] = {}
     pending: dict[str, int] = {}
     charged = 0
-    for group in groups:
+    for k, group in enumerate(groups):
         d, p = _split_consumers(group, left)
         direct.update(d)
         pending.update(p)
-        charged = max(charged, sum(d.values()) + sum(p.values()))
+        budgeted = sum(d.values()) + sum(p.values())
+        if k < len(usage.shared_groups):
+            # References into shared batches cost memory of their own only once the
+            # HeadQueueCache let go of those batches: a group is charged what it holds
+            # (with slack), not what it may hold, so that when its consumers keep up
+            # the cache keeps the memory. The next round sees what they took since.
+            held = sum(c.direct_bytes + c.pending_bytes for c in group)
+            budgeted = min(budgeted, int(held * WORKING_SET_SLACK))
+        charged = max(charged, budgeted)
     left -= charged
     return QueueBudget(
         name=usage.name,
