@@ -73,10 +73,16 @@ def test_refill_until_stops_at_the_need_not_the_budget():
     assert (cache.end, cache.behind) == (10_000, False)
 
 
-def test_a_refill_stops_at_a_gap_so_the_range_stays_contiguous():
+def test_a_refill_steps_over_a_gap_only_if_nobody_will_ask_for_it():
+    read = log_of(batch(0, 10), batch(20, 10))  # 10..20: a deleted segment, say
     cache = HeadQueueCache(max_bytes=10**6)
-    cache.refill(log_of(batch(0, 10), batch(20, 10)), 0, 30)  # 10..20 acked or damaged
-    assert (cache.start, cache.end) == (0, 10)
+    cache.refill(read, 0, 30, gap_ok=lambda a, b: False)
+    assert (cache.start, cache.end, cache.behind) == (0, 10, True)
+    cache.refill(read, 0, 30, gap_ok=lambda a, b: (a, b) == (10, 20))
+    assert (cache.start, cache.end, cache.behind, cache.messages) == (0, 30, False, 20)
+    assert [b.first_offset for b in cache.get(5, 25)] == [5, 20]
+    assert cache.shared(5, 25) is None  # not one run of rows: made for the delivery
+    assert [(p.first_row, p.rows) for p in cache.shared(20, 25)] == [(0, 5)]
 
 
 def test_shared_parts_are_made_once_per_batch_and_cover_exactly_the_range():

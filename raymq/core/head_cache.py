@@ -46,14 +46,17 @@ class CachedBatch:
 class SharedPart:
     """Rows ``first_row:first_row + rows`` of a cached batch's shared Arrow object."""
 
-    __slots__ = ("ref", "arrow", "first_row", "rows", "nbytes")
+    __slots__ = ("ref", "arrow", "first_row", "rows", "nbytes", "end")
 
-    def __init__(self, ref: object, arrow: pa.RecordBatch, first_row: int, rows: int, nbytes: int):
+    def __init__(
+        self, ref: object, arrow: pa.RecordBatch, first_row: int, rows: int, nbytes: int, end: int
+    ):
         self.ref = ref
         self.arrow = arrow
         self.first_row = first_row
         self.rows = rows
         self.nbytes = nbytes  # approximate: the whole batch's, pro rata
+        self.end = end  # one past the last offset of its rows
 
 
 def _identity(batch: pa.RecordBatch) -> object:
@@ -179,13 +182,17 @@ class HeadQueueCache:
         log_end: int,
         until: int | None = None,
         message_bytes: float = 1024.0,
+        gap_ok: Callable[[int, int], bool] | None = None,
     ) -> None:
         """Extend the cache with ``read(start, end)`` batches from the log while it has room.
 
         ``head`` is where the cache should start when empty; ``log_end`` the log's end;
         ``until``: stop once offsets below it are cached (a delivery's need), not at
         the budget. Each read asks for about as many messages as there is room for
-        (``message_bytes`` each), so what does not fit is hardly read.
+        (``message_bytes`` each), so what does not fit is hardly read. A gap in what
+        the log returns (a deleted segment, a damaged record) is stepped over when
+        ``gap_ok(start, end)`` says nobody will ask for those offsets; else the
+        refill stops there.
         """
         if not len(self):
             self.behind = head < log_end
@@ -200,8 +207,9 @@ class HeadQueueCache:
             for b in read(pos, chunk_end):
                 if self.bytes + b.nbytes > self.max_bytes:
                     return
-                if len(self) and b.first_offset != self.end:
-                    return  # a gap (acked or damaged records): the range must stay contiguous
+                gap = bool(len(self)) and b.first_offset != self.end
+                if gap and (gap_ok is None or not gap_ok(self.end, b.first_offset)):
+                    return  # a gap someone may still ask for: the cache ends here
                 self._push(b)
             pos = chunk_end
         if pos >= log_end:
@@ -222,14 +230,16 @@ class HeadQueueCache:
             if b.first_offset >= end:
                 break
             lo, hi = max(start, b.first_offset), min(end, b.end_offset)
-            out.append(b.slice(lo - b.first_offset, hi - b.first_offset))
+            if hi > lo:  # (``start`` may lie in a gap stepped over)
+                out.append(b.slice(lo - b.first_offset, hi - b.first_offset))
         return out
 
     def shared(self, start: int, end: int, min_rows: int = 1) -> list[SharedPart] | None:
         """[start, end) as parts of shared Arrow objects (each batch converted and
-        shared once, on its first delivery), or None if not all cached, or if the
-        parts would be fewer than ``min_rows`` rows each on average (many small
-        batches: one batch made for the delivery costs less)."""
+        shared once, on its first delivery), or None if not all cached (a gap stepped
+        over inside included), or if the parts would be fewer than ``min_rows`` rows
+        each on average (many small batches: one batch made for the delivery costs
+        less)."""
         if not self.covers(start, end):
             return None
         first = self._index(start)
@@ -242,11 +252,15 @@ class HeadQueueCache:
             b = chunk.batch
             if b.first_offset >= end:
                 break
+            if b.end_offset <= start:
+                continue
+            if max(start, b.first_offset) != (out[-1].end if out else start):
+                return None  # a gap stepped over lies inside: not one run of rows
             if chunk.ref is None:
                 chunk.arrow = b.to_arrow()
                 chunk.ref = self.share(chunk.arrow)
                 self.shared_batches += 1
             lo, hi = max(start, b.first_offset), min(end, b.end_offset)
             nbytes = b.nbytes * (hi - lo) // len(b)
-            out.append(SharedPart(chunk.ref, chunk.arrow, lo - b.first_offset, hi - lo, nbytes))
+            out.append(SharedPart(chunk.ref, chunk.arrow, lo - b.first_offset, hi - lo, nbytes, hi))
         return out

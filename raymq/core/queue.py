@@ -588,6 +588,7 @@ class QueueCore:
                 self.log.next_offset,
                 until,
                 self._message_bytes or 1024.0,
+                self._acked_everywhere,
             )
         except StorageError as exc:  # a cache fill is best effort; reads try again
             log.warning("queue %r: HeadQueueCache refill: %s", self.name, exc)
@@ -599,6 +600,11 @@ class QueueCore:
         for each delivery costs the queue actor less than a shared one (a Ray task's
         return is written to the object store off its event loop, a put is not)."""
         return self.config.durable and self.config.address and len(self.subscriptions) > 1
+
+    def _acked_everywhere(self, start: int, end: int) -> bool:
+        """True if every offset of [start, end) is acknowledged in the log (by every
+        subscription, or lost): no delivery will ask for them."""
+        return bool(self.log.is_acked(np.arange(start, end, dtype=np.int64)).all())
 
     def shared_delivery(self, start: int, end: int) -> list[SharedPart]:
         """As much of [start, end) from ``start`` on as the HeadQueueCache holds, as
