@@ -82,6 +82,7 @@ class HeadQueueCache:
         #: True when batches after ``end`` exist in the log but are not cached.
         self.behind = False
         self.shared_batches = 0  # batches converted and shared (one copy each)
+        self._offered_bytes = 0.0  # running average size of a message offered (bytes)
 
     # -- range ---------------------------------------------------------------------------
 
@@ -111,6 +112,9 @@ class HeadQueueCache:
         (where the window starts now, when the caller knows) is this batch's offset:
         else what lies between is the refill's to read first.
         """
+        if len(batch):
+            size, m = batch.nbytes / len(batch), self._offered_bytes
+            self._offered_bytes = size if not m else 0.9 * m + 0.1 * size
         if len(self):
             continues = batch.first_offset == self.end
         else:
@@ -146,8 +150,16 @@ class HeadQueueCache:
         if not len(self):
             self._chunks, self._firsts, self._lo = [], [], 0
 
+    @property
+    def message_bytes(self) -> float:
+        """Size of a message (bytes): the cached ones' average, else that of the
+        messages offered lately (1 KiB before any)."""
+        if self.messages:
+            return self.bytes / self.messages
+        return self._offered_bytes or 1024.0
+
     def window_start(
-        self, heads: Iterable[int], message_bytes: float, newest: int | None = None
+        self, heads: Iterable[int], message_bytes: float | None = None, newest: int | None = None
     ) -> int | None:
         """Where the window should start: the lowest head within the cache's size
         (``max_bytes`` over ``message_bytes`` per message) of the most advanced one,
@@ -156,7 +168,7 @@ class HeadQueueCache:
         heads = sorted(heads)
         if not heads:
             return None
-        reach = self.max_bytes / max(message_bytes, 1.0)
+        reach = self.max_bytes / max(message_bytes or self.message_bytes, 1.0)
         lead = heads[-1]
         if newest is not None and newest - lead <= reach:
             lead = newest
@@ -181,7 +193,6 @@ class HeadQueueCache:
         head: int,
         log_end: int,
         until: int | None = None,
-        message_bytes: float = 1024.0,
         gap_ok: Callable[[int, int], bool] | None = None,
     ) -> None:
         """Extend the cache with ``read(start, end)`` batches from the log while it has room.
@@ -200,7 +211,7 @@ class HeadQueueCache:
         else:
             pos = self.end
         stop = log_end if until is None else min(until, log_end)
-        per_message = max(self.bytes / self.messages if self.messages else message_bytes, 1.0)
+        per_message = max(self.message_bytes, 1.0)
         while self.behind and pos < stop and self.max_bytes - self.bytes >= per_message:
             room = int((self.max_bytes - self.bytes) / per_message)
             chunk_end = min(log_end, pos + max(1, min(REFILL_STEP_MESSAGES, room)))

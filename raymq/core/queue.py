@@ -175,7 +175,6 @@ class QueueCore:
         self.dead_letter_sink = dead_letter_sink
         #: One for the queue or the whole address (see ``_cache_housekeeping``).
         self.head_cache = HeadQueueCache(0, share)
-        self._message_bytes = 0.0  # running average of a published message (bytes)
         #: An address's subscriptions by name (a queue has only ``_own``).
         self.subscriptions: dict[str, Subscription] = {}
         self._own: Subscription | None = None
@@ -497,9 +496,6 @@ class QueueCore:
             for sub in subscriptions:
                 sub.arrived(chunk, groups)
             if self.config.durable and len(chunk):
-                size = chunk.nbytes / len(chunk)
-                m = self._message_bytes
-                self._message_bytes = size if not m else 0.9 * m + 0.1 * size
                 cache, start = self.head_cache, None
                 # The window is worked out only where it decides: a full cache may
                 # make room (the leading ones moved on), an empty one that fell
@@ -566,8 +562,7 @@ class QueueCore:
         # A subscription that delivered everything leads (its head is the log's end).
         heads = [sub.undelivered() for sub in self.all_subscriptions()]
         cache = self.head_cache
-        per_message = cache.bytes / cache.messages if cache.messages else self._message_bytes
-        start = cache.window_start(heads, per_message or 1024.0, newest)
+        start = cache.window_start(heads, newest=newest)
         start = end if start is None else start
         if keep is not None:
             start = min(start, keep)
@@ -587,7 +582,6 @@ class QueueCore:
                 start,
                 self.log.next_offset,
                 until,
-                self._message_bytes or 1024.0,
                 self._acked_everywhere,
             )
         except StorageError as exc:  # a cache fill is best effort; reads try again
