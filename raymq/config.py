@@ -75,6 +75,10 @@ def check_int(setting: str, value: object, *, minimum: int, allow_minus_one: boo
     return value
 
 
+#: Most copies of a replicated queue.
+MAX_REPLICAS = 5
+
+
 @dataclass(frozen=True)
 class QueueConfig:
     """Settings of one queue; equal settings make ``create_queue`` idempotent."""
@@ -97,6 +101,12 @@ class QueueConfig:
     #: An address (Artemis's multicast address): messages stored once, delivered to
     #: each of its subscriptions; False: a queue.
     address: bool = False
+    #: Copies of the queue's files, each on its own node (1: not replicated; 2 or 3:
+    #: a leader and followers, see ``raymq.core.replication``).
+    replicas: int = 1
+    #: Replicas that must have a send durably before it is answered (Kafka's
+    #: min.insync.replicas); None: all of them for 2 replicas, 2 of 3.
+    min_insync_replicas: int | None = None
 
     def __post_init__(self) -> None:
         validate_queue_name(self.name)
@@ -126,6 +136,47 @@ class QueueConfig:
                 ) from None
         if self.dead_letter_address == self.name:
             raise InvalidSetting(f"queue {self.name!r} cannot be its own dead_letter_queue")
+        self._check_replicas()
+
+    def _check_replicas(self) -> None:
+        check_int("replicas", self.replicas, minimum=1)
+        if self.replicas > MAX_REPLICAS:
+            raise InvalidSetting(
+                f"replicas={self.replicas} for queue {self.name!r} is above {MAX_REPLICAS}"
+            )
+        if self.min_insync_replicas is not None:
+            check_int("min_insync_replicas", self.min_insync_replicas, minimum=1)
+        if self.replicas == 1:
+            if self.min_insync_replicas not in (None, 1):
+                raise InvalidSetting(
+                    f"min_insync_replicas={self.min_insync_replicas} for queue {self.name!r}"
+                    " needs replicas >= it"
+                )
+            return
+        if not self.durable or self.address:
+            kind = "an address" if self.address else "a non-durable queue"
+            raise InvalidSetting(
+                f"replicas={self.replicas} for {kind} {self.name!r}: only durable queues"
+                " are replicated"
+            )
+        # A leader acknowledging alone could not know it still leads (a paused leader
+        # is fenced by followers refusing its epoch): at least one follower must agree.
+        if self.min_insync_replicas is not None and not (
+            2 <= self.min_insync_replicas <= self.replicas
+        ):
+            raise InvalidSetting(
+                f"min_insync_replicas={self.min_insync_replicas} for queue {self.name!r}"
+                f" with replicas={self.replicas} must be between 2 and {self.replicas}: a"
+                " leader alone cannot tell that it was replaced"
+            )
+
+    @property
+    def insync_quorum(self) -> int:
+        """Replicas (the leader included) that must have a commit before it is
+        answered: ``min_insync_replicas``, by default all of 2, or 2 of 3."""
+        if self.min_insync_replicas is not None:
+            return self.min_insync_replicas
+        return min(self.replicas, 2)
 
     @property
     def dead_letter_address(self) -> str:

@@ -70,3 +70,13 @@ class SubscriptionNotFound(QueueNotFound):
 
 class SubscriptionExists(QueueExists):
     """A subscription of that name exists already on the address with different settings."""
+
+
+class NotEnoughReplicas(RayMQError):
+    """A replicated queue has fewer in-sync replicas than its ``min_insync_replicas``:
+    the send is refused (nothing of it is served) rather than stored unreplicated."""
+
+
+class NotLeader(BrokerUnavailable):
+    """This replica of a replicated queue no longer leads it (a newer epoch does): it
+    acknowledges nothing more; the client finds the new leader and tries again."""

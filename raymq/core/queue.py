@@ -19,7 +19,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 import pyarrow as pa
@@ -28,12 +28,15 @@ from raymq.batch import MessageBatch, check_sizes
 from raymq.config import BrokerConfig, QueueConfig, check_int, validate_queue_name
 from raymq.core.budget import QueueUsage, split_queue_bytes
 from raymq.core.head_cache import HeadQueueCache, SharedPart
+from raymq.core.replication import ReplicationLeader, _Round
 from raymq.core.subscription import Delivery, Subscription
 from raymq.core.supervisor import Supervisor
 from raymq.core.target_area import TargetArea
 from raymq.errors import (
     AddressFull,
     InvalidSetting,
+    NotEnoughReplicas,
+    NotLeader,
     StorageError,
     SubscriptionExists,
     SubscriptionNotFound,
@@ -43,6 +46,7 @@ from raymq.selector import Selector
 from raymq.storage import RecoveryReport, SegmentLog
 from raymq.storage.ack_ranges import AckRanges
 from raymq.storage.files import storage_error
+from raymq.storage.mirror import mirror_write
 from raymq.storage.subscriptions import (
     MANIFEST_NAME,
     Manifest,
@@ -139,6 +143,12 @@ class QueueStats:
     last_task_error: str
     #: Errors after durable commits (logged; the sends succeeded).
     internal_errors: int
+    #: A replicated queue's replicas (``ReplicaStatus.to_dict()``: replica_id,
+    #: node_id, role, in_sync, lag_messages, lag_bytes), the leader first; [] if not
+    #: replicated.
+    replicas: list = field(default_factory=list)
+    #: Sends refused for want of in-sync replicas (``NotEnoughReplicas``).
+    unreplicated_commits: int = 0
 
     def to_dict(self) -> dict:
         """The snapshot as a plain dict."""
@@ -154,15 +164,21 @@ class QueueCore:
         broker: BrokerConfig,
         dead_letter_sink: DeadLetterSink | None = None,
         share: Callable[[pa.RecordBatch], object] | None = None,
+        *,
+        directory: str | None = None,
+        replication: ReplicationLeader | None = None,
     ):
         """``dead_letter_sink`` moves dead letters to the dead-letter queue; without one
         they wait (counted in ``dead_letters_pending``) and are never delivered again.
         ``share`` makes a cached batch's one shared copy for deliveries (the shell's
-        ``ray.put``; without it deliveries carry the batch itself)."""
+        ``ray.put``; without it deliveries carry the batch itself). ``directory``: the
+        queue's files (default: its name under the paging directory; a replica's own
+        directory for a replicated queue). ``replication``: this queue leads a
+        replicated queue; every commit goes to its followers before it is answered."""
         self.config = config
         self.broker = broker
         self.name = config.name
-        self.directory = os.path.join(broker.paging_directory, config.name)
+        self.directory = directory or os.path.join(broker.paging_directory, config.name)
         self.log: SegmentLog
         self.recovery: RecoveryReport
         self.log, self.recovery = SegmentLog.open(
@@ -173,6 +189,10 @@ class QueueCore:
             read_cache_bytes=max(config.page_max_cache_size, 1) * config.page_size_bytes,
         )
         self.dead_letter_sink = dead_letter_sink
+        self.replication = replication
+        if replication is not None:
+            self.log.keep_deleted_names()
+            replication.bind(self.log.published_sizes, lambda: self.log.next_offset)
         #: One for the queue or the whole address (see ``_cache_housekeeping``).
         self.head_cache = HeadQueueCache(0, share)
         #: An address's subscriptions by name (a queue has only ``_own``).
@@ -314,6 +334,8 @@ class QueueCore:
         ``timeout`` seconds (None: for ever) for acks to free room, then ``AddressFull``.
         """
         self._check_batch(batch)
+        if self.replication is not None:
+            self.replication.require_quorum()  # refused before anything is stored
         if len(batch) == 0:
             return self.log.next_offset, 0
         batch = await self._admit(batch, timeout)
@@ -423,6 +445,21 @@ class QueueCore:
             raise
 
     async def _commit(self, pending: list, waiters: list[asyncio.Future]) -> None:
+        if self.replication is None:
+            await self._commit_here(pending, waiters)
+        else:  # a catch-up installs between two commits
+            async with self.replication.commit_lock:
+                await self._commit_here(pending, waiters)
+
+    def _replicate(self, prepared) -> _Round | None:
+        """Send a prepared commit to the followers in sync (None: nothing to send)."""
+        write = mirror_write(prepared, self.log.take_deleted_names(), self.log.planned_next)
+        if not (write.records or write.ack_record or write.checkpoint or write.deleted):
+            return None
+        first = prepared.items[0][3].first_offset if prepared.items else self.log.next_offset
+        return self.replication.start(write, first)
+
+    async def _commit_here(self, pending: list, waiters: list[asyncio.Future]) -> None:
         checkpoint = (
             self.config.durable
             and self._dirty_since_checkpoint
@@ -430,8 +467,11 @@ class QueueCore:
         )
         batches = [b for b, _ in pending]
         prepared = None
+        replicating: _Round | None = None
         try:
             prepared = self.log.prepare(batches, int(time.time() * 1e6), checkpoint=checkpoint)
+            if self.replication is not None:
+                replicating = self._replicate(prepared)
             to_disk = any(item[2] for item in prepared.items)  # transient ones may flow
             if self.config.durable or to_disk or prepared.ack_ranges is not None:
                 if prepared.write_bytes <= INLINE_WRITE_BYTES:
@@ -451,8 +491,19 @@ class QueueCore:
                 self.log.abort(prepared)
             _fail(pending, waiters, exc)
             return
-        self.log.publish(prepared)
-        stored = prepared.records_error is None
+        unreplicated: Exception | None = None
+        if replicating is not None:
+            try:
+                await self.replication.finish(replicating)
+            except (NotEnoughReplicas, NotLeader) as exc:
+                # Acks stay (durable here; a follower that missed them is caught up);
+                # records too few replicas have are cut back, never served.
+                unreplicated = exc if prepared.items else None
+        if unreplicated is not None:
+            self.log.abort(prepared)
+        else:
+            self.log.publish(prepared)
+        stored = prepared.records_error is None and unreplicated is None
         if stored:
             try:  # the commit is durable: what follows derives state, it cannot undo it
                 await self._after_commit(prepared)
@@ -465,7 +516,7 @@ class QueueCore:
             self._counters["in"] += prepared.message_count
             self._counters["bytes_in"] += sum(item[3].nbytes for item in prepared.items)
         else:  # cut back: never served; the senders may retry
-            _fail(pending, [], prepared.records_error)
+            _fail(pending, [], prepared.records_error or unreplicated)
         if prepared.checkpoint_written:
             self._last_checkpoint = time.monotonic()
             self._dirty_since_checkpoint = False
@@ -757,6 +808,8 @@ class QueueCore:
         subscription: str | None = None,
     ) -> Delivery:
         """``fetch`` as a ``Delivery`` (shared batches' rows where it can)."""
+        if self.replication is not None:
+            self.replication.check_leading()  # its consumers go to the new leader
         sub = self.subscription(subscription)
         return await sub.fetch_delivery(consumer_id, max_messages, timeout, prefetch, selector)
 
@@ -892,6 +945,8 @@ class QueueCore:
             task_restarts=self._tasks.restarts,
             last_task_error=self._tasks.last_error,
             internal_errors=self._internal_errors,
+            replicas=[r.to_dict() for r in self.replication.statuses()] if self.replication else [],
+            unreplicated_commits=self.replication.failed_commits if self.replication else 0,
         )
 
     # -- an address's subscriptions come and go ----------------------------------------

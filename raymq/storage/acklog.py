@@ -55,6 +55,19 @@ def to_ranges(offsets: np.ndarray) -> np.ndarray:
     return np.stack([starts, ends], axis=1)
 
 
+def encode_ack_record(
+    ranges: np.ndarray, high: int, subscriptions: dict[int, np.ndarray] | None = None
+) -> tuple[bytes, bytes]:
+    """(header, payload) of one ack record: the empty range (high, high), ``ranges``,
+    then each subscription's ranges after its marker (-1, id)."""
+    parts = [np.array([[high, high]], dtype=np.int64), ranges.reshape(-1, 2)]
+    for sid, sub_ranges in (subscriptions or {}).items():
+        parts.append(np.array([[SUBSCRIPTION_MARK, sid]], dtype=np.int64))
+        parts.append(sub_ranges.reshape(-1, 2))
+    payload = np.concatenate(parts).astype(np.int64, copy=False).tobytes()
+    return ACK_RECORD_HEADER.pack(ACK_RECORD_MAGIC, crc32([payload]), len(payload)), payload
+
+
 def ack_file_header(generation: int, next_offset: int) -> bytes:
     """A version-2 ack log header."""
     head = ACK_HEADER.pack(ACK_MAGIC, ACK_VERSION, 0, generation, next_offset, 0, 0)[:32]
@@ -138,13 +151,7 @@ class AckLog:
         before the next write."""
         if self._dirty:
             self.repair()
-        parts = [np.array([[high, high]], dtype=np.int64), ranges.reshape(-1, 2)]
-        for sid, sub_ranges in (subscriptions or {}).items():
-            parts.append(np.array([[SUBSCRIPTION_MARK, sid]], dtype=np.int64))
-            parts.append(sub_ranges.reshape(-1, 2))
-        pairs = np.concatenate(parts).astype(np.int64, copy=False)
-        payload = pairs.tobytes()
-        header = ACK_RECORD_HEADER.pack(ACK_RECORD_MAGIC, crc32([payload]), len(payload))
+        header, payload = encode_ack_record(ranges, high, subscriptions)
         self._dirty = True
         written = os.writev(self.fd, [header, payload])
         os.fdatasync(self.fd)

@@ -167,6 +167,27 @@ class SegmentLog:
         """Forget a prepared write whose I/O failed."""
         self._writer.abort(prepared)
 
+    def keep_deleted_names(self) -> None:
+        """Keep the names of deleted segment files for ``take_deleted_names`` (a
+        replicated queue's leader tells its followers)."""
+        self._writer.deleted_names = []
+
+    def take_deleted_names(self) -> list[str]:
+        """Names of segment files deleted since the last call."""
+        names = self._writer.deleted_names or []
+        if self._writer.deleted_names:
+            self._writer.deleted_names = []
+        return names
+
+    def published_sizes(self) -> dict[str, int]:
+        """Published bytes of each segment file, by file name."""
+        return {os.path.basename(s.path): s.size for s in self.segments if s.path}
+
+    @property
+    def planned_next(self) -> int:
+        """The next offset once the write in flight (if any) is published."""
+        return self._writer.planned_next
+
     def unlink_deleted(self) -> None:
         """Unlink the files of segments deleted since the last call (off the event loop)."""
         self._writer.unlink_deleted()

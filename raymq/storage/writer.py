@@ -138,6 +138,9 @@ class Writer:
         self._repair_error: StorageError | None = None
         #: Files of deleted segments, not unlinked yet (``unlink_deleted``).
         self.unlinkable: list[str] = []
+        #: Names of segment files deleted, for a replicated queue's followers (taken
+        #: with each ``MirrorWrite``; None: not replicated, not kept).
+        self.deleted_names: list[str] | None = None
         #: Files of deleted segments whose unlink failed: named in every checkpoint (so
         #: that recovery removes them unread) and tried again before each one.
         self.undeleted: list[str] = []
@@ -149,6 +152,11 @@ class Writer:
         #: What recovery left to the first checkpoint (an address's, when it found
         #: damage): every commit takes a checkpoint until one is durable.
         self.deferred: Deferred | None = None
+
+    @property
+    def planned_next(self) -> int:
+        """The next offset once the write in flight (if any) is published."""
+        return self._planned_next
 
     @property
     def writable(self) -> bool:
@@ -350,7 +358,7 @@ class Writer:
         new segment's header first); then the directory if segments were created."""
         new = {id(s) for s in prepared.new_segments}
         created = False
-        for seg, pos, bufs in _by_segment(prepared.items):
+        for seg, pos, bufs in by_segment(prepared.items):
             if not bufs:
                 continue
             if id(seg) in new:
@@ -573,6 +581,8 @@ class Writer:
         seg.close()
         if seg.path:
             self.unlinkable.append(seg.path)
+            if self.deleted_names is not None:
+                self.deleted_names.append(os.path.basename(seg.path))
 
     def unlink_deleted(self) -> None:
         """Unlink the files of segments deleted since the last call.
@@ -628,7 +638,7 @@ class _WriteFailed(Exception):
         self.action, self.path, self.cause = action, path, cause
 
 
-def _by_segment(items: list) -> list[tuple[Segment, int, list]]:
+def by_segment(items: list) -> list[tuple[Segment, int, list]]:
     """(segment, first position, buffers) per run of items in the same segment."""
     runs: list[tuple[Segment, int, list]] = []
     for seg, pos, bufs, _chunk, _size in items:

@@ -1,0 +1,347 @@
+"""Replication without Ray (issue 14): a leader QueueCore writing every group commit to
+followers' ReplicaFiles in-process. What a follower holds is a queue directory: opened
+as a queue it serves exactly what the leader acknowledged. Quorum refusals, fencing by
+epoch, catching up (a new follower, one that diverged) and the epoch-history cut."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import numpy as np
+import pytest
+
+from raymq.batch import MessageBatch
+from raymq.config import BrokerConfig, QueueConfig
+from raymq.core.queue import QueueCore
+from raymq.core.replication import Fenced, ReplicationFollower, ReplicationLeader
+from raymq.errors import InvalidSetting, NotEnoughReplicas, NotLeader
+from raymq.storage.mirror import Diverged, ReplicaFiles, end_of_epoch, write_epochs
+
+PAGE = 16 * 1024  # small segments: several files, deletions show
+
+
+class LocalLink:
+    """A follower in this process (the Ray shell passes actor calls instead)."""
+
+    def __init__(self, replica_id: str, follower: ReplicationFollower):
+        self.replica_id, self.node_id = replica_id, f"node-{replica_id}"
+        self.follower = follower
+        self.down = False  # calls fail as if its node were gone
+        self.hang = False  # calls never answer
+
+    async def _call(self, method, *args):
+        if self.hang:
+            await asyncio.Event().wait()
+        if self.down:
+            raise ConnectionError(f"{self.replica_id} is unreachable")
+        await asyncio.sleep(0)
+        return method(*args)
+
+    def apply(self, epoch, write):
+        return self._call(self.follower.apply, epoch, write)
+
+    def heartbeat(self, epoch):
+        return self._call(self.follower.heartbeat, epoch)
+
+    def state(self, epoch):
+        return self._call(self.follower.state, epoch)
+
+    def truncate_to(self, epoch, offset):
+        return self._call(self.follower.truncate_to, epoch, offset)
+
+    def write_chunk(self, epoch, name, pos, data, sync):
+        return self._call(self.follower.write_chunk, epoch, name, pos, data, sync)
+
+    def install(self, epoch, segments, small, epochs, end, seq):
+        return self._call(self.follower.install, epoch, segments, small, epochs, end, seq)
+
+
+class Controller:
+    """Records the in-sync sets a leader reports; an epoch it no longer knows is stale."""
+
+    def __init__(self, epoch: int = 1):
+        self.epoch = epoch
+        self.reports: list[list[str]] = []
+
+    async def report(self, epoch: int, in_sync: list[str]) -> bool:
+        if epoch != self.epoch:
+            return False
+        self.reports.append(list(in_sync))
+        return True
+
+
+def config(replicas=3, **kw) -> QueueConfig:
+    return QueueConfig("rq", page_size_bytes=PAGE, replicas=replicas, **kw)
+
+
+def open_leader(root, links, *, epoch=1, controller=None, cfg=None, replica="r0"):
+    directory = os.path.join(root, replica)
+    os.makedirs(directory, exist_ok=True)
+    epochs = [(epoch, 0)]
+    write_epochs(directory, epochs)
+    controller = controller or Controller(epoch)
+    cfg = cfg or config(replicas=len(links) + 1)
+    rep = ReplicationLeader(
+        cfg.name,
+        directory,
+        replica_id=replica,
+        node_id="node-" + replica,
+        epoch=epoch,
+        quorum=cfg.insync_quorum,
+        epochs=epochs,
+        report_in_sync=controller.report,
+    )
+    broker = BrokerConfig(paging_directory=str(root), checkpoint_interval=0.05)
+    core = QueueCore(cfg, broker, directory=directory, replication=rep)
+    core.start()
+    rep.set_followers(links)
+    return core, rep, controller
+
+
+def follower(root, rid, epoch=1) -> LocalLink:
+    return LocalLink(rid, ReplicationFollower(ReplicaFiles(os.path.join(root, rid), "rq"), epoch))
+
+
+async def until_in_sync(rep: ReplicationLeader, n: int) -> None:
+    async with asyncio.timeout(30):
+        while len(rep.in_sync) < n:
+            await asyncio.sleep(0.01)
+
+
+def bodies(start: int, n: int) -> list[bytes]:
+    return [f"m{i}".encode() + b"." * 300 for i in range(start, start + n)]
+
+
+async def send(core, start, n, per_batch=50) -> list[int]:
+    offsets = []
+    for k in range(start, start + n, per_batch):
+        batch = MessageBatch.from_bodies(
+            bodies(k, min(per_batch, start + n - k)), None, max_message_size=2**20
+        )
+        first, count = await core.send_batch(batch)
+        offsets += range(first, first + count)
+    return offsets
+
+
+async def drain_bodies(core: QueueCore, ack: bool = True) -> list[bytes]:
+    got: list[bytes] = []
+    while True:
+        batch = await core.fetch("c", 1000, 0.2, 10_000)
+        if batch is None or batch.num_rows == 0:
+            return got
+        got += batch.column("body").to_pylist()
+        if ack:
+            await core.ack("c", np.asarray(batch.column("offset")))
+
+
+def reopen(root, rid) -> QueueCore:
+    """A follower's directory opened as a queue (what promotion does)."""
+    core = QueueCore(
+        config(replicas=1),
+        BrokerConfig(paging_directory=str(root)),
+        directory=os.path.join(root, rid),
+    )
+    core.start()
+    return core
+
+
+def test_a_follower_directory_opens_as_the_queue_the_leader_acknowledged(tmp_path):
+    async def main():
+        links = [follower(tmp_path, "r1"), follower(tmp_path, "r2")]
+        core, rep, ctl = open_leader(tmp_path, links)
+        await until_in_sync(rep, 3)
+        await send(core, 0, 400)
+        got = await drain_bodies(core)  # acks replicated too; segments deleted
+        assert got == bodies(0, 400)
+        await send(core, 400, 100)
+        await core.close()
+        for link in links:
+            link.follower.files.close()
+        assert [r["in_sync"] for r in core.stats().replicas] == [True, True, True]
+        for rid in ("r1", "r2"):
+            copy = reopen(tmp_path, rid)
+            assert copy.log.next_offset == 500
+            assert await drain_bodies(copy) == bodies(400, 100)  # the acked ones are gone
+            await copy.close()
+
+    asyncio.run(main())
+
+
+def test_a_send_needs_min_insync_replicas_and_is_not_served_without_them(tmp_path):
+    async def main():
+        links = [follower(tmp_path, "r1"), follower(tmp_path, "r2")]
+        core, rep, ctl = open_leader(tmp_path, links)
+        await until_in_sync(rep, 3)
+        await send(core, 0, 10)
+        links[0].down = True  # one follower lost: 2 of 3 still acknowledge
+        await send(core, 10, 10)
+        assert ctl.reports[-1] == ["r0", "r2"]  # told before the send was answered
+        links[1].down = True
+        with pytest.raises(NotEnoughReplicas, match="min_insync_replicas=2"):
+            await send(core, 20, 10)  # the commit finds its one follower gone
+        with pytest.raises(NotEnoughReplicas):
+            await send(core, 20, 10)  # refused before anything is stored
+        assert core.log.next_offset == 20
+        assert await drain_bodies(core, ack=False) == bodies(0, 20)
+        links[0].down = links[1].down = False  # back: caught up, sends resume
+        await until_in_sync(rep, 3)
+        assert await send(core, 20, 5) == list(range(20, 25))
+        await core.close()
+
+    asyncio.run(main())
+
+
+def test_a_follower_that_does_not_answer_leaves_the_in_sync_set(tmp_path, monkeypatch):
+    monkeypatch.setattr("raymq.core.replication.FOLLOWER_TIMEOUT_SECONDS", 0.2)
+
+    async def main():
+        links = [follower(tmp_path, "r1"), follower(tmp_path, "r2")]
+        core, rep, ctl = open_leader(tmp_path, links)
+        await until_in_sync(rep, 3)
+        links[1].hang = True
+        await send(core, 0, 10)
+        assert rep.in_sync == ["r0", "r1"]
+        assert core.stats().replicas[2]["in_sync"] is False
+        await core.close()
+
+    asyncio.run(main())
+
+
+def test_a_newer_epoch_fences_the_old_leader(tmp_path):
+    async def main():
+        links = [follower(tmp_path, "r1"), follower(tmp_path, "r2")]
+        core, rep, ctl = open_leader(tmp_path, links)
+        await until_in_sync(rep, 3)
+        await send(core, 0, 10)
+        for link in links:  # the controller starts epoch 2 elsewhere
+            link.follower.fence(2)
+        with pytest.raises(NotLeader, match="epoch 2"):
+            await send(core, 10, 10)
+        with pytest.raises(NotLeader):
+            await send(core, 10, 10)
+        with pytest.raises(NotLeader):
+            await core.fetch_delivery("c", 10, 0.1, 100)
+        for link in links:
+            assert link.follower.files.end_offset == 10  # nothing of the refused send
+        await core.close()
+
+    asyncio.run(main())
+
+
+def test_a_new_follower_is_caught_up_by_copying_what_it_lacks(tmp_path):
+    async def main():
+        links = [follower(tmp_path, "r1")]
+        core, rep, ctl = open_leader(tmp_path, links, cfg=config(replicas=3, min_insync_replicas=2))
+        await until_in_sync(rep, 2)
+        await send(core, 0, 300)
+        late = follower(tmp_path, "r3")
+        rep.set_followers([*links, late])
+        await until_in_sync(rep, 3)
+        await send(core, 300, 20)
+        await core.close()
+        late.follower.files.close()
+        copy = reopen(tmp_path, "r3")
+        assert await drain_bodies(copy) == bodies(0, 320)
+        await copy.close()
+
+    asyncio.run(main())
+
+
+def test_a_diverged_tail_is_cut_back_before_the_copy(tmp_path):
+    """A follower holding records its leader never published (written by an older
+    leader, say) is cut back to where the epoch histories agree, then caught up: what
+    the old tail held is never served."""
+
+    async def main():
+        root = str(tmp_path)
+        old = [follower(root, "r1"), follower(root, "r2")]
+        core, rep, _ = open_leader(root, old)
+        await until_in_sync(rep, 3)
+        await send(core, 0, 100)
+        # r2 leaves; the leader goes on with r1 and writes a tail only r1 gets
+        old[1].down = True
+        await send(core, 100, 50)
+        await core.close()
+        for link in old:
+            link.follower.files.close()
+        # epoch 2: r2 leads (as if r0 and r1 were lost); r1 comes back as its follower
+        r1 = follower(root, "r1", epoch=2)
+        files = ReplicaFiles(os.path.join(root, "r2"), "rq")
+        assert files.end_offset == 100
+        files.close()
+        ctl = Controller(epoch=2)
+        epochs = [(1, 0), (2, 100)]
+        write_epochs(os.path.join(root, "r2"), epochs)
+        directory = os.path.join(root, "r2")
+        rep2 = ReplicationLeader(
+            "rq",
+            directory,
+            replica_id="r2",
+            node_id="n2",
+            epoch=2,
+            quorum=2,
+            epochs=epochs,
+            report_in_sync=ctl.report,
+        )
+        core2 = QueueCore(
+            config(replicas=2),
+            BrokerConfig(paging_directory=root),
+            directory=directory,
+            replication=rep2,
+        )
+        core2.start()
+        rep2.set_followers([r1])
+        await until_in_sync(rep2, 2)
+        await send(core2, 1000, 30)  # new messages at offsets 100..129
+        await core2.close()
+        r1.follower.files.close()
+        copy = reopen(root, "r1")
+        assert await drain_bodies(copy) == bodies(0, 100) + bodies(1000, 30)
+        await copy.close()
+
+    asyncio.run(main())
+
+
+def test_replica_files_refuse_a_write_that_does_not_continue_them(tmp_path):
+    files = ReplicaFiles(str(tmp_path / "f"), "rq")
+    f = ReplicationFollower(files, epoch=3)
+    from raymq.storage.mirror import MirrorWrite
+
+    w = MirrorWrite(epoch=3, seq=1, end_offset=5)
+    w.records.append(("00000000000000000000.seg", 40, np.zeros(10, dtype=np.uint8)))
+    with pytest.raises(Diverged):
+        f.apply(3, w)
+    with pytest.raises(Fenced):
+        f.apply(2, MirrorWrite(epoch=2, seq=1, end_offset=0))
+    assert files.sizes == {}
+
+
+def test_end_of_epoch_is_where_the_next_epoch_starts():
+    history = [(1, 0), (3, 100), (4, 250)]
+    assert end_of_epoch(history, 1, 400) == 100
+    assert end_of_epoch(history, 2, 400) == 100
+    assert end_of_epoch(history, 3, 400) == 250
+    assert end_of_epoch(history, 4, 400) == 400
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"replicas": 0}, "replicas"),
+        ({"replicas": 3, "min_insync_replicas": 1}, "between 2 and 3"),
+        ({"replicas": 2, "min_insync_replicas": 3}, "between 2 and 2"),
+        ({"replicas": 2, "durable": False}, "only durable"),
+        ({"replicas": 2, "address": True}, "only durable"),
+        ({"replicas": 1, "min_insync_replicas": 2}, "replicas >= it"),
+    ],
+)
+def test_replication_settings_are_checked(kw, match):
+    with pytest.raises(InvalidSetting, match=match):
+        QueueConfig("q", **kw)
+
+
+def test_default_quorum_is_all_of_two_and_two_of_three():
+    assert QueueConfig("q", replicas=2).insync_quorum == 2
+    assert QueueConfig("q", replicas=3).insync_quorum == 2
+    assert QueueConfig("q", replicas=3, min_insync_replicas=3).insync_quorum == 3
