@@ -9,18 +9,37 @@ message: a crash of it loses nothing and it rebuilds its registry from the files
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import os
 import shutil
+import time
 
 import ray
 from raymq.actors.queue_actor import QueueActor, queue_actor_name
-from raymq.placement.nodes import choose_queue_node, pinned_to
+from raymq.actors.replica_actor import LeaderRole, ReplicaActor, replica_actor_name
+from raymq.placement.nodes import alive_nodes, choose_queue_node, pinned_to
 
 from raymq.config import BrokerConfig, QueueConfig, validate_queue_name
+from raymq.core.controller import NoNodes, ReplicaSet
 from raymq.core.registry import QueueEntry, QueueRegistry
 from raymq.errors import BrokerUnavailable, QueueExists, QueueNotFound
 
 BROKER_ACTOR_NAME = "raymq.broker"
+#: How often the controller checks the leaders and followers of replicated queues
+#: (seconds); followers and clients report a silent leader sooner.
+MONITOR_PERIOD_SECONDS = 1.0
+#: A leader (or follower) that does not answer a ping in this long is taken for lost
+#: (seconds); a false alarm costs a failover, never data (epochs fence the old one).
+PING_TIMEOUT_SECONDS = 1.0
+#: How long a new replicated queue waits for its followers to be in sync (seconds).
+IN_SYNC_TIMEOUT_SECONDS = 60.0
+#: A node where a replica was lost gets no new replica for this long (seconds), unless
+#: no other node is left.
+LOST_NODE_SECONDS = 120.0
+_GONE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+
+log = logging.getLogger("raymq.broker")
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=100)
@@ -33,6 +52,17 @@ class BrokerActor:
         self._lock = asyncio.Lock()
         self._registry = QueueRegistry(config.paging_directory)
         self._queues: dict[str, QueueEntry] = self._registry.load()
+        #: Replicated queues: one lock each around failovers and replacements.
+        self._replica_locks: dict[str, asyncio.Lock] = {}
+        self._monitor: asyncio.Task | None = None
+        #: Follower replica ids that missed a ping last round (replaced at the second).
+        self._missed: set[tuple[str, str]] = set()
+        self.failovers: list[dict] = []
+        #: Replicated queues whose leader is being started (not checked meanwhile: it
+        #: answers no ping while it recovers), with how many starts are under way.
+        self._starting: dict[str, int] = {}
+        #: Nodes where a replica was lost, and when (monotonic seconds).
+        self._lost_nodes: dict[str, float] = {}
 
     def config(self) -> BrokerConfig:
         """The broker settings."""
@@ -43,6 +73,8 @@ class BrokerActor:
         return os.getpid()
 
     def _actor(self, name: str, cfg: QueueConfig, node_id: str):
+        if cfg.replicas > 1:
+            raise AssertionError("replicated queues start through _replicated")
         home = choose_queue_node(node_id)
         if home != node_id:
             self._move_here(name, cfg, node_id, home)
@@ -78,7 +110,9 @@ class BrokerActor:
                         f"{cfg.name!r} exists, as {kind} with settings"
                         f" {existing.config.to_dict()}, not {cfg.to_dict()}"
                     )
-                handle = self._actor(cfg.name, existing.config, existing.node_id)
+                handle = await self._handle(cfg.name)
+            elif cfg.replicas > 1:
+                handle = await self._create_replicated(cfg, node_id)
             else:
                 per_node: dict[str, int] = {}
                 for entry in self._queues.values():
@@ -98,6 +132,13 @@ class BrokerActor:
             raise QueueNotFound(
                 f"queue {name!r} does not exist in {self.broker_config.paging_directory}"
             )
+        return await self._handle(name)
+
+    async def _handle(self, name: str):
+        """The running actor of a queue (its leader's, if replicated), started if need be."""
+        entry = self._queues[name]
+        if entry.config.replicas > 1:
+            return await self._replicated(name)
         handle = self._actor(name, entry.config, entry.node_id)
         await handle.ready.remote()
         return handle
@@ -125,8 +166,329 @@ class BrokerActor:
         return sorted(self._queues)
 
     def queue_nodes(self) -> dict[str, str]:
-        """The node each queue was placed on, by queue name."""
+        """The node each queue was placed on (a replicated queue's leader's), by name."""
         return {name: entry.node_id for name, entry in sorted(self._queues.items())}
+
+    def replica_sets(self) -> dict[str, dict]:
+        """Each replicated queue's ``ReplicaSet`` (as in its ``queue.json``), by name."""
+        return {
+            name: entry.replicas.to_dict()
+            for name, entry in sorted(self._queues.items())
+            if entry.replicas is not None
+        }
+
+    def failover_log(self) -> list[dict]:
+        """The failovers this broker actor made: queue, epochs, replicas, seconds."""
+        return list(self.failovers)
+
+    # -- replicated queues: the controller ----------------------------------------------
+
+    def _ensure_monitor(self) -> None:
+        if self._monitor is None or self._monitor.done():
+            self._monitor = asyncio.get_running_loop().create_task(self._monitor_loop())
+
+    def _save(self, name: str) -> None:
+        self._registry.save(self._queues[name])
+
+    def _lock_of(self, name: str) -> asyncio.Lock:
+        return self._replica_locks.setdefault(name, asyncio.Lock())
+
+    def _alive(self) -> list[str]:
+        """Alive nodes, as Ray knows them, less those where a replica was lost lately
+        (Ray may take most of a minute to declare a node dead)."""
+        now = time.monotonic()
+        self._lost_nodes = {
+            n: t for n, t in self._lost_nodes.items() if now - t < LOST_NODE_SECONDS
+        }
+        return [n["NodeID"] for n in alive_nodes() if n["NodeID"] not in self._lost_nodes]
+
+    def _queues_per_node(self) -> dict[str, int]:
+        per_node: dict[str, int] = {}
+        for entry in self._queues.values():
+            nodes = entry.replicas.nodes.values() if entry.replicas else [entry.node_id]
+            for node in nodes:
+                per_node[node] = per_node.get(node, 0) + 1
+        return per_node
+
+    async def _create_replicated(self, cfg: QueueConfig, node_id: str | None):
+        try:
+            per_node = self._queues_per_node()
+            replicas = ReplicaSet.place(cfg.replicas, self._alive(), per_node, node_id)
+        except NoNodes as exc:
+            raise BrokerUnavailable(f"queue {cfg.name!r}: {exc}") from None
+        self._queues[cfg.name] = QueueEntry(cfg, replicas.leader_node, replicas)
+        self._save(cfg.name)
+        handle = await self._replicated(cfg.name)
+        in_sync = await handle.wait_in_sync.remote(cfg.insync_quorum, IN_SYNC_TIMEOUT_SECONDS)
+        if len(in_sync) < cfg.insync_quorum:
+            raise BrokerUnavailable(
+                f"queue {cfg.name!r}: {len(in_sync)} replicas in sync after"
+                f" {IN_SYNC_TIMEOUT_SECONDS:.0f} s, min_insync_replicas={cfg.insync_quorum}"
+            )
+        return handle
+
+    def _follower(self, name: str, rid: str, node: str, epoch: int):
+        return ReplicaActor.options(
+            name=replica_actor_name(name, rid),
+            namespace=self.namespace,
+            lifetime="detached",
+            get_if_exists=True,
+            scheduling_strategy=pinned_to(node),
+        ).remote(name, rid, self._registry.replica_directory(name, rid), epoch, self.namespace)
+
+    def _replica_handle(self, name: str, rid: str):
+        """A follower's actor by name (``ValueError`` if there is none)."""
+        return ray.get_actor(replica_actor_name(name, rid), namespace=self.namespace)
+
+    async def _replicated(self, name: str):
+        """The leader of a replicated queue, its followers started (if need be)."""
+        self._ensure_monitor()
+        self._starting[name] = self._starting.get(name, 0) + 1
+        try:
+            return await self._start_replicated(name)
+        finally:
+            self._starting[name] -= 1
+            if not self._starting[name]:
+                del self._starting[name]
+
+    async def _start_replicated(self, name: str):
+        entry = self._queues[name]
+        rs = entry.replicas
+        followers = []
+        for rid in rs.followers:
+            handle = self._follower(name, rid, rs.nodes[rid], rs.epoch)
+            handle.ready.remote()  # starts its watch; a lost node never answers
+            followers.append((rid, rs.nodes[rid], handle))
+        role = LeaderRole(
+            rs.leader, self._registry.replica_directory(name, rs.leader), rs.epoch, tuple(followers)
+        )
+        deadline = time.monotonic() + 10.0
+        while True:
+            try:
+                leader = QueueActor.options(
+                    name=queue_actor_name(name),
+                    namespace=self.namespace,
+                    lifetime="detached",
+                    get_if_exists=True,
+                    scheduling_strategy=pinned_to(rs.leader_node),
+                ).remote(entry.config, self.broker_config, self.namespace, role)
+                break
+            except ValueError:  # the old leader's name is being released
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.05)
+        await leader.ready.remote()
+        return leader
+
+    async def update_in_sync(self, name: str, epoch: int, in_sync: list[str]) -> bool:
+        """A leader's in-sync replicas; False (fenced) if ``epoch`` is not current."""
+        entry = self._queues.get(name)
+        if entry is None or entry.replicas is None or entry.replicas.epoch != epoch:
+            return False
+        rs = entry.replicas
+        rs.in_sync = [r for r in in_sync if r in rs.nodes]
+        self._save(name)
+        return True
+
+    async def leader_silent(self, name: str, epoch: int) -> None:
+        """A follower has not heard from the leader of ``epoch``: check it now."""
+        entry = self._queues.get(name)
+        if entry is not None and entry.replicas is not None and entry.replicas.epoch == epoch:
+            await self._check_leader(name)
+
+    async def suspect_leader(self, name: str, actor_id: str) -> None:
+        """A client could not reach the leader actor ``actor_id``: check it now."""
+        entry = self._queues.get(name)
+        if entry is None or entry.replicas is None:
+            return
+        try:
+            current = ray.get_actor(queue_actor_name(name), namespace=self.namespace)
+        except ValueError:
+            current = None
+        if current is None or current._actor_id.hex() == actor_id:
+            await self._check_leader(name)
+
+    async def _ping(self, handle) -> bool:
+        try:
+            await asyncio.wait_for(handle.ping.remote(), PING_TIMEOUT_SECONDS)
+            return True
+        except (asyncio.TimeoutError, *_GONE):
+            return False
+
+    async def _check_leader(self, name: str) -> None:
+        """Fail over if the leader does not answer (under the queue's lock: one check
+        at a time, and one that waited finds the new leader answering)."""
+        async with self._lock_of(name):
+            entry = self._queues.get(name)
+            if entry is None or entry.replicas is None or name in self._starting:
+                return
+            try:
+                leader = ray.get_actor(queue_actor_name(name), namespace=self.namespace)
+            except ValueError:
+                leader = None
+            if leader is not None and await self._ping(leader):
+                return
+            await self._failover(name, leader)
+
+    async def _failover(self, name: str, old) -> None:
+        """Fence the followers with the next epoch, promote the most complete in-sync
+        one, replace the old leader's replica, start the new leader."""
+        t0 = time.monotonic()
+        entry = self._queues[name]
+        rs = entry.replicas
+        old_epoch, old_leader = rs.epoch, rs.leader
+        if not [r for r in rs.in_sync if r != rs.leader]:
+            # Nothing may be promoted: fencing would only stop a leader that may live.
+            log.warning(
+                "queue %r: leader %s does not answer and no follower is in sync: waiting"
+                " for it (epoch %d)",
+                name,
+                old_leader,
+                old_epoch,
+            )
+            return
+        handles = {}
+        for rid in rs.followers:
+            with contextlib.suppress(ValueError):  # never started: it answers nothing
+                handles[rid] = self._replica_handle(name, rid)
+        answers = await asyncio.gather(
+            *(
+                asyncio.wait_for(h.fence.remote(old_epoch + 1), PING_TIMEOUT_SECONDS * 2)
+                for h in handles.values()
+            ),
+            return_exceptions=True,
+        )
+        ends = {
+            rid: state.end_offset
+            for rid, state in zip(handles, answers, strict=True)
+            if not isinstance(state, BaseException)
+        }
+        lost = rs.leader_node
+        self._lost_nodes[lost] = time.monotonic()
+        new = rs.promote(ends)
+        if new is not None:
+            self._queues[name] = QueueEntry(entry.config, rs.leader_node, rs)
+        self._save(name)  # the epoch, before any actor acts on it
+        if new is None:
+            log.warning(
+                "queue %r: leader %s lost and no in-sync follower answered (epoch %d;"
+                " answered: %s): unavailable until one does",
+                name,
+                old_leader,
+                rs.epoch,
+                sorted(ends),
+            )
+            return
+        if old is not None:
+            ray.kill(old, no_restart=True)
+        promoted = handles[new]
+        try:
+            await asyncio.wait_for(promoted.release.remote(), PING_TIMEOUT_SECONDS * 5)
+        except (asyncio.TimeoutError, *_GONE):
+            pass  # its files are opened all the same (a follower writes only when told)
+        ray.kill(promoted, no_restart=True)
+        try:
+            rs.add_replica(self._alive(), self._queues_per_node(), lost=(lost,))
+            self._save(name)
+        except NoNodes as exc:
+            log.warning("queue %r: the lost replica is not replaced: %s", name, exc)
+        await self._replicated(name)
+        record = {
+            "queue": name,
+            "old_epoch": old_epoch,
+            "epoch": rs.epoch,
+            "old_leader": old_leader,
+            "leader": new,
+            "seconds": time.monotonic() - t0,
+        }
+        self.failovers.append(record)
+        log.warning("queue %r: failover %s", name, record)
+
+    async def _replace_follower(self, name: str, rid: str) -> None:
+        async with self._lock_of(name):
+            entry = self._queues.get(name)
+            if entry is None or entry.replicas is None or rid not in entry.replicas.followers:
+                return
+            rs = entry.replicas
+            with contextlib.suppress(ValueError):
+                ray.kill(self._replica_handle(name, rid), no_restart=True)
+            lost = rs.nodes[rid]
+            self._lost_nodes[lost] = time.monotonic()
+            rs.remove_replica(rid)
+            try:
+                new = rs.add_replica(self._alive(), self._queues_per_node(), lost=(lost,))
+            except NoNodes as exc:
+                new = None
+                log.warning("queue %r: lost follower %s not replaced: %s", name, rid, exc)
+            self._save(name)
+            log.warning("queue %r: follower %s lost, replaced by %s", name, rid, new)
+            await self._tell_followers(name)
+
+    async def _tell_followers(self, name: str) -> None:
+        """Start the followers of the replica set and hand them to the leader."""
+        rs = self._queues[name].replicas
+        leader = await self._replicated(name)
+        followers = tuple(
+            (r, rs.nodes[r], self._follower(name, r, rs.nodes[r], rs.epoch)) for r in rs.followers
+        )
+        await leader.set_followers.remote(rs.epoch, followers)
+
+    async def _restore_count(self, name: str) -> None:
+        """Add followers while the set is short of the queue's replicas (lost ones that
+        found no free node then) and a node is free now."""
+        async with self._lock_of(name):
+            entry = self._queues.get(name)
+            if entry is None or entry.replicas is None:
+                return
+            rs, added = entry.replicas, []
+            while len(rs.nodes) < entry.config.replicas:
+                try:
+                    added.append(rs.add_replica(self._alive(), self._queues_per_node()))
+                except NoNodes:
+                    break
+            if added:
+                self._save(name)
+                log.warning(
+                    "queue %r: replicas %s added (%d of %d)",
+                    name,
+                    added,
+                    len(rs.nodes),
+                    entry.config.replicas,
+                )
+                await self._tell_followers(name)
+
+    async def _monitor_loop(self) -> None:
+        """Every ``MONITOR_PERIOD_SECONDS``: ping each replicated queue's leader (fail
+        over if it does not answer) and followers (replace one that missed two rounds)."""
+        while True:
+            await asyncio.sleep(MONITOR_PERIOD_SECONDS)
+            names = [n for n, e in self._queues.items() if e.replicas is not None]
+            for name in names:
+                try:
+                    await self._monitor_once(name)
+                except Exception:
+                    log.exception("queue %r: replica monitor", name)
+
+    async def _monitor_once(self, name: str) -> None:
+        entry = self._queues.get(name)
+        if entry is None or entry.replicas is None:
+            return
+        await self._check_leader(name)
+        rs = entry.replicas
+        if len(rs.nodes) < entry.config.replicas:
+            await self._restore_count(name)
+        for rid in rs.followers:
+            try:
+                ok = await self._ping(self._replica_handle(name, rid))
+            except ValueError:
+                ok = False
+            if ok:
+                self._missed.discard((name, rid))
+            elif (name, rid) in self._missed:
+                self._missed.discard((name, rid))
+                await self._replace_follower(name, rid)
+            else:
+                self._missed.add((name, rid))
 
     async def delete_queue(self, name: str) -> None:
         """Stop a queue's actor and delete its files and messages."""

@@ -23,14 +23,17 @@ import os
 import numpy as np
 import pyarrow as pa
 import ray
+from raymq.actors.replica_actor import LeaderRole
 
 from raymq import metrics
 from raymq.batch import MessageBatch, warm_arrow_conversions
 from raymq.config import BrokerConfig, QueueConfig
 from raymq.core.budget import QueueUsage
 from raymq.core.queue import QueueCore, QueueStats
+from raymq.core.replication import ReplicationLeader
 from raymq.core.target_list import FetchAnswer
 from raymq.send_channel import SendChannelServer
+from raymq.storage.mirror import read_epochs, write_epochs
 from raymq.storage.subscriptions import SubscriptionSpec
 
 QUEUE_ACTOR_PREFIX = "raymq.queue."
@@ -58,14 +61,47 @@ def queue_actor_name(queue: str) -> str:
 class QueueActor:
     """The Ray shell of one queue."""
 
-    def __init__(self, config: QueueConfig, broker: BrokerConfig, namespace: str):
+    def __init__(
+        self,
+        config: QueueConfig,
+        broker: BrokerConfig,
+        namespace: str,
+        role: LeaderRole | None = None,
+    ):
         """``namespace`` is the broker's (a detached actor's runtime context names the
-        namespace of the job that created it, not its own)."""
+        namespace of the job that created it, not its own). ``role``: this actor leads
+        a replicated queue (its copy, epoch and followers)."""
         warm_arrow_conversions()  # not during the first fetch
         self.namespace = namespace
+        self.role = role
+        replication = None
+        if role is not None:
+            replication = ReplicationLeader(
+                config.name,
+                role.directory,
+                replica_id=role.replica_id,
+                node_id=ray.get_runtime_context().get_node_id(),
+                epoch=role.epoch,
+                quorum=config.insync_quorum,
+                epochs=[],
+                report_in_sync=self._report_in_sync,
+            )
         # Cached batches are put in the object store once, on their first delivery:
         # every delivery of them, to any subscription, is then a reference.
-        self.core = QueueCore(config, broker, self._send_dead_letters, share=ray.put)
+        self.core = QueueCore(
+            config,
+            broker,
+            self._send_dead_letters,
+            share=ray.put,
+            directory=role.directory if role else None,
+            replication=replication,
+        )
+        if replication is not None:  # this epoch starts where this copy ends
+            epochs = read_epochs(role.directory)
+            if not epochs or epochs[-1][0] < role.epoch:
+                epochs.append((role.epoch, self.core.log.next_offset))
+                write_epochs(role.directory, epochs)
+            replication.epochs = epochs
         self._dead_letter_queue = None  # its actor handle, once found
         self._death_watches: dict[str, asyncio.Task] = {}
         self._started = False
@@ -81,6 +117,9 @@ class QueueActor:
             self._started = True
             self.core.supervise("consumer watch", self._watch_consumers)
             self._metrics_task = self.core.supervise("metrics", self._export_metrics)
+            if self.role is not None:
+                self.core.replication.set_followers(self.role.links())
+                self.core.supervise("heartbeats", self.core.replication.heartbeat_loop)
             try:
                 self._endpoint = await self._channel.start(ray.util.get_node_ip_address())
             except OSError as exc:  # single sends then go through Ray calls
@@ -104,6 +143,40 @@ class QueueActor:
                     consumers = {cid: sub.consumer_stats(cid) for cid in sub.area.consumers}
                     metrics.export_queue_consumers(sub.name, consumers, node_id, broker)
             await asyncio.sleep(metrics.EXPORT_PERIOD_SECONDS)
+
+    async def _report_in_sync(self, epoch: int, in_sync: list[str]) -> bool:
+        """Tell the controller (the broker actor) this leader's in-sync replicas;
+        False if ``epoch`` is no longer the queue's."""
+        from raymq.actors.broker_actor import BROKER_ACTOR_NAME  # it imports this module
+
+        broker = ray.get_actor(BROKER_ACTOR_NAME, namespace=self.namespace)
+        return await broker.update_in_sync.remote(self.core.name, epoch, in_sync)
+
+    async def set_followers(self, epoch: int, followers: tuple) -> None:
+        """The controller's followers for this leader (``LeaderRole.followers``)."""
+        await self._ensure_started()
+        rep = self.core.replication
+        if rep is None or epoch != rep.epoch:
+            return
+        self.role = LeaderRole(self.role.replica_id, self.role.directory, epoch, followers)
+        rep.set_followers(self.role.links())
+
+    async def wait_in_sync(self, replicas: int, timeout: float) -> list[str]:
+        """Wait up to ``timeout`` seconds until ``replicas`` replicas are in sync;
+        returns the in-sync replica ids (for the controller and tests)."""
+        await self._ensure_started()
+        rep = self.core.replication
+        if rep is None:
+            return []
+        deadline = asyncio.get_running_loop().time() + timeout
+        while len(rep.in_sync) < replicas and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.02)
+        return rep.in_sync
+
+    def ping(self) -> int:
+        """The epoch this actor leads (0: not replicated); answers while it lives."""
+        rep = self.core.replication
+        return 0 if rep is None else rep.epoch
 
     async def _send_dead_letters(self, dead_letter_queue: str, batch: MessageBatch) -> None:
         """The QueueCore's dead-letter sink: append ``batch`` durably to the dead-letter

@@ -40,7 +40,7 @@ from raymq.core.target_list import (
     FetchFailed,
     TargetList,
 )
-from raymq.errors import BrokerUnavailable, RayMQError
+from raymq.errors import BrokerUnavailable, NotLeader, RayMQError
 
 log = logging.getLogger("raymq.consumer")
 
@@ -156,6 +156,9 @@ class TargetListActor:
             return await self._fetch_once(room)
         except ray.exceptions.RayTaskError as exc:
             self._in_flight, self._register_again = None, True
+            if isinstance(exc.cause, NotLeader):  # a replicated queue's leader moved
+                self._queue_dead, self._death = True, str(exc.cause)
+                raise FetchFailed(exc.cause, restarting=True) from None
             if isinstance(exc.cause, RayMQError):
                 raise exc.cause from None
             error = BrokerUnavailable(f"queue {self.queue!r}: fetch failed: {exc.cause!r}")
@@ -250,9 +253,19 @@ class TargetListActor:
 
     async def stats(self) -> dict:
         """The TargetList's levels and the queue's view of this consumer."""
-        queue_side = await self.queue_actor.consumer_stats.remote(
-            self.consumer_id, self.subscription
-        )
+        try:
+            queue_side = await self._queue_side()
+        except (ray.exceptions.RayActorError, NotLeader) as exc:
+            # The queue actor was replaced (a replicated queue's new leader): ask the
+            # new one, as the loader will (it registers us there).
+            if isinstance(exc, ray.exceptions.RayActorError) and exc.actor_init_failed:
+                raise
+            try:
+                self.queue_actor = await self._find_queue()
+            except FetchFailed as failed:  # not started again yet
+                raise failed.error from None
+            await self._register()
+            queue_side = await self._queue_side()
         failures = self.loader.failures.stats()
         return {
             "consumer_id": self.consumer_id,
@@ -266,6 +279,12 @@ class TargetListActor:
             "loader_error_persistent": failures.persistent,
             "task_restarts": 0 if self._tasks is None else self._tasks.restarts,
         }
+
+    async def _queue_side(self) -> dict:
+        try:
+            return await self.queue_actor.consumer_stats.remote(self.consumer_id, self.subscription)
+        except ray.exceptions.RayTaskError as exc:
+            raise exc.cause if isinstance(exc.cause, NotLeader) else exc from None
 
     async def close(self, not_received: np.ndarray | None) -> int:
         """Stop loading and give back everything not acknowledged; returns how many."""

@@ -11,7 +11,7 @@ import concurrent.futures
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -38,6 +38,7 @@ from raymq.errors import (
     ConsumerClosed,
     InvalidAck,
     InvalidSetting,
+    NotLeader,
     QueueNotFound,
     RayMQError,
     SelectorError,
@@ -65,8 +66,14 @@ def _unwrap(exc: BaseException) -> BaseException:
     return exc
 
 
-def _call(method, *args, retry: bool = True, **kwargs) -> Any:
-    """Call an actor method and wait; typed errors unwrapped, restarts waited out."""
+def _call(
+    method, *args, retry: bool = True, refresh: Callable[[], Any] | None = None, **kwargs
+) -> Any:
+    """Call an actor method and wait; typed errors unwrapped, restarts waited out.
+
+    ``refresh`` gives the method again on a new actor when this one is unavailable or
+    answers ``NotLeader`` (a replicated queue's leader moved): the call goes there.
+    """
     deadline = time.monotonic() + RESTART_GRACE_SECONDS
     delay = 0.05
     while True:
@@ -74,12 +81,19 @@ def _call(method, *args, retry: bool = True, **kwargs) -> Any:
             try:
                 return ray.get(method.remote(*args, **kwargs))
             except ray.exceptions.RayTaskError as exc:
+                if isinstance(exc.cause, NotLeader) and refresh is not None:
+                    raise exc.cause from None
                 if not isinstance(exc.cause, _RETRYABLE):
                     raise _unwrap(exc) from None
                 raise exc.cause from None  # an actor it called restarts: wait as for ours
-        except _RETRYABLE as exc:
+        except (*_RETRYABLE, NotLeader) as exc:
             if not retry or time.monotonic() > deadline:
+                if isinstance(exc, NotLeader):
+                    raise
                 raise BrokerUnavailable(f"actor unavailable: {exc}") from exc
+            if refresh is not None:
+                method = refresh()
+                delay = min(delay, 0.2)
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
 
@@ -174,14 +188,21 @@ class Broker:
         max_delivery_attempts: int | None = None,
         dead_letter_queue: str | None = None,
         node_id: str | None = None,
+        replicas: int = 1,
+        min_insync_replicas: int | None = None,
     ) -> Queue:
         """Create a queue, or return it if it exists with equal settings.
 
         A message delivered ``max_delivery_attempts`` times (None: no limit) and given
         back again goes to ``dead_letter_queue`` (default ``f"{name}.DLQ"``, created
         when first needed with this queue's durability) instead of a further delivery.
-        Raises ``QueueExists`` for different settings, ``InvalidQueueName``,
-        ``InvalidSetting`` or ``TypeError`` for bad arguments (nothing is created then).
+        ``replicas`` (2 or 3) keeps that many copies of the queue's files, each on its
+        own node: a send is answered once ``min_insync_replicas`` of them (default all
+        of 2, 2 of 3) have it durably, and the queue survives the loss of its leader's
+        node (README, "Failure model"). Raises ``QueueExists`` for different settings,
+        ``InvalidQueueName``, ``InvalidSetting`` or ``TypeError`` for bad arguments,
+        ``BrokerUnavailable`` if there are fewer alive nodes than replicas (nothing is
+        created then).
         """
         cfg = QueueConfig(
             name,
@@ -192,6 +213,8 @@ class Broker:
             page_max_cache_size,
             max_delivery_attempts,
             dead_letter_queue,
+            replicas=replicas,
+            min_insync_replicas=min_insync_replicas,
         )
         handle = _call(self._actor.create_queue, cfg, node_id)
         return Queue(self, name, handle)
@@ -347,7 +370,7 @@ class _Coalescer:
                 [i.body for i in items], [i.properties for i in items]
             )
             try:
-                first, count = _call(self._queue._actor.send_batch, batch, self._timeout)
+                first, count = self._queue._invoke("send_batch", batch, self._timeout)
                 for k, it in enumerate(items[:count]):  # the rest were DROPped
                     it.offset = first + k
             except Exception as exc:  # every waiter of this call gets the error
@@ -448,8 +471,8 @@ class Queue:
         if channel is not None:
             try:
                 return channel.send(body, props, timeout)
-            except ChannelBroken:
-                pass  # the actor restarted or the network failed: Ray calls wait it out
+            except (ChannelBroken, NotLeader):
+                pass  # the actor restarted, moved or the network failed: Ray calls follow
         with self._coalescers_lock:
             coalescer = self._coalescers.get(timeout)
             if coalescer is None:
@@ -493,9 +516,9 @@ class Queue:
             try:
                 first, count = channel.send_batch(batch, timeout)
                 return list(range(first, first + count))
-            except ChannelBroken:
-                pass  # as in ``send``: Ray calls wait out a restart
-        first, count = _call(self._actor.send_batch, batch, timeout)
+            except (ChannelBroken, NotLeader):
+                pass  # as in ``send``: Ray calls follow a restart or a new leader
+        first, count = self._invoke("send_batch", batch, timeout)
         return list(range(first, first + count))
 
     async def send_async(
@@ -572,7 +595,23 @@ class Queue:
 
     def stats(self) -> dict[str, Any]:
         """Depth, bytes in memory and on disk, segment files, consumers and rates."""
-        return _call(self._actor.stats, self.subscription_name).to_dict()
+        return self._invoke("stats", self.subscription_name).to_dict()
+
+    def _invoke(self, method: str, *args) -> Any:
+        """Call the queue actor's ``method`` (``_call``), following a replicated
+        queue's leader to its new actor when it moves."""
+        return _call(getattr(self._actor, method), *args, refresh=lambda: self._refresh(method))
+
+    def _refresh(self, method: str):
+        """The queue's current actor, asked of the broker (which checks a leader that
+        does not answer, and fails over), as ``method``."""
+        old = self._actor
+        try:
+            _call(self.broker._actor.suspect_leader, self.actor_name, old._actor_id.hex())
+            self._actor = _call(self.broker._actor.get_queue, self.actor_name, retry=False)
+        except RayMQError:  # the broker restarts, say: the old one again, later
+            pass
+        return getattr(self._actor, method)
 
 
 class Address(Queue):
@@ -714,7 +753,6 @@ class Consumer:
         self.prefetch = prefetch
         self.selector = selector
         self.consumer_id = uuid.uuid4().hex
-        self._actor = queue._actor
         self._subscription = queue.subscription_name
         self._buffer: pa.RecordBatch | None = None  # taken from the TargetList, not yet handed out
         self._closed = False
@@ -742,6 +780,12 @@ class Consumer:
 
     def __enter__(self) -> Consumer:
         return self
+
+    @property
+    def _actor(self):
+        """The queue's actor (a replicated queue's current leader, as the queue handle
+        last found it)."""
+        return self.queue._actor
 
     def __exit__(self, *exc) -> None:
         self.close()
@@ -818,7 +862,7 @@ class Consumer:
         if wait:
             self._send_acks()
             self._check_acks(block=False)
-            return _call(self._actor.ack, self.consumer_id, offsets, self._subscription)
+            return self.queue._invoke("ack", self.consumer_id, offsets, self._subscription)
         self._unsent_acks.append(offsets)
         self._unsent_count += len(offsets)
         if self._unsent_count >= max(self.prefetch // 2, 1):

@@ -13,16 +13,19 @@ import os
 from dataclasses import dataclass
 
 from raymq.config import QueueConfig
+from raymq.core.controller import ReplicaSet
 from raymq.storage import create_queue_directory, write_file_atomic
 from raymq.storage.format import QUEUE_CONFIG_NAME
 
 
 @dataclass(frozen=True)
 class QueueEntry:
-    """A queue's settings and the Ray node id holding its files ("" if unknown)."""
+    """A queue's settings and the Ray node id holding its files ("" if unknown); for
+    a replicated queue, its replicas (``node_id`` is then the leader's node)."""
 
     config: QueueConfig
     node_id: str
+    replicas: ReplicaSet | None = None
 
 
 class QueueRegistry:
@@ -34,6 +37,10 @@ class QueueRegistry:
     def directory(self, name: str) -> str:
         """The queue's directory."""
         return os.path.join(self.paging_directory, name)
+
+    def replica_directory(self, name: str, replica_id: str) -> str:
+        """The directory of one replica's copy of a replicated queue (on its node)."""
+        return os.path.join(self.paging_directory, name, replica_id)
 
     def has_files(self, name: str) -> bool:
         """True if the queue's ``queue.json`` is in this paging directory."""
@@ -49,7 +56,12 @@ class QueueRegistry:
                 continue
             with open(os.path.join(self.directory(name), QUEUE_CONFIG_NAME)) as f:
                 saved = json.load(f)
-            found[name] = QueueEntry(QueueConfig(**saved["config"]), saved.get("node_id", ""))
+            replicas = saved.get("replication")
+            found[name] = QueueEntry(
+                QueueConfig(**saved["config"]),
+                saved.get("node_id", ""),
+                ReplicaSet.from_dict(replicas) if replicas else None,
+            )
         return found
 
     def save(self, entry: QueueEntry) -> None:
@@ -58,6 +70,8 @@ class QueueRegistry:
         directory = self.directory(entry.config.name)
         create_queue_directory(directory)
         saved = {"config": entry.config.to_dict(), "node_id": entry.node_id}
+        if entry.replicas is not None:
+            saved["replication"] = entry.replicas.to_dict()
         write_file_atomic(os.path.join(directory, QUEUE_CONFIG_NAME), json.dumps(saved).encode())
 
 

@@ -71,6 +71,9 @@ class Fenced(Exception):
         super().__init__(f"epoch {epoch}")
         self.epoch = epoch
 
+    def __reduce__(self):  # crosses Ray calls with its epoch
+        return (Fenced, (self.epoch,))
+
 
 class FollowerLink(Protocol):
     """How a leader reaches one follower (its Ray actor, or an object in tests)."""

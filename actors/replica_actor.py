@@ -1,0 +1,193 @@
+"""ReplicaActor: one follower of a replicated queue, wrapping
+``raymq.core.replication.ReplicationFollower`` over its ``ReplicaFiles``.
+
+Named ``raymq.replica.<queue>.<replica id>``, detached, pinned to the node whose disk
+holds its copy (never the node of another replica of the queue), restarted in place if
+its process dies (it reads its files again and is caught up by its leader).
+
+Its methods are plain functions: they run one at a time, in the order the leader's calls
+arrive, each writing and fsyncing before it answers. A watch task reports a leader that
+stopped writing (no commit and no heartbeat for ``LEADER_SILENCE_SECONDS``) to the
+broker's controller, which checks and fails over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import ray
+
+from raymq.core.replication import ReplicationFollower
+from raymq.storage.mirror import MirrorState, MirrorWrite, ReplicaFiles
+
+REPLICA_ACTOR_PREFIX = "raymq.replica."
+#: A leader silent this long is reported to the controller (seconds); it writes to
+#: idle followers every ``replication.HEARTBEAT_SECONDS``.
+LEADER_SILENCE_SECONDS = 1.5
+
+log = logging.getLogger("raymq.replica")
+
+
+def replica_actor_name(queue: str, replica_id: str) -> str:
+    """Ray actor name of one follower of a replicated queue."""
+    return f"{REPLICA_ACTOR_PREFIX}{queue}.{replica_id}"
+
+
+@ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=1000)
+class ReplicaActor:
+    """The Ray shell of one follower."""
+
+    def __init__(self, queue: str, replica_id: str, directory: str, epoch: int, namespace: str):
+        self.queue = queue
+        self.replica_id = replica_id
+        self.namespace = namespace
+        self.follower = ReplicationFollower(ReplicaFiles(directory, queue), epoch)
+        self._watch: asyncio.Task | None = None
+
+    def _ensure_watch(self) -> None:
+        if self._watch is None:
+            self._watch = asyncio.get_running_loop().create_task(self._watch_leader())
+
+    async def _watch_leader(self) -> None:
+        """Report a silent leader to the controller (which checks it and fails over);
+        again every ``LEADER_SILENCE_SECONDS`` while it stays silent."""
+        from raymq.actors.broker_actor import BROKER_ACTOR_NAME  # it imports this module
+
+        while True:
+            await asyncio.sleep(LEADER_SILENCE_SECONDS / 3)
+            if self.follower.silent_for() < LEADER_SILENCE_SECONDS:
+                continue
+            try:
+                broker = ray.get_actor(BROKER_ACTOR_NAME, namespace=self.namespace)
+                broker.leader_silent.remote(self.queue, self.follower.epoch)
+            except Exception as exc:  # the broker restarts: its own monitor still checks
+                log.info("queue %r: could not report a silent leader: %s", self.queue, exc)
+            self.follower.heard = self.follower._clock()  # not again before another period
+
+    async def ready(self) -> MirrorState:
+        """What this copy holds, once its files are open."""
+        self._ensure_watch()
+        return self.follower.files.state()
+
+    def ping(self) -> int:
+        """The epoch this follower knows (for the controller's liveness checks)."""
+        return self.follower.epoch
+
+    def pid(self) -> int:
+        """The actor's process id (for fault tests and diagnostics)."""
+        return os.getpid()
+
+    def node_id(self) -> str:
+        """The node this replica's copy lives on."""
+        return ray.get_runtime_context().get_node_id()
+
+    # -- the controller ----------------------------------------------------------------
+
+    def fence(self, epoch: int) -> MirrorState:
+        """Refuse writes of epochs before ``epoch`` from now on; what this copy holds."""
+        return self.follower.fence(epoch)
+
+    def release(self) -> MirrorState:
+        """Close the files (this copy is about to be opened as the queue's leader)."""
+        self.follower.files.close()
+        if self._watch is not None:
+            self._watch.cancel()
+        return self.follower.files.state()
+
+    def stats(self) -> dict:
+        """This follower's counters."""
+        f = self.follower
+        return {
+            "replica_id": self.replica_id,
+            "epoch": f.epoch,
+            "end_offset": f.files.end_offset,
+            "applied_commits": f.applied_commits,
+            "applied_bytes": f.applied_bytes,
+            "silent_for": f.silent_for(),
+        }
+
+    # -- the leader ----------------------------------------------------------------------
+
+    def apply(self, epoch: int, write: MirrorWrite) -> None:
+        """One commit of the leader of ``epoch``, written durably."""
+        self.follower.apply(epoch, write)
+
+    def heartbeat(self, epoch: int) -> None:
+        """The leader of ``epoch`` lives."""
+        self.follower.heartbeat(epoch)
+
+    def state(self, epoch: int) -> MirrorState:
+        """What this copy holds."""
+        return self.follower.state(epoch)
+
+    def truncate_to(self, epoch: int, offset: int) -> MirrorState:
+        """Cut this copy back to the records before ``offset``."""
+        return self.follower.truncate_to(epoch, offset)
+
+    def write_chunk(self, epoch: int, name: str, pos: int, data: np.ndarray, sync: bool) -> None:
+        """Copy bytes of one of the leader's segment files."""
+        self.follower.write_chunk(epoch, name, pos, data, sync)
+
+    def install(
+        self,
+        epoch: int,
+        segments: dict[str, int],
+        small_files: dict[str, bytes],
+        epochs: list[tuple[int, int]],
+        end_offset: int,
+        seq: int,
+    ) -> None:
+        """Finish catching up: in sync from the leader's commit after ``seq``."""
+        self.follower.install(epoch, segments, small_files, epochs, end_offset, seq)
+
+
+class RayFollowerLink:
+    """A leader's ``FollowerLink`` to a ReplicaActor: each call leaves at once and is
+    awaited as an ObjectRef."""
+
+    def __init__(self, replica_id: str, node_id: str, handle):
+        self.replica_id, self.node_id, self.handle = replica_id, node_id, handle
+
+    def apply(self, epoch: int, write: MirrorWrite):
+        """See ``FollowerLink``."""
+        return self.handle.apply.remote(epoch, write)
+
+    def heartbeat(self, epoch: int):
+        """See ``FollowerLink``."""
+        return self.handle.heartbeat.remote(epoch)
+
+    def state(self, epoch: int):
+        """See ``FollowerLink``."""
+        return self.handle.state.remote(epoch)
+
+    def truncate_to(self, epoch: int, offset: int):
+        """See ``FollowerLink``."""
+        return self.handle.truncate_to.remote(epoch, offset)
+
+    def write_chunk(self, epoch: int, name: str, pos: int, data: np.ndarray, sync: bool):
+        """See ``FollowerLink``."""
+        return self.handle.write_chunk.remote(epoch, name, pos, data, sync)
+
+    def install(self, epoch, segments, small_files, epochs, end_offset, seq):
+        """See ``FollowerLink``."""
+        return self.handle.install.remote(epoch, segments, small_files, epochs, end_offset, seq)
+
+
+@dataclass(frozen=True)
+class LeaderRole:
+    """What the controller tells a queue actor that leads a replicated queue."""
+
+    replica_id: str
+    #: Its copy of the queue's files.
+    directory: str
+    epoch: int
+    #: (replica id, node id, ReplicaActor handle) of each follower.
+    followers: tuple = ()
+
+    def links(self) -> list[RayFollowerLink]:
+        """The leader's links to its followers."""
+        return [RayFollowerLink(rid, node, handle) for rid, node, handle in self.followers]

@@ -1,0 +1,358 @@
+"""Replicated queues on a real four-node Ray cluster on one machine (issue 14).
+
+Run by ``tests/test_replication_on_ray.py`` in its own process (one Ray per process; the
+rest of the suite shares another). Ray's default health-check settings: the broker must
+notice a lost leader by itself, long before Ray declares its node dead. Prints one JSON
+object of observations on stdout; the test makes the assertions.
+
+Scenarios, each on the cluster as the previous one left it (nodes added back):
+
+- ``leader``: the leader's node is removed (not gracefully) while four producer threads
+  send, two single messages, two batches; every acknowledged message is then consumed.
+- ``follower``: a follower's node is removed while a producer sends: sends go on.
+- ``two``: two of three replica nodes are removed: sends fail with NotEnoughReplicas
+  until a new follower has caught up, then resume.
+- ``paused``: the leader's process is paused (SIGSTOP) until the broker failed over,
+  then resumed: a send to it is not acknowledged.
+
+Usage: python tests/replication_scenario.py PAGING_DIR RAY_TEMP_DIR [SCENARIO ...]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+import ray
+from ray.cluster_utils import Cluster
+
+import raymq
+from raymq.batch import MessageBatch
+from raymq.errors import BrokerUnavailable, NotEnoughReplicas, RayMQError
+
+MIB = 2**20
+STORE = 80 * MIB
+#: Bound on anything that should take seconds: only a wedge takes this long.
+DEADLINE_SECONDS = 60.0
+
+
+class Producers:
+    """Producer threads sending unique bodies, recording what was acknowledged."""
+
+    def __init__(self, queue, threads: int = 4, batch_every: int = 2):
+        self.queue = queue
+        self.acked: list[bytes] = []
+        self.acked_at: list[tuple[float, float]] = []  # (send started, acknowledged)
+        self.errors: dict[str, int] = {}
+        self.first_error: dict[str, str] = {}
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [
+            threading.Thread(target=self._run, args=(t, t % batch_every == 1), daemon=True)
+            for t in range(threads)
+        ]
+
+    def start(self) -> Producers:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def _run(self, t: int, batches: bool) -> None:
+        i = 0
+        while not self._stop.is_set():
+            if batches:
+                bodies = [f"p{t}-{i + k}".encode() + b"." * 200 for k in range(100)]
+            else:
+                bodies = [f"p{t}-{i}".encode() + b"." * 200]
+            started = time.monotonic()
+            try:
+                if batches:
+                    self.queue.send_batch(bodies, timeout=10)
+                else:
+                    self.queue.send(bodies[0], timeout=10)
+            except (RayMQError, ray.exceptions.RayError) as exc:
+                kind = type(exc).__name__
+                with self._lock:
+                    self.errors[kind] = self.errors.get(kind, 0) + 1
+                    self.first_error.setdefault(kind, str(exc)[:300])
+                time.sleep(0.05)
+                continue  # not acknowledged: the same bodies are not counted
+            now = time.monotonic()
+            with self._lock:
+                self.acked += bodies
+                self.acked_at.append((started, now))
+            i += len(bodies)
+
+    def count(self) -> int:
+        with self._lock:
+            return len(self.acked)
+
+    def first_ack_after(self, t: float) -> float | None:
+        """Seconds from ``t`` to the first acknowledgement of a send started after it."""
+        with self._lock:
+            later = [end for start, end in self.acked_at if start > t]
+        return min(later) - t if later else None
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(DEADLINE_SECONDS)
+
+
+def wait_for(what: str, check, timeout: float = DEADLINE_SECONDS):
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not after {timeout} s")
+        time.sleep(0.05)
+
+
+def consume_all(queue) -> list[bytes]:
+    """Receive and ack until the queue has nothing more."""
+    got: list[bytes] = []
+    deadline = time.monotonic() + DEADLINE_SECONDS
+    with queue.consumer(prefetch=2000) as c:
+        while True:
+            batch = c.receive_batch(1000, timeout=1)
+            if batch.num_rows:
+                got += batch.column("body").to_pylist()
+                c.ack(batch)
+            elif c.backlog() == 0:
+                return got
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(got)} consumed after {DEADLINE_SECONDS} s")
+
+
+def check_bodies(acked: list[bytes], consumed: list[bytes]) -> dict:
+    got = set(consumed)
+    return {
+        "acked": len(acked),
+        "consumed": len(consumed),
+        "lost": len(set(acked) - got),
+        "never_sent": sum(1 for b in got if not b.startswith(b"p")),
+        "duplicates": len(consumed) - len(got),
+    }
+
+
+class Scenario:
+    def __init__(self, cluster: Cluster, broker):
+        self.cluster = cluster
+        self.broker = broker
+        self.head = ray.get_runtime_context().get_node_id()
+
+    def workers(self) -> dict:
+        """Worker node id -> its cluster node handle (alive ones)."""
+        return {n.node_id: n for n in self.cluster.worker_nodes}
+
+    def top_up(self, n: int = 3) -> None:
+        while len(self.cluster.worker_nodes) < n:
+            self.cluster.add_node(num_cpus=1, object_store_memory=STORE)
+        self.cluster.wait_for_nodes()
+
+    def create(self, name: str, replicas: int = 3):
+        leader_node = sorted(self.workers())[0]
+        return self.broker.create_queue(name, replicas=replicas, node_id=leader_node)
+
+    def remove(self, node_id: str, pids: list[int] = ()) -> float:
+        """Remove a worker node, not gracefully, killing ``pids`` (its actors'
+        processes) with it: a lost machine takes them at once, where a removed raylet
+        leaves them running for a while."""
+        node = self.workers()[node_id]
+        t = time.monotonic()
+        self.cluster.remove_node(node, allow_graceful=False)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        return t
+
+    def leader_pid(self, q) -> int:
+        return ray.get(q._actor.pid.remote())
+
+    def follower_pid(self, name: str, rid: str) -> int:
+        from raymq.actors.replica_actor import replica_actor_name
+
+        return ray.get(ray.get_actor(replica_actor_name(name, rid), "replication").pid.remote())
+
+    def leader_loss(self) -> dict:
+        q = self.create("leader")
+        leader = self.broker.queue_nodes()["leader"]
+        producers = Producers(q).start()
+        wait_for("acks before the loss", lambda: producers.count() >= 2000)
+        removed_at = self.remove(leader, [self.leader_pid(q)])
+        wait_for("a new leader", lambda: self.broker.queue_nodes()["leader"] != leader)
+        wait_for("acks after the loss", lambda: producers.first_ack_after(removed_at + 0.001))
+        after = producers.count()
+        wait_for("more acks", lambda: producers.count() >= after + 2000)
+        producers.stop()
+        out = {
+            "first_ack_seconds": producers.first_ack_after(removed_at),
+            "leader_before": leader,
+            "leader_after": self.broker.queue_nodes()["leader"],
+            "errors": producers.errors,
+            "first_error": producers.first_error,
+        }
+        t = time.monotonic()
+        consumed = consume_all(q)
+        out["consume_seconds"] = time.monotonic() - t
+        out.update(check_bodies(producers.acked, consumed))
+        out["replicas"] = q.stats()["replicas"]
+        return out
+
+    def follower_loss(self) -> dict:
+        self.top_up()
+        q = self.create("follower")
+        sets = self.broker._actor.replica_sets.remote()
+        rs = ray.get(sets)["follower"]
+        follower = next(
+            node for rid, node in rs["nodes"].items() if rid != rs["leader"] and node != self.head
+        )
+        producers = Producers(q, threads=2).start()
+        wait_for("acks before the loss", lambda: producers.count() >= 1000)
+        rid = next(r for r, node in rs["nodes"].items() if node == follower)
+        removed_at = self.remove(follower, [self.follower_pid("follower", rid)])
+        before = producers.count()
+        wait_for("acks after the loss", lambda: producers.count() >= before + 2000)
+        producers.stop()
+        out = {
+            "first_ack_seconds": producers.first_ack_after(removed_at),
+            "errors": producers.errors,
+            "first_error": producers.first_error,
+        }
+        consumed = consume_all(q)
+        out.update(check_bodies(producers.acked, consumed))
+        out["replicas"] = wait_for(
+            "a new follower in sync",
+            lambda: (r := q.stats()["replicas"]) and all(x["in_sync"] for x in r) and r,
+        )
+        return out
+
+    def two_of_three(self) -> dict:
+        """The leader on the head; both followers' nodes lost, and the one free node:
+        no replica can be added, so sends are refused (typed) until a node joins and a
+        new follower there has caught up."""
+        self.top_up()
+        q = self.broker.create_queue("two", replicas=3, node_id=self.head)
+        q.send_batch([b"p-before"] * 100)
+        rs = ray.get(self.broker._actor.replica_sets.remote())["two"]
+        pids = {
+            rs["nodes"][rid]: self.follower_pid("two", rid)
+            for rid in rs["nodes"]
+            if rid != rs["leader"]
+        }
+        for node in list(self.workers()):
+            self.remove(node, [pids[node]] if node in pids else [])
+        refused: dict[str, int] = {}
+        t0 = time.monotonic()
+        while not refused:  # no follower alive: the send cannot be acknowledged
+            try:
+                q.send(b"p-refused", timeout=5)
+                raise AssertionError("a send was acknowledged with no follower alive")
+            except (NotEnoughReplicas, BrokerUnavailable) as exc:
+                refused[type(exc).__name__] = refused.get(type(exc).__name__, 0) + 1
+            if time.monotonic() - t0 > DEADLINE_SECONDS:
+                raise TimeoutError("sends neither refused nor acknowledged")
+        refused_after = time.monotonic() - t0
+        self.cluster.add_node(num_cpus=1, object_store_memory=STORE)
+        t1 = time.monotonic()
+        while True:  # refused with the typed error until a new follower caught up
+            try:
+                q.send(b"p-after", timeout=5)
+                break
+            except (NotEnoughReplicas, BrokerUnavailable) as exc:
+                refused[type(exc).__name__] = refused.get(type(exc).__name__, 0) + 1
+                time.sleep(0.1)
+            if time.monotonic() - t1 > DEADLINE_SECONDS:
+                raise TimeoutError("sends did not resume")
+        resumed = time.monotonic() - t1
+        consumed = consume_all(q)
+        return {
+            "refused": refused,
+            "refused_after_seconds": refused_after,
+            "resumed_seconds": resumed,
+            "consumed": sorted({b.decode() for b in consumed}),
+            "count": len(consumed),
+            "replicas": q.stats()["replicas"],
+        }
+
+    def paused_leader(self) -> dict:
+        self.top_up()
+        q = self.create("paused")
+        q.send_batch([b"p-before"] * 10)
+        old = q._actor
+        pid = ray.get(old.pid.remote())
+        failovers = len(ray.get(self.broker._actor.failover_log.remote()))
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            wait_for(
+                "a failover",
+                lambda: len(ray.get(self.broker._actor.failover_log.remote())) > failovers,
+            )
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        batch = MessageBatch.from_bodies([b"p-stale"], None, max_message_size=MIB)
+        try:
+            ray.get(old.send_batch.remote(batch, 5.0), timeout=30)
+            stale = "acknowledged"
+        except ray.exceptions.RayTaskError as exc:
+            stale = type(exc.cause).__name__
+        except ray.exceptions.RayError as exc:
+            stale = type(exc).__name__
+        q.send(b"p-after")
+        consumed = consume_all(q)
+        return {
+            "stale_send": stale,
+            "consumed": sorted({b.decode() for b in consumed}),
+            "count": len(consumed),
+        }
+
+
+SCENARIOS = {
+    "leader": Scenario.leader_loss,
+    "follower": Scenario.follower_loss,
+    "two": Scenario.two_of_three,
+    "paused": Scenario.paused_leader,
+}
+
+
+def main(paging_dir: str, temp_dir: str, names: list[str]) -> dict:
+    os.environ["RAY_TMPDIR"] = temp_dir
+    os.makedirs(os.path.join(temp_dir, "ray"), exist_ok=True)
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 2,
+            "object_store_memory": STORE,
+            "include_dashboard": False,
+            "temp_dir": temp_dir,
+        },
+    )
+    for _ in range(3):
+        cluster.add_node(num_cpus=1, object_store_memory=STORE)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
+    out: dict = {}
+    try:
+        broker = raymq.connect(namespace="replication", paging_directory=paging_dir)
+        s = Scenario(cluster, broker)
+        for name in names:
+            t = time.monotonic()
+            out[name] = SCENARIOS[name](s)
+            out[name]["scenario_seconds"] = time.monotonic() - t
+        out["failovers"] = ray.get(broker._actor.failover_log.remote())
+        broker.shutdown()
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(sys.argv[1], sys.argv[2], sys.argv[3:] or list(SCENARIOS))))
