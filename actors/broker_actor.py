@@ -497,13 +497,17 @@ class BrokerActor:
             if name not in self._queues:
                 raise QueueNotFound(f"queue {name!r} does not exist")
             handle = await self.get_queue(name)
-            await handle.shutdown.remote(delete_files=True)
-            ray.kill(handle, no_restart=True)
-            del self._queues[name]
+            async with self._lock_of(name):  # no failover of what is being deleted
+                await self._stop_followers(name, delete_files=True)
+                await handle.shutdown.remote(delete_files=True)
+                ray.kill(handle, no_restart=True)
+                del self._queues[name]
             shutil.rmtree(self._registry.directory(name), ignore_errors=True)
 
     async def stop_queues(self) -> None:
         """Stop every queue actor, keeping the files (``raymq stop``, test teardown)."""
+        if self._monitor is not None:  # stopped queues are not failed over
+            self._monitor.cancel()
         async with self._lock:
             for name in list(self._queues):
                 try:
@@ -511,6 +515,23 @@ class BrokerActor:
                 except ValueError:
                     continue
                 try:
+                    await self._stop_followers(name)
                     await handle.shutdown.remote()
                 finally:
                     ray.kill(handle, no_restart=True)
+
+    async def _stop_followers(self, name: str, delete_files: bool = False) -> None:
+        """Stop a replicated queue's follower actors (and delete their copies)."""
+        entry = self._queues.get(name)
+        if entry is None or entry.replicas is None:
+            return
+        for rid in entry.replicas.followers:
+            try:
+                handle = self._replica_handle(name, rid)
+            except ValueError:
+                continue
+            with contextlib.suppress(asyncio.TimeoutError, *_GONE):
+                await asyncio.wait_for(
+                    handle.shutdown.remote(delete_files), PING_TIMEOUT_SECONDS * 5
+                )
+            ray.kill(handle, no_restart=True)

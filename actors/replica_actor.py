@@ -98,6 +98,14 @@ class ReplicaActor:
             self._watch.cancel()
         return self.follower.files.state()
 
+    def shutdown(self, delete_files: bool = False) -> None:
+        """Close the files and optionally delete this copy's directory."""
+        self.release()
+        if delete_files:
+            import shutil
+
+            shutil.rmtree(self.follower.files.directory, ignore_errors=True)
+
     def stats(self) -> dict:
         """This follower's counters."""
         f = self.follower

@@ -485,6 +485,23 @@ def status(ctx: click.Context, as_json: bool) -> None:
         table.add_row(label, *_stats_cells(queues[name]))
     _print_table(table)
     _say(MEMORY_NOTE, style="dim")
+    replicated = {n: q["replicas"] for n, q in queues.items() if q.get("replicas")}
+    if replicated:
+        rt = Table(title="replicas (replicated queues)")
+        for col in ("queue", "replica", "node", "role", "in sync", "lag", "lag bytes"):
+            rt.add_column(col, justify="right" if col.startswith("lag") else "left")
+        for name in sorted(replicated):
+            for r in replicated[name]:
+                rt.add_row(
+                    name,
+                    r["replica_id"],
+                    r["node_id"][:12],
+                    r["role"],
+                    "yes" if r["in_sync"] else "no",
+                    f"{r['lag_messages']:,}",
+                    _human(r["lag_bytes"]),
+                )
+        _print_table(rt)
     if addresses:
         table = _stats_table(f"addresses in namespace {ctx.obj['namespace']}", "address")
         for name in sorted(addresses):

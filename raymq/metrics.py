@@ -181,6 +181,21 @@ QUEUE_METRICS: list[MetricSpec] = _specs(
         ("read_cache_misses", "read_cache_misses", "Segment reads from files (reads)"),
         ("bytes_in", "bytes_in", "Bytes of messages stored since the actor started (bytes)"),
         ("bytes_out", "bytes_out", "Bytes of messages delivered since the actor started (bytes)"),
+        (
+            "replicas_in_sync",
+            "replicas_in_sync",
+            "Replicas holding every answered send, the leader included; 1 if not replicated",
+        ),
+        (
+            "replica_lag_messages",
+            "replica_lag_messages",
+            "Most messages a follower out of sync lacks (messages)",
+        ),
+        (
+            "unreplicated_commits",
+            "unreplicated_commits",
+            "Commits refused for want of min_insync_replicas, since start (commits)",
+        ),
     ],
 )
 

@@ -149,6 +149,10 @@ class QueueStats:
     replicas: list = field(default_factory=list)
     #: Sends refused for want of in-sync replicas (``NotEnoughReplicas``).
     unreplicated_commits: int = 0
+    #: Replicas holding every answered send (the leader included; 1 if not replicated),
+    #: and the most messages a follower out of sync lacks.
+    replicas_in_sync: int = 1
+    replica_lag_messages: int = 0
 
     def to_dict(self) -> dict:
         """The snapshot as a plain dict."""
@@ -894,6 +898,7 @@ class QueueCore:
             c0.update({k: 0 for k in sub.counters})
             span = max(now - self._started_at, 1e-6)
             name, depth, dead_letter_queue = sub.name, sub.log.depth, sub.dead_letter_address
+        replicas = self.replication.statuses() if self.replication else []
         return QueueStats(
             name=name,
             durable=self.config.durable,
@@ -945,8 +950,10 @@ class QueueCore:
             task_restarts=self._tasks.restarts,
             last_task_error=self._tasks.last_error,
             internal_errors=self._internal_errors,
-            replicas=[r.to_dict() for r in self.replication.statuses()] if self.replication else [],
+            replicas=[r.to_dict() for r in replicas],
             unreplicated_commits=self.replication.failed_commits if self.replication else 0,
+            replicas_in_sync=sum(r.in_sync for r in replicas) if replicas else 1,
+            replica_lag_messages=max((r.lag_messages for r in replicas), default=0),
         )
 
     # -- an address's subscriptions come and go ----------------------------------------

@@ -1,0 +1,694 @@
+"""Replicated queues (issue 14): what replicas cost a producer, how long a failover and a
+follower's catch-up take, measured in one run on a four-node Ray cluster of its own.
+
+1. Produce: N x 1 KiB sent with ``send_batch`` (batches of 1,000 from 4 threads), then
+   M single messages from 8 threads each calling ``send`` and waiting, to a queue with
+   ``replicas=1``, ``2`` and ``3`` (each its own queue, its leader on a worker node).
+   Rates and their ratio to ``replicas=1`` (targets for ``replicas=2``: batched
+   >= 0.6x, 8-producer single sends >= 0.5x).
+2. CPU per message of each produce phase: the leader's process, one follower's process
+   (``/proc/<pid>/stat`` before and after) and the whole machine, in microseconds.
+3. Failover, ``replicas=3``: single-message producers and a consumer running; the
+   leader's node is removed (not gracefully) and the leader's process SIGKILLed, as a
+   lost machine would take it. Seconds to the first acknowledged send that started after
+   the leader died, and to the first delivery of a message whose send started after it
+   (target: writes resume within 5 s); every acknowledged message is then checked to
+   have been consumed.
+4. Catch-up, ``replicas=2``: the queue filled with ``--fill-mib`` of 1 KiB messages, a
+   follower's node removed (and its process SIGKILLed): seconds until the broker names
+   a new follower (it replaces one that missed two monitor pings), then until that one
+   is in sync, and the copy's MB/s.
+
+Method and caveats: the cluster is ``ray.cluster_utils.Cluster`` (a head and three
+worker raylets) in this process's machine, with Ray's default health-check settings:
+the broker's own pings notice a lost replica, long before Ray declares a node dead. A
+removed raylet leaves its worker processes running for a while, so the benchmark kills
+the lost replica's process itself. All nodes share this machine's cores (2 here) and
+one disk: every replica's write and fdatasync, the producers, the consumer and Ray
+itself compete for them, where on a real cluster each replica has a machine and a disk
+of its own. The rates understate a real cluster, the more so the more replicas; the CPU
+per message of the leader's and a follower's process is what projects to one (a
+process's ceiling is about 1 s / its CPU per message), with the network's round trips
+added. Failover and catch-up times include the broker's detection (monitor every 1 s,
+1 s ping timeout) and are bounded below by it.
+
+    python -m bench.replication [--quick] [--batched 200000] [--single 16000]
+        [--fill-mib 1024] [--parts 1234]
+
+It always starts its own cluster (``$RAYMQ_BENCH_ADDRESS`` is not used: nodes are
+removed), with its temporary directories under ``$RAYMQ_BENCH_DIR`` or /tmp, deleted at
+the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+
+import ray
+from ray.cluster_utils import Cluster
+from raymq.actors.replica_actor import replica_actor_name
+from raymq.placement import spares
+
+import raymq
+from bench.common import (
+    console,
+    machine_cpu_seconds,
+    print_table,
+    process_cpu_seconds,
+    timed,
+)
+from raymq.errors import RayMQError
+
+NAMESPACE = "raymq-bench-replication"
+MIB = 2**20
+BODY = b"x" * 1024
+BATCH = 1000
+#: Bound on anything that should take seconds: only a wedge takes this long.
+DEADLINE_SECONDS = 120.0
+#: The issue's targets.
+BATCHED_TARGET = 0.6
+SINGLE_TARGET = 0.5
+RESUME_TARGET_SECONDS = 5.0
+
+
+def wait_for(what: str, check, timeout: float = DEADLINE_SECONDS, poll: float = 0.02):
+    """``check()`` until it is truthy (returned); ``TimeoutError`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not after {timeout:.0f} s")
+        time.sleep(poll)
+
+
+class Bench:
+    """The cluster, the broker and the helpers every part uses."""
+
+    def __init__(self, store_bytes: int):
+        self.store = store_bytes
+        self.root = tempfile.mkdtemp(prefix="rmq-bench-repl-")  # short: Ray's socket paths
+        self.paging = tempfile.mkdtemp(
+            prefix="rmq-bench-repl-paging-", dir=os.environ.get("RAYMQ_BENCH_DIR")
+        )
+        temp = os.path.join(self.root, "ray")
+        os.makedirs(os.path.join(temp, "ray"))
+        os.environ["RAY_TMPDIR"] = temp
+        self.cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": 2,
+                "object_store_memory": store_bytes,
+                "include_dashboard": False,
+                "temp_dir": temp,
+            },
+        )
+        self.top_up()
+        ray.init(address=self.cluster.address, log_to_driver=False, configure_logging=False)
+        self.broker = raymq.connect(namespace=NAMESPACE, paging_directory=self.paging)
+        self.head = ray.get_runtime_context().get_node_id()
+        #: Processes of lost replicas this benchmark killed (kept to make sure at exit).
+        self.killed: list[int] = []
+
+    def close(self) -> None:
+        try:
+            with contextlib.suppress(Exception):
+                self.broker.shutdown()
+        finally:
+            ray.shutdown()
+            self.cluster.shutdown()
+            shutil.rmtree(self.root, ignore_errors=True)
+            shutil.rmtree(self.paging, ignore_errors=True)
+
+    def workers(self) -> dict:
+        """Worker node id -> its cluster node handle (alive ones)."""
+        return {n.node_id: n for n in self.cluster.worker_nodes}
+
+    def top_up(self, n: int = 3) -> None:
+        """Add worker nodes until there are ``n`` (after one was removed)."""
+        while len(self.cluster.worker_nodes) < n:
+            self.cluster.add_node(num_cpus=1, object_store_memory=self.store)
+        self.cluster.wait_for_nodes()
+
+    def remove(self, node_id: str, pids: list[int]) -> tuple[float, float]:
+        """Remove a worker node, not gracefully, and SIGKILL ``pids`` (its replicas'
+        processes: a removed raylet leaves them running for a while, a lost machine
+        takes them at once). Returns (monotonic time before the removal, after the
+        kill)."""
+        node = self.workers()[node_id]
+        t0 = time.monotonic()
+        self.cluster.remove_node(node, allow_graceful=False)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.killed += pids
+        return t0, time.monotonic()
+
+    def replica_set(self, name: str) -> dict:
+        return ray.get(self.broker._actor.replica_sets.remote())[name]
+
+    def follower(self, name: str, rid: str):
+        return ray.get_actor(replica_actor_name(name, rid), namespace=NAMESPACE)
+
+    def leader_pid(self, q) -> int:
+        return ray.get(q._actor.pid.remote())
+
+    def follower_pids(self, name: str) -> dict[str, int]:
+        """Follower replica id -> its process id."""
+        rs = self.replica_set(name)
+        return {
+            rid: ray.get(self.follower(name, rid).pid.remote())
+            for rid in sorted(rs["nodes"])
+            if rid != rs["leader"]
+        }
+
+    def delete(self, name: str) -> None:
+        """Delete a queue, and stop followers ``delete_queue`` leaves running."""
+        rs = ray.get(self.broker._actor.replica_sets.remote()).get(name, {"nodes": {}})
+        self.broker.delete_queue(name)
+        for rid in rs["nodes"]:
+            with contextlib.suppress(ValueError):
+                ray.kill(self.follower(name, rid), no_restart=True)
+
+
+# -- part 1 and 2: produce ------------------------------------------------------------
+
+
+def in_threads(n_threads: int, total: int, work) -> int:
+    """Split ``total`` over threads running ``work(count)``; returns what they did."""
+    per = total // n_threads
+    threads = [threading.Thread(target=work, args=(per,)) for _ in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return per * n_threads
+
+
+def produce(b: Bench, replicas: int, batched: int, single: int, leader_node: str) -> dict:
+    """Batched then single sends to a queue of ``replicas``; rates and CPU per message."""
+    name = f"produce-r{replicas}"
+    q = b.broker.create_queue(name, replicas=replicas, node_id=leader_node)
+    leader = b.leader_pid(q)
+    followers = b.follower_pids(name) if replicas > 1 else {}
+    follower = next(iter(followers.values()), None)
+    bodies = [BODY] * BATCH
+    for _ in range(5):  # warm: the send channel, the first segments
+        q.send_batch(bodies)
+        q.send(BODY)
+
+    def batches(count: int) -> None:
+        for _ in range(count // BATCH):
+            q.send_batch(bodies)
+
+    def singles(count: int) -> None:
+        for _ in range(count):
+            q.send(BODY)
+
+    out: dict = {"followers": len(followers)}
+    phases = {
+        "batched": lambda: in_threads(4, batched - batched % (4 * BATCH), batches),
+        "single": lambda: in_threads(8, single, singles),
+    }
+    for phase, fn in phases.items():
+        cpu0 = (
+            process_cpu_seconds(leader),
+            process_cpu_seconds(follower) if follower else 0.0,
+            machine_cpu_seconds(),
+        )
+        seconds, rate = timed(fn)
+        n = rate * seconds
+        cpu1 = (
+            process_cpu_seconds(leader),
+            process_cpu_seconds(follower) if follower else 0.0,
+            machine_cpu_seconds(),
+        )
+        out[phase] = {
+            "rate": rate,
+            "leader_us": (cpu1[0] - cpu0[0]) / n * 1e6,
+            "follower_us": (cpu1[1] - cpu0[1]) / n * 1e6 if follower else None,
+            "machine_us": (cpu1[2] - cpu0[2]) / n * 1e6,
+        }
+    st = q.stats()
+    out["in_sync"] = sum(1 for r in st["replicas"] if r["in_sync"]) or 1
+    out["unreplicated"] = st.get("unreplicated_commits", 0)
+    b.delete(name)
+    return out
+
+
+def produce_rows(res: dict[int, dict]) -> tuple[list[list[str]], list[list[str]]]:
+    """Rows of the rate table and of the CPU table."""
+    base = res[1]
+    rates = []
+    for phase, label, target in (
+        ("batched", "batched produce, 4 x send_batch(1000 x 1 KiB) (msg/s)", BATCHED_TARGET),
+        ("single", "single produce, 8 threads x send (msg/s)", SINGLE_TARGET),
+    ):
+        for r in sorted(res):
+            rate = res[r][phase]["rate"]
+            ratio = rate / base[phase]["rate"]
+            met = "-" if r != 2 else ("yes" if ratio >= target else "NO")
+            rates.append(
+                [
+                    label if r == 1 else "",
+                    str(r),
+                    f"{rate:,.0f}",
+                    f"{ratio:.2f}x",
+                    f">= {target}x" if r == 2 else "-",
+                    met,
+                ]
+            )
+    cpu = []
+    for phase in ("batched", "single"):
+        for r in sorted(res):
+            c = res[r][phase]
+            cpu.append(
+                [
+                    phase if r == 1 else "",
+                    str(r),
+                    f"{c['leader_us']:.1f}",
+                    "-" if c["follower_us"] is None else f"{c['follower_us']:.1f}",
+                    f"{c['machine_us']:.1f}",
+                    f"{c['leader_us'] / base[phase]['leader_us']:.2f}x",
+                    f"{1e6 / c['leader_us']:,.0f}",
+                    "-" if not c["follower_us"] else f"{1e6 / c['follower_us']:,.0f}",
+                ]
+            )
+    return rates, cpu
+
+
+# -- part 3: failover -----------------------------------------------------------------
+
+
+def body_of(t: int, i: int, started: float) -> bytes:
+    """A 1 KiB body naming its producer, number and the monotonic time its send started."""
+    head = f"p{t}:{i}:{started:.6f}:".encode()
+    return head + BODY[: max(0, len(BODY) - len(head))]
+
+
+def started_of(body: bytes) -> float:
+    return float(body.split(b":", 3)[2])
+
+
+class Producers:
+    """Threads sending single messages, recording each acknowledged send's start and end."""
+
+    def __init__(self, queue, threads: int):
+        self.queue = queue
+        self.acked: list[bytes] = []
+        self.acked_at: list[tuple[float, float]] = []
+        self.errors: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [
+            threading.Thread(target=self._run, args=(t,), daemon=True) for t in range(threads)
+        ]
+
+    def start(self) -> Producers:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def _run(self, t: int) -> None:
+        i = 0
+        while not self._stop.is_set():
+            started = time.monotonic()
+            body = body_of(t, i, started)
+            try:
+                self.queue.send(body, timeout=10)
+            except (RayMQError, ray.exceptions.RayError) as exc:
+                with self._lock:
+                    self.errors[type(exc).__name__] = self.errors.get(type(exc).__name__, 0) + 1
+                time.sleep(0.01)
+                continue  # not acknowledged: another body next
+            with self._lock:
+                self.acked.append(body)
+                self.acked_at.append((started, time.monotonic()))
+            i += 1
+
+    def count(self) -> int:
+        with self._lock:
+            return len(self.acked)
+
+    def first_ack_after(self, t: float) -> float | None:
+        """Seconds from ``t`` to the first acknowledgement of a send started after it."""
+        with self._lock:
+            later = [end for start, end in self.acked_at if start > t]
+        return min(later) - t if later else None
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(DEADLINE_SECONDS)
+
+
+class Receiver:
+    """A consumer receiving and acknowledging continuously in a thread, recording when
+    each body arrived."""
+
+    def __init__(self, queue):
+        self.queue = queue
+        self.got: list[tuple[float, bytes]] = []
+        self.errors: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        spares.wait_warm(timeout=30)
+        self.consumer = queue.consumer(prefetch=2 * BATCH)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> Receiver:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        c = self.consumer
+        while not self._stop.is_set():
+            try:
+                batch = c.receive_batch(BATCH, timeout=0.2)
+            except RayMQError as exc:  # the leader moves: the TargetList follows it
+                self._error(exc)
+                time.sleep(0.05)
+                continue
+            if not batch.num_rows:
+                continue
+            now = time.monotonic()
+            bodies = batch.column("body").to_pylist()
+            with self._lock:
+                self.got += [(now, body) for body in bodies]
+            try:
+                c.ack(batch)  # waits: follows the leader (a pipelined ack does not)
+            except RayMQError as exc:  # offsets the new leader did not deliver to us
+                self._error(exc)
+
+    def _error(self, exc: Exception) -> None:
+        with self._lock:
+            self.errors[type(exc).__name__] = self.errors.get(type(exc).__name__, 0) + 1
+
+    def first_after(self, t: float, sent_after: bool) -> float | None:
+        """Seconds from ``t`` to the first delivery after it (of a message whose send
+        started after it, if ``sent_after``)."""
+        with self._lock:
+            later = [
+                at for at, body in self.got if at > t and (not sent_after or started_of(body) > t)
+            ]
+        return min(later) - t if later else None
+
+    def stop(self) -> list[bytes]:
+        """Stop, drain what is left, close; returns every body received."""
+        self._stop.set()
+        self._thread.join(DEADLINE_SECONDS)
+        c = self.consumer
+        deadline = time.monotonic() + DEADLINE_SECONDS
+        while time.monotonic() < deadline:
+            batch = c.receive_batch(BATCH, timeout=1)
+            if batch.num_rows:
+                self.got += [(time.monotonic(), x) for x in batch.column("body").to_pylist()]
+                with contextlib.suppress(RayMQError):
+                    c.ack(batch)
+            elif c.backlog() == 0:
+                break
+        with contextlib.suppress(RayMQError):
+            c.close()
+        return [body for _, body in self.got]
+
+
+def failover(b: Bench, threads: int, before: float, after: float) -> dict:
+    """Part 3: the leader's node lost under single-message producers and a consumer."""
+    name = "failover"
+    leader_node = sorted(b.workers())[0]
+    q = b.broker.create_queue(name, replicas=3, node_id=leader_node)
+    q.send(BODY)  # the send channel is open before the producers start
+    receiver = Receiver(q).start()
+    producers = Producers(q, threads).start()
+    wait_for("acks before the loss", lambda: producers.count() >= 200)
+    time.sleep(before)
+    failovers = len(ray.get(b.broker._actor.failover_log.remote()))
+    acked_before = producers.count()
+    removed, killed = b.remove(leader_node, [b.leader_pid(q)])
+    out: dict = {"remove_node_seconds": killed - removed}
+    wait_for("a failover", lambda: len(ray.get(b.broker._actor.failover_log.remote())) > failovers)
+    wait_for("acks after the loss", lambda: producers.first_ack_after(killed))
+    wait_for("deliveries after the loss", lambda: receiver.first_after(killed, True))
+    time.sleep(after)
+    producers.stop()
+    consumed = set(receiver.stop())
+    log = ray.get(b.broker._actor.failover_log.remote())[failovers]
+    st = q.stats()
+    out.update(
+        {
+            "ack_after_kill": producers.first_ack_after(killed),
+            "ack_after_removal": producers.first_ack_after(removed),
+            "delivery_after_kill": receiver.first_after(killed, False),
+            "sent_delivery_after_kill": receiver.first_after(killed, True),
+            "sent_delivery_after_removal": receiver.first_after(removed, True),
+            "failover_seconds": log["seconds"],
+            "leader_moved": b.broker.queue_nodes()[name] != leader_node,
+            "acked": producers.count(),
+            "acked_before": acked_before,
+            "lost": len(set(producers.acked) - consumed),
+            "producer_errors": producers.errors,
+            "consumer_errors": receiver.errors,
+            "replicas": st["replicas"],
+        }
+    )
+    b.delete(name)
+    return out
+
+
+# -- part 4: catch-up -----------------------------------------------------------------
+
+
+def catch_up(b: Bench, fill_bytes: int) -> dict:
+    """Part 4: fill a replicas=2 queue, lose its follower's node, time the new follower.
+    The leader is on the head node, so that the follower is on a worker (removable)."""
+    name = "catchup"
+    q = b.broker.create_queue(name, replicas=2, node_id=b.head)
+    bodies = [BODY] * BATCH
+    batches = max(4, fill_bytes // (len(BODY) * BATCH))
+    fill_seconds, fill_rate = timed(lambda: in_threads(4, batches * BATCH, fill_batches(q, bodies)))
+    st = q.stats()
+    (old_rid, old_pid), *_ = b.follower_pids(name).items()
+    rids = set(b.replica_set(name)["nodes"])
+    old_node = b.replica_set(name)["nodes"][old_rid]
+    wait_for("in sync before", lambda: all(r["in_sync"] for r in q.stats()["replicas"]))
+    removed, killed = b.remove(old_node, [old_pid])
+    new_rid = wait_for(
+        "a new follower",
+        lambda: next((r for r in b.replica_set(name)["nodes"] if r not in rids), None),
+        poll=0.01,
+    )
+    named = time.monotonic()
+    lag = {"bytes": 0, "messages": 0}
+
+    def in_sync() -> bool:
+        reps = q.stats()["replicas"]
+        mine = [r for r in reps if r["replica_id"] == new_rid]
+        if mine and not mine[0]["in_sync"]:
+            lag["bytes"] = max(lag["bytes"], mine[0]["lag_bytes"])
+            lag["messages"] = max(lag["messages"], mine[0]["lag_messages"])
+        return bool(mine) and len(reps) == 2 and all(r["in_sync"] for r in reps)
+
+    wait_for("the new follower in sync", in_sync, timeout=600, poll=0.05)
+    synced = time.monotonic()
+    new_state = ray.get(b.follower(name, new_rid).stats.remote())
+    out = {
+        "fill_messages": batches * BATCH,
+        "fill_seconds": fill_seconds,
+        "fill_rate": fill_rate,
+        "bytes_on_disk": st["bytes_on_disk"],
+        "remove_node_seconds": killed - removed,
+        "named_seconds": named - killed,
+        "sync_seconds": synced - named,
+        "total_seconds": synced - killed,
+        "lag_bytes": lag["bytes"],
+        "lag_messages": lag["messages"],
+        "new_end_offset": new_state["end_offset"],
+    }
+    b.delete(name)
+    return out
+
+
+def fill_batches(q, bodies):
+    def work(count: int) -> None:
+        for _ in range(count // BATCH):
+            q.send_batch(bodies)
+
+    return work
+
+
+# -- main ---------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a small run (about a minute)")
+    parser.add_argument("--batched", type=int, help="part 1 batched messages per queue")
+    parser.add_argument("--single", type=int, help="part 1 single sends per queue")
+    parser.add_argument("--fill-mib", type=int, help="part 4: MiB of 1 KiB messages")
+    parser.add_argument("--producers", type=int, default=3, help="part 3 producer threads")
+    parser.add_argument("--store-mib", type=int, default=150, help="object store per node")
+    parser.add_argument("--parts", default="1234", help="which parts to run (2 comes with 1)")
+    args = parser.parse_args()
+    quick = args.quick
+    batched = args.batched or (40_000 if quick else 200_000)
+    single = args.single or (4_000 if quick else 16_000)
+    fill_mib = args.fill_mib or (128 if quick else 1024)
+    steady = (1.0, 2.0) if quick else (3.0, 5.0)  # part 3: seconds before and after
+
+    t_start = time.monotonic()
+    console.print(f"starting a 4-node cluster ({args.store_mib} MiB object store each) ...")
+    b = Bench(args.store_mib * MIB)
+    summary: list[list[str]] = []
+    try:
+        if "1" in args.parts or "2" in args.parts:
+            leader_node = sorted(b.workers())[0]
+            res = {}
+            for r in (1, 2, 3):
+                console.print(
+                    f"part 1: replicas={r}: {batched:,} x 1 KiB in batches,"
+                    f" {single:,} single sends from 8 threads ..."
+                )
+                res[r] = produce(b, r, batched, single, leader_node)
+            rates, cpu = produce_rows(res)
+            print_table(
+                "1. produce rate by replicas (same run; leader on a worker node)",
+                ["figure", "replicas", "msg/s", "vs replicas=1", "target", "met?"],
+                rates,
+            )
+            print_table(
+                "2. CPU per message (us): leader process, one follower process, machine",
+                [
+                    "phase",
+                    "replicas",
+                    "leader",
+                    "follower",
+                    "machine",
+                    "leader vs replicas=1",
+                    "leader ceiling msg/s",
+                    "follower ceiling msg/s",
+                ],
+                cpu,
+            )
+            for phase, target in (("batched", BATCHED_TARGET), ("single", SINGLE_TARGET)):
+                ratio = res[2][phase]["rate"] / res[1][phase]["rate"]
+                summary.append(
+                    [
+                        f"replicas=2 {phase} produce vs replicas=1",
+                        f"{ratio:.2f}x ({res[2][phase]['rate']:,.0f} msg/s)",
+                        f">= {target}x",
+                        "yes" if ratio >= target else "NO",
+                    ]
+                )
+        if "3" in args.parts:
+            b.top_up()
+            console.print(
+                f"part 3: failover, replicas=3, {args.producers} producers and a consumer ..."
+            )
+            f = failover(b, args.producers, *steady)
+            b.top_up()
+            na = "not seen"
+            rows = [
+                ["remove_node (the old leader ran meanwhile)", f"{f['remove_node_seconds']:.2f} s"],
+                [
+                    "first ack of a send started after the leader's SIGKILL",
+                    fmt_s(f["ack_after_kill"], na),
+                ],
+                [
+                    "first ack of a send started after remove_node began",
+                    fmt_s(f["ack_after_removal"], na),
+                ],
+                [
+                    "first delivery of anything after the SIGKILL",
+                    fmt_s(f["delivery_after_kill"], na),
+                ],
+                [
+                    "first delivery of a message sent after the SIGKILL",
+                    fmt_s(f["sent_delivery_after_kill"], na),
+                ],
+                ["broker's failover (fence, promote, start leader)", fmt_s(f["failover_seconds"])],
+                ["leader moved off the lost node", str(f["leader_moved"])],
+                [
+                    "acknowledged / lost (acked, never consumed)",
+                    f"{f['acked']:,} / {f['lost']:,}",
+                ],
+                ["producer errors (retried)", str(f["producer_errors"] or "none")],
+                ["consumer errors (retried)", str(f["consumer_errors"] or "none")],
+                [
+                    "replicas afterwards (in sync)",
+                    f"{len(f['replicas'])} ({sum(r['in_sync'] for r in f['replicas'])})",
+                ],
+            ]
+            print_table("3. failover: the leader's node lost", ["figure", "value"], rows)
+            resumed = f["ack_after_kill"]
+            summary.append(
+                [
+                    "writes resume after the leader's loss",
+                    fmt_s(resumed, na),
+                    f"< {RESUME_TARGET_SECONDS:.0f} s",
+                    "yes" if resumed is not None and resumed < RESUME_TARGET_SECONDS else "NO",
+                ]
+            )
+            summary.append(
+                [
+                    "acknowledged messages lost in the failover",
+                    f"{f['lost']:,} of {f['acked']:,}",
+                    "0",
+                    "yes" if f["lost"] == 0 else "NO",
+                ]
+            )
+        if "4" in args.parts:
+            b.top_up()
+            console.print(f"part 4: catch-up, replicas=2 filled with {fill_mib:,} MiB ...")
+            c = catch_up(b, fill_mib * MIB)
+            b.top_up()
+            mb_s = c["bytes_on_disk"] / 1e6 / c["sync_seconds"]
+            rows = [
+                [
+                    "fill (replicas=2, batches)",
+                    f"{c['fill_messages']:,} msgs, {c['bytes_on_disk'] / MIB:,.0f} MiB on disk"
+                    f" in {c['fill_seconds']:.1f} s ({c['fill_rate']:,.0f} msg/s)",
+                ],
+                ["remove_node", f"{c['remove_node_seconds']:.2f} s"],
+                [
+                    "SIGKILL -> new follower named (broker's detection)",
+                    f"{c['named_seconds']:.2f} s",
+                ],
+                [
+                    "new follower named -> in sync (catch-up)",
+                    f"{c['sync_seconds']:.2f} s ({mb_s:,.0f} MB/s of the leader's segments)",
+                ],
+                ["SIGKILL -> in sync, total", f"{c['total_seconds']:.2f} s"],
+                [
+                    "largest lag seen (leader's view)",
+                    f"{c['lag_bytes'] / MIB:,.0f} MiB, {c['lag_messages']:,} msgs",
+                ],
+            ]
+            print_table("4. catch-up of a replacement follower", ["figure", "value"], rows)
+            summary.append(
+                [
+                    f"catch-up of {c['bytes_on_disk'] / MIB:,.0f} MiB (detection + copy)",
+                    f"{c['named_seconds']:.1f} + {c['sync_seconds']:.1f} s, {mb_s:,.0f} MB/s",
+                    "-",
+                    "-",
+                ]
+            )
+    finally:
+        b.close()
+    print_table("summary", ["figure", "value", "target", "met?"], summary)
+    console.print(f"total {time.monotonic() - t_start:.0f} s")
+
+
+def fmt_s(seconds: float | None, none: str = "-") -> str:
+    return none if seconds is None else f"{seconds:.2f} s"
+
+
+if __name__ == "__main__":
+    main()
