@@ -37,6 +37,9 @@ IN_SYNC_TIMEOUT_SECONDS = 60.0
 #: A node where a replica was lost gets no new replica for this long (seconds), unless
 #: no other node is left.
 LOST_NODE_SECONDS = 120.0
+#: How long a replaced leader's node has to start its copy again as a follower
+#: (seconds); a lost node never does.
+REJOIN_SECONDS = 10.0
 _GONE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 
 log = logging.getLogger("raymq.broker")
@@ -58,6 +61,7 @@ class BrokerActor:
         #: Follower replica ids that missed a ping last round (replaced at the second).
         self._missed: set[tuple[str, str]] = set()
         self.failovers: list[dict] = []
+        self._rejoins: dict[tuple[str, str], asyncio.Task] = {}
         #: Replicated queues whose leader is being started (not checked meanwhile: it
         #: answers no ping while it recovers), with how many starts are under way.
         self._starting: dict[str, int] = {}
@@ -403,6 +407,59 @@ class BrokerActor:
         }
         self.failovers.append(record)
         log.warning("queue %r: failover %s", name, record)
+        if lost in {n["NodeID"] for n in alive_nodes()}:  # maybe only its process paused
+            task = asyncio.get_running_loop().create_task(self._rejoin(name, old_leader, lost))
+            self._rejoins[(name, old_leader)] = task
+
+    async def _rejoin(self, name: str, rid: str, node: str) -> None:
+        """Try to bring a replaced leader's copy back as a follower, on its node, with
+        its files: the new leader cuts off the tail it wrote that was never committed
+        (the epoch history says where) and catches it up. If its node does not start it
+        within ``REJOIN_SECONDS``, the node is taken for lost (the replacement stays)."""
+        entry = self._queues.get(name)
+        if entry is None or entry.replicas is None:
+            return
+        epoch = entry.replicas.epoch
+        handle = self._follower(name, rid, node, epoch)
+        try:
+            await asyncio.wait_for(handle.ready.remote(), REJOIN_SECONDS)
+        except (asyncio.TimeoutError, *_GONE) as exc:
+            log.info("queue %r: replica %s does not rejoin from its node: %r", name, rid, exc)
+            ray.kill(handle, no_restart=True)
+            return
+        async with self._lock_of(name):
+            rs = self._queues[name].replicas
+            if rs.epoch != epoch or rid in rs.nodes:
+                ray.kill(handle, no_restart=True)  # another failover meanwhile
+                return
+            rs.nodes[rid] = node
+            self._lost_nodes.pop(node, None)
+            self._save(name)
+            log.warning("queue %r: replica %s rejoins as a follower", name, rid)
+            await self._tell_followers(name)
+
+    async def _trim_excess(self, name: str) -> None:
+        """A set grown past the queue's replicas (a replaced leader rejoined): once the
+        in-sync replicas alone are enough, drop a follower that is not in sync, else
+        the newest one."""
+        async with self._lock_of(name):
+            entry = self._queues.get(name)
+            if entry is None or entry.replicas is None:
+                return
+            rs = entry.replicas
+            if len(rs.nodes) <= entry.config.replicas or len(rs.in_sync) < entry.config.replicas:
+                return
+            lagging = [r for r in rs.followers if r not in rs.in_sync]
+            drop = lagging[0] if lagging else max(rs.followers, key=lambda r: int(r[1:]))
+            with contextlib.suppress(ValueError):
+                handle = self._replica_handle(name, drop)
+                with contextlib.suppress(asyncio.TimeoutError, *_GONE):
+                    await asyncio.wait_for(handle.shutdown.remote(True), PING_TIMEOUT_SECONDS * 5)
+                ray.kill(handle, no_restart=True)
+            rs.remove_replica(drop)
+            self._save(name)
+            log.warning("queue %r: replica %s retired (%d replicas)", name, drop, len(rs.nodes))
+            await self._tell_followers(name)
 
     async def _replace_follower(self, name: str, rid: str) -> None:
         async with self._lock_of(name):
@@ -477,6 +534,8 @@ class BrokerActor:
         rs = entry.replicas
         if len(rs.nodes) < entry.config.replicas:
             await self._restore_count(name)
+        elif len(rs.nodes) > entry.config.replicas:
+            await self._trim_excess(name)
         for rid in rs.followers:
             try:
                 ok = await self._ping(self._replica_handle(name, rid))

@@ -306,8 +306,20 @@ class Scenario:
         except ray.exceptions.RayError as exc:
             stale = type(exc).__name__
         q.send(b"p-after")
+        old_rid = ray.get(self.broker._actor.failover_log.remote())[-1]["old_leader"]
+
+        def rejoined():
+            rs = ray.get(self.broker._actor.replica_sets.remote())["paused"]
+            replicas = q.stats()["replicas"]
+            back = old_rid in rs["nodes"] and len(rs["nodes"]) == 3
+            return back and all(r["in_sync"] for r in replicas) and (rs, replicas)
+
+        rs, replicas = wait_for("the old leader back as an in-sync follower", rejoined)
         consumed = consume_all(q)
         return {
+            "old_leader": old_rid,
+            "replica_set": rs,
+            "replicas": replicas,
             "stale_send": stale,
             "consumed": sorted({b.decode() for b in consumed}),
             "count": len(consumed),

@@ -88,6 +88,15 @@ def test_a_paused_old_leader_cannot_acknowledge_a_send(observed):
     assert r["count"] == 11
 
 
+def test_a_paused_old_leader_rejoins_as_a_follower(observed):
+    r = observed["paused"]
+    rs = r["replica_set"]
+    assert r["old_leader"] in rs["nodes"] and rs["leader"] != r["old_leader"]
+    assert len(rs["nodes"]) == 3  # the replacement retired once it was back
+    follower = next(x for x in r["replicas"] if x["replica_id"] == r["old_leader"])
+    assert follower["role"] == "follower" and follower["in_sync"]
+
+
 def test_each_failover_moves_to_the_next_epoch(observed):
     assert observed["failovers"], observed
     for f in observed["failovers"]:
