@@ -115,8 +115,9 @@ def wait_for(what: str, check, timeout: float = DEADLINE_SECONDS):
         time.sleep(0.05)
 
 
-def consume_all(queue) -> list[bytes]:
-    """Receive and ack until the queue has nothing more."""
+def consume_all(queue, offsets: list[int] | None = None) -> list[bytes]:
+    """Receive and ack until the queue has nothing more (their offsets appended to
+    ``offsets``)."""
     got: list[bytes] = []
     deadline = time.monotonic() + DEADLINE_SECONDS
     with queue.consumer(prefetch=2000) as c:
@@ -124,6 +125,8 @@ def consume_all(queue) -> list[bytes]:
             batch = c.receive_batch(1000, timeout=1)
             if batch.num_rows:
                 got += batch.column("body").to_pylist()
+                if offsets is not None:
+                    offsets += batch.column("offset").to_pylist()
                 c.ack(batch)
             elif c.backlog() == 0:
                 return got
@@ -186,6 +189,10 @@ class Scenario:
         leader = self.broker.queue_nodes()["leader"]
         producers = Producers(q).start()
         wait_for("acks before the loss", lambda: producers.count() >= 2000)
+        holder = q.consumer(prefetch=500)  # holds messages unacknowledged across the loss
+        held = []
+        while len(held) < 300:
+            held += [m.body for m in holder.receive(max_messages=300, timeout=5)]
         removed_at = self.remove(leader, [self.leader_pid(q)])
         wait_for("a new leader", lambda: self.broker.queue_nodes()["leader"] != leader)
         wait_for("acks after the loss", lambda: producers.first_ack_after(removed_at + 0.001))
@@ -199,10 +206,15 @@ class Scenario:
             "errors": producers.errors,
             "first_error": producers.first_error,
         }
+        holder.close()  # what it held goes to the next consumer
         t = time.monotonic()
-        consumed = consume_all(q)
+        offsets: list[int] = []
+        consumed = consume_all(q, offsets)
         out["consume_seconds"] = time.monotonic() - t
         out.update(check_bodies(producers.acked, consumed))
+        out["held"] = len(held)
+        out["held_delivered_again"] = len(set(held) & set(consumed))
+        out["distinct_offsets"] = len(set(offsets))
         out["replicas"] = q.stats()["replicas"]
         return out
 

@@ -51,6 +51,14 @@ def test_every_acknowledged_message_survives_the_loss_of_the_leaders_node(observ
     assert r["never_sent"] == 0
     # at-least-once: only sends retried across the failover come twice
     assert r["duplicates"] <= 1000, r
+    # every stored message has its own offset: none given twice across the failover
+    assert r["distinct_offsets"] == r["consumed"]
+
+
+def test_messages_held_unacknowledged_across_a_failover_are_delivered_again(observed):
+    r = observed["leader"]
+    assert r["held"] >= 300
+    assert r["held_delivered_again"] == r["held"]
 
 
 def test_writes_resume_within_five_seconds_of_the_leaders_node_dying(observed):
