@@ -571,9 +571,10 @@ def catch_up(b: Bench, fill_bytes: int) -> dict:
 
 
 def fill_batches(q, bodies):
-    def work(count: int) -> None:
+    def work(count: int) -> int:
         for _ in range(count // BATCH):
             q.send_batch(bodies)
+        return count - count % BATCH
 
     return work
 
@@ -584,20 +585,31 @@ def fill_batches(q, bodies):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a small run (about a minute)")
-    parser.add_argument("--batched", type=int, help="part 1 batched messages per queue")
-    parser.add_argument("--single", type=int, help="part 1 single sends per queue")
+    parser.add_argument("--batched", type=int, help="part 1: batched messages per queue")
+    parser.add_argument("--single", type=int, help="part 1: single sends per queue (at most)")
+    parser.add_argument(
+        "--single-seconds", type=float, help="part 1: single sends stop after this long"
+    )
     parser.add_argument("--fill-mib", type=int, help="part 4: MiB of 1 KiB messages")
-    parser.add_argument("--producers", type=int, default=3, help="part 3 producer threads")
+    parser.add_argument("--producers", type=int, default=3, help="part 3: producer threads")
     parser.add_argument("--store-mib", type=int, default=150, help="object store per node")
     parser.add_argument("--parts", default="1234", help="which parts to run (2 comes with 1)")
     args = parser.parse_args()
     quick = args.quick
     batched = args.batched or (40_000 if quick else 200_000)
     single = args.single or (4_000 if quick else 16_000)
+    single_seconds = args.single_seconds or (5.0 if quick else 20.0)
     fill_mib = args.fill_mib or (128 if quick else 1024)
-    steady = (1.0, 2.0) if quick else (3.0, 5.0)  # part 3: seconds before and after
+    steady = (1.0, 2.0) if quick else (3.0, 5.0)  # part 3: seconds before and after the loss
+    if not console.is_terminal:
+        console.width = max(console.width, 120)  # tables unwrapped in a log
 
     t_start = time.monotonic()
+    load = background_load()
+    console.print(
+        f"machine: {os.cpu_count()} cores, {load:.0%} busy before the run"
+        + (" (other work: figures below compete with it)" if load > 0.1 else "")
+    )
     console.print(f"starting a 4-node cluster ({args.store_mib} MiB object store each) ...")
     b = Bench(args.store_mib * MIB)
     summary: list[list[str]] = []
@@ -607,25 +619,36 @@ def main() -> None:
             res = {}
             for r in (1, 2, 3):
                 console.print(
-                    f"part 1: replicas={r}: {batched:,} x 1 KiB in batches,"
-                    f" {single:,} single sends from 8 threads ..."
+                    f"part 1: replicas={r}: {batched:,} x 1 KiB in batches, up to"
+                    f" {single:,} single sends ({single_seconds:.0f} s) from 8 threads ..."
                 )
-                res[r] = produce(b, r, batched, single, leader_node)
+                res[r] = produce(b, r, batched, single, single_seconds, leader_node)
             rates, cpu = produce_rows(res)
             print_table(
-                "1. produce rate by replicas (same run; leader on a worker node)",
-                ["figure", "replicas", "msg/s", "vs replicas=1", "target", "met?"],
+                "1. produce by replicas (same run; each its own queue, leader on a worker)",
+                [
+                    "sends",
+                    "replicas",
+                    "messages",
+                    "msg/s",
+                    "vs replicas=1",
+                    "msgs/commit",
+                    "ms/commit",
+                    "target",
+                    "met?",
+                ],
                 rates,
             )
             print_table(
-                "2. CPU per message (us): leader process, one follower process, machine",
+                "2. CPU per message (us); ceiling = 1 s / CPU per message of that process",
                 [
-                    "phase",
+                    "sends",
                     "replicas",
                     "leader",
-                    "follower",
+                    "leader vs r=1",
+                    "a follower",
+                    "producers",
                     "machine",
-                    "leader vs replicas=1",
                     "leader ceiling msg/s",
                     "follower ceiling msg/s",
                 ],
@@ -636,7 +659,8 @@ def main() -> None:
                 summary.append(
                     [
                         f"replicas=2 {phase} produce vs replicas=1",
-                        f"{ratio:.2f}x ({res[2][phase]['rate']:,.0f} msg/s)",
+                        f"{ratio:.2f}x ({res[2][phase]['rate']:,.0f} vs"
+                        f" {res[1][phase]['rate']:,.0f} msg/s)",
                         f">= {target}x",
                         "yes" if ratio >= target else "NO",
                     ]
@@ -650,28 +674,30 @@ def main() -> None:
             b.top_up()
             na = "not seen"
             rows = [
-                ["remove_node (the old leader ran meanwhile)", f"{f['remove_node_seconds']:.2f} s"],
+                ["remove_node, then SIGKILL of the leader", f"{f['remove_node_seconds']:.2f} s"],
                 [
-                    "first ack of a send started after the leader's SIGKILL",
-                    fmt_s(f["ack_after_kill"], na),
+                    "SIGKILL -> broker starts the failover (detection)",
+                    fmt_s(f["detected_after_kill"]),
                 ],
+                ["broker's failover (fence, promote, start leader)", fmt_s(f["failover_seconds"])],
+                ["SIGKILL -> failover logged", fmt_s(f["logged_after_kill"])],
+                ["SIGKILL -> first ack of a send started after it", fmt_s(f["ack_after_kill"], na)],
                 [
-                    "first ack of a send started after remove_node began",
+                    "remove_node began -> first ack of a send started after it",
                     fmt_s(f["ack_after_removal"], na),
                 ],
                 [
-                    "first delivery of anything after the SIGKILL",
+                    "SIGKILL -> first delivery of anything",
                     fmt_s(f["delivery_after_kill"], na),
                 ],
                 [
-                    "first delivery of a message sent after the SIGKILL",
+                    "SIGKILL -> first delivery of a message sent after it",
                     fmt_s(f["sent_delivery_after_kill"], na),
                 ],
-                ["broker's failover (fence, promote, start leader)", fmt_s(f["failover_seconds"])],
                 ["leader moved off the lost node", str(f["leader_moved"])],
                 [
-                    "acknowledged / lost (acked, never consumed)",
-                    f"{f['acked']:,} / {f['lost']:,}",
+                    "acknowledged / lost (acked, never consumed) / delivered twice",
+                    f"{f['acked']:,} / {f['lost']:,} / {f['duplicates']:,}",
                 ],
                 ["producer errors (retried)", str(f["producer_errors"] or "none")],
                 ["consumer errors (retried)", str(f["consumer_errors"] or "none")],
@@ -682,54 +708,57 @@ def main() -> None:
             ]
             print_table("3. failover: the leader's node lost", ["figure", "value"], rows)
             resumed = f["ack_after_kill"]
-            summary.append(
+            summary += [
                 [
-                    "writes resume after the leader's loss",
+                    "writes resume after the leader's loss (first ack)",
                     fmt_s(resumed, na),
                     f"< {RESUME_TARGET_SECONDS:.0f} s",
                     "yes" if resumed is not None and resumed < RESUME_TARGET_SECONDS else "NO",
-                ]
-            )
-            summary.append(
+                ],
+                [
+                    "a message sent after the loss is delivered",
+                    fmt_s(f["sent_delivery_after_kill"], na),
+                    "-",
+                    "-",
+                ],
                 [
                     "acknowledged messages lost in the failover",
                     f"{f['lost']:,} of {f['acked']:,}",
                     "0",
                     "yes" if f["lost"] == 0 else "NO",
-                ]
-            )
+                ],
+            ]
         if "4" in args.parts:
             b.top_up()
             console.print(f"part 4: catch-up, replicas=2 filled with {fill_mib:,} MiB ...")
             c = catch_up(b, fill_mib * MIB)
-            b.top_up()
             mb_s = c["bytes_on_disk"] / 1e6 / c["sync_seconds"]
             rows = [
                 [
-                    "fill (replicas=2, batches)",
+                    "fill (replicas=2, 4 threads x send_batch)",
                     f"{c['fill_messages']:,} msgs, {c['bytes_on_disk'] / MIB:,.0f} MiB on disk"
                     f" in {c['fill_seconds']:.1f} s ({c['fill_rate']:,.0f} msg/s)",
                 ],
-                ["remove_node", f"{c['remove_node_seconds']:.2f} s"],
+                ["remove_node, then SIGKILL of the follower", f"{c['remove_node_seconds']:.2f} s"],
                 [
-                    "SIGKILL -> new follower named (broker's detection)",
+                    "SIGKILL -> new follower named (detection: 2 missed pings)",
                     f"{c['named_seconds']:.2f} s",
                 ],
                 [
-                    "new follower named -> in sync (catch-up)",
-                    f"{c['sync_seconds']:.2f} s ({mb_s:,.0f} MB/s of the leader's segments)",
+                    "new follower named -> in sync (copy)",
+                    f"{c['sync_seconds']:.2f} s: {mb_s:,.0f} MB/s of the leader's segments",
                 ],
-                ["SIGKILL -> in sync, total", f"{c['total_seconds']:.2f} s"],
+                ["SIGKILL -> in sync again", f"{c['total_seconds']:.2f} s"],
                 [
-                    "largest lag seen (leader's view)",
+                    "largest lag reported (leader's view)",
                     f"{c['lag_bytes'] / MIB:,.0f} MiB, {c['lag_messages']:,} msgs",
                 ],
             ]
             print_table("4. catch-up of a replacement follower", ["figure", "value"], rows)
             summary.append(
                 [
-                    f"catch-up of {c['bytes_on_disk'] / MIB:,.0f} MiB (detection + copy)",
-                    f"{c['named_seconds']:.1f} + {c['sync_seconds']:.1f} s, {mb_s:,.0f} MB/s",
+                    f"catch-up of {c['bytes_on_disk'] / MIB:,.0f} MiB: detection + copy",
+                    f"{c['named_seconds']:.1f} + {c['sync_seconds']:.1f} s ({mb_s:,.0f} MB/s)",
                     "-",
                     "-",
                 ]

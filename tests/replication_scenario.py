@@ -338,7 +338,31 @@ class Scenario:
         }
 
 
+def readme(s: Scenario) -> dict:
+    """README.md's ``python replicas`` block, run as written (``raymq.connect`` gives
+    this cluster's broker)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "README.md")) as f:
+        text = f.read()
+    start = text.index("```python replicas\n") + len("```python replicas\n")
+    block = text[start : text.index("```\n", start)]
+    connect = raymq.connect
+    raymq.connect = lambda *a, **k: s.broker
+    try:
+        scope: dict = {}
+        exec(compile(block, "README.md (python replicas)", "exec"), scope)
+    finally:
+        raymq.connect = connect
+    orders = scope["orders"]
+    return {
+        "replicas": orders.stats()["replicas"],
+        "leader_node": s.broker.queue_nodes()["orders"],
+        "consumed": [b.decode() for b in consume_all(orders)],
+    }
+
+
 SCENARIOS = {
+    "readme": readme,
     "leader": Scenario.leader_loss,
     "follower": Scenario.follower_loss,
     "two": Scenario.two_of_three,

@@ -110,3 +110,11 @@ def test_each_failover_moves_to_the_next_epoch(observed):
     for f in observed["failovers"]:
         assert f["epoch"] == f["old_epoch"] + 1
         assert f["leader"] != f["old_leader"]
+
+
+def test_the_readme_replicas_block_runs_as_typed(observed):
+    r = observed["readme"]
+    assert len(r["replicas"]) == 3 and all(x["in_sync"] for x in r["replicas"])
+    assert r["replicas"][0]["role"] == "leader"
+    assert r["replicas"][0]["node_id"] == r["leader_node"]
+    assert r["consumed"] == ["..."]
