@@ -300,17 +300,19 @@ class BrokerActor:
         if entry is not None and entry.replicas is not None and entry.replicas.epoch == epoch:
             await self._check_leader(name)
 
-    async def suspect_leader(self, name: str, actor_id: str) -> None:
-        """A client could not reach the leader actor ``actor_id``: check it now."""
+    async def suspect_leader(self, name: str, actor_id: str) -> bool:
+        """A client could not reach the leader actor ``actor_id``: check it now.
+        Returns False if the queue is not replicated (its actor restarts in place)."""
         entry = self._queues.get(name)
         if entry is None or entry.replicas is None:
-            return
+            return False
         try:
             current = ray.get_actor(queue_actor_name(name), namespace=self.namespace)
         except ValueError:
             current = None
         if current is None or current._actor_id.hex() == actor_id:
             await self._check_leader(name)
+        return True
 
     async def _ping(self, handle) -> bool:
         try:

@@ -2,42 +2,56 @@
 follower's catch-up take, measured in one run on a four-node Ray cluster of its own.
 
 1. Produce: N x 1 KiB sent with ``send_batch`` (batches of 1,000 from 4 threads), then
-   M single messages from 8 threads each calling ``send`` and waiting, to a queue with
-   ``replicas=1``, ``2`` and ``3`` (each its own queue, its leader on a worker node).
-   Rates and their ratio to ``replicas=1`` (targets for ``replicas=2``: batched
-   >= 0.6x, 8-producer single sends >= 0.5x).
-2. CPU per message of each produce phase: the leader's process, one follower's process
-   (``/proc/<pid>/stat`` before and after) and the whole machine, in microseconds.
-3. Failover, ``replicas=3``: single-message producers and a consumer running; the
-   leader's node is removed (not gracefully) and the leader's process SIGKILLed, as a
-   lost machine would take it. Seconds to the first acknowledged send that started after
-   the leader died, and to the first delivery of a message whose send started after it
-   (target: writes resume within 5 s); every acknowledged message is then checked to
-   have been consumed.
-4. Catch-up, ``replicas=2``: the queue filled with ``--fill-mib`` of 1 KiB messages, a
-   follower's node removed (and its process SIGKILLed): seconds until the broker names
-   a new follower (it replaces one that missed two monitor pings), then until that one
-   is in sync, and the copy's MB/s.
+   up to M single messages from 8 threads each calling ``send`` and waiting, to a queue
+   with ``replicas=1``, ``2`` and ``3`` (each its own queue, its leader on a worker
+   node). Rates and their ratio to ``replicas=1`` (targets for ``replicas=2``: batched
+   >= 0.6x, 8-producer single sends >= 0.5x); the bytes every copy writes to the one
+   disk; messages per replicated group commit and its time (a follower's
+   ``applied_commits``: the leader sends one commit at a time).
+2. CPU per message of each produce phase: the leader's process, one follower's process,
+   this (the producers') process (``/proc/<pid>/stat`` before and after) and the whole
+   machine, in microseconds.
+3. Failover, ``replicas=3``: single-message producers (``--producers``) and a consumer
+   running; the leader's node is removed (not gracefully) and the leader's process
+   SIGKILLed. Seconds from the SIGKILL (and from the start of the removal) to the first
+   acknowledged send that started after it, and to the first delivery of a message whose
+   send started after it (target: writes resume within 5 s); when the broker started
+   and ended its failover (from its failover log, polled); every acknowledged message
+   is checked to have been consumed.
+4. Catch-up, ``replicas=2`` (leader on the head node, so the follower is on a worker):
+   the queue filled with ``--fill-mib`` of 1 KiB messages, the follower's node removed
+   and its process SIGKILLed: seconds until the broker names a new follower (it replaces
+   one that missed two monitor pings), then until the leader reports it in sync, and the
+   copy's MB/s (the leader's segment bytes over that second interval).
 
 Method and caveats: the cluster is ``ray.cluster_utils.Cluster`` (a head and three
-worker raylets) in this process's machine, with Ray's default health-check settings:
-the broker's own pings notice a lost replica, long before Ray declares a node dead. A
-removed raylet leaves its worker processes running for a while, so the benchmark kills
-the lost replica's process itself. All nodes share this machine's cores (2 here) and
-one disk: every replica's write and fdatasync, the producers, the consumer and Ray
-itself compete for them, where on a real cluster each replica has a machine and a disk
-of its own. The rates understate a real cluster, the more so the more replicas; the CPU
-per message of the leader's and a follower's process is what projects to one (a
-process's ceiling is about 1 s / its CPU per message), with the network's round trips
-added. Failover and catch-up times include the broker's detection (monitor every 1 s,
-1 s ping timeout) and are bounded below by it.
+worker raylets, ``--store-mib`` of object store each) on this one machine, with Ray's
+default health-check settings: the broker's own pings notice a lost replica, long
+before Ray declares a node dead. A removed raylet leaves its worker processes running
+for a while, so the benchmark SIGKILLs the lost replica's process itself, right after
+``remove_node`` (a lost machine takes both at once); Ray prints each removed raylet's
+last log lines, as it would for a crash. All nodes share this machine's cores (2 here)
+and its one disk: every copy's writes and fdatasyncs, the producers, the consumer, Ray's
+object transfers between "nodes" and Ray itself compete for them, where on a real
+cluster each replica has a machine and a disk of its own. The rates therefore
+understate a real cluster, the more so the more replicas (``replicas=2`` writes twice
+the bytes to the same disk: the disk's fdatasync bandwidth, measured first, bounds the
+sum). What projects to a real cluster is the CPU per message of the leader's and a
+follower's process (a process's ceiling is about 1 s / its CPU per message), plus the
+network's round trip per commit for single sends, which are bound by commit latency
+(8 producers, one commit at a time). Failover and catch-up times include the broker's
+detection (a monitor round every 1 s, 1 s ping timeout; followers report a silent
+leader after 1.5 s) and are bounded below by it. The machine's load before the run is
+printed: other work on it skews every figure.
 
     python -m bench.replication [--quick] [--batched 200000] [--single 16000]
-        [--fill-mib 1024] [--parts 1234]
+        [--single-seconds 20] [--fill-mib 1024] [--producers 3] [--parts 1234]
 
-It always starts its own cluster (``$RAYMQ_BENCH_ADDRESS`` is not used: nodes are
-removed), with its temporary directories under ``$RAYMQ_BENCH_DIR`` or /tmp, deleted at
-the end.
+``--quick`` (about a minute): 40,000 batched and up to 4,000 single sends per queue
+(5 s), 128 MiB for the catch-up. The default run takes about three minutes here. It
+always starts its own cluster (``$RAYMQ_BENCH_ADDRESS`` is not used: nodes are removed),
+with its paging directory under ``$RAYMQ_BENCH_DIR`` (or /tmp) and Ray's under /tmp,
+both deleted at the end.
 """
 
 from __future__ import annotations
@@ -59,6 +73,7 @@ from raymq.placement import spares
 import raymq
 from bench.common import (
     console,
+    fdatasync_bandwidth,
     machine_cpu_seconds,
     print_table,
     process_cpu_seconds,
@@ -240,16 +255,19 @@ def produce(
         "single": lambda: in_threads(8, single, singles),
     }
     for phase, fn in phases.items():
-        commits0 = commits()
+        commits0, bytes0 = commits(), q.stats()["bytes_in"]
         cpu0 = [process_cpu_seconds(p) if p else 0.0 for p in pids] + [machine_cpu_seconds()]
         seconds, rate = timed(fn)
         cpu1 = [process_cpu_seconds(p) if p else 0.0 for p in pids] + [machine_cpu_seconds()]
         n = rate * seconds
         us = [(c1 - c0) / n * 1e6 for c0, c1 in zip(cpu0, cpu1, strict=True)]
         replicated = commits() - commits0
+        stored = q.stats()["bytes_in"] - bytes0
         out[phase] = {
             "messages": n,
             "rate": rate,
+            # What every replica writes, all on this machine's one disk.
+            "disk_mb_s": stored / seconds * replicas / 1e6,
             "leader_us": us[0],
             "follower_us": us[1] if follower else None,
             "producers_us": us[2],
@@ -282,6 +300,7 @@ def produce_rows(res: dict[int, dict]) -> tuple[list[list[str]], list[list[str]]
                     f"{p['messages']:,.0f}",
                     f"{p['rate']:,.0f}",
                     f"{ratio:.2f}x",
+                    f"{p['disk_mb_s']:,.0f}",
                     "-" if p["per_commit"] is None else f"{p['per_commit']:,.1f}",
                     "-" if p["commit_ms"] is None else f"{p['commit_ms']:.2f}",
                     f">= {target}x" if r == 2 else "-",
@@ -606,9 +625,11 @@ def main() -> None:
 
     t_start = time.monotonic()
     load = background_load()
+    disk = fdatasync_bandwidth()
     console.print(
         f"machine: {os.cpu_count()} cores, {load:.0%} busy before the run"
         + (" (other work: figures below compete with it)" if load > 0.1 else "")
+        + f"; disk: {disk / 1e6:,.0f} MB/s sequential with fdatasync per MiB"
     )
     console.print(f"starting a 4-node cluster ({args.store_mib} MiB object store each) ...")
     b = Bench(args.store_mib * MIB)
@@ -632,6 +653,7 @@ def main() -> None:
                     "messages",
                     "msg/s",
                     "vs replicas=1",
+                    "disk MB/s, all copies",
                     "msgs/commit",
                     "ms/commit",
                     "target",

@@ -603,12 +603,14 @@ class Queue:
         return _call(getattr(self._actor, method), *args, refresh=lambda: self._refresh(method))
 
     def _refresh(self, method: str):
-        """The queue's current actor, asked of the broker (which checks a leader that
-        does not answer, and fails over), as ``method``."""
+        """A replicated queue's current leader, asked of the broker (which checks a
+        leader that does not answer, and fails over), as ``method``; an unreplicated
+        queue keeps its actor (Ray restarts it in place)."""
         old = self._actor
         try:
-            _call(self.broker._actor.suspect_leader, self.actor_name, old._actor_id.hex())
-            self._actor = _call(self.broker._actor.get_queue, self.actor_name, retry=False)
+            actor_id = old._actor_id.hex()
+            if _call(self.broker._actor.suspect_leader, self.actor_name, actor_id, retry=False):
+                self._actor = _call(self.broker._actor.get_queue, self.actor_name, retry=False)
         except RayMQError:  # the broker restarts, say: the old one again, later
             pass
         return getattr(self._actor, method)
