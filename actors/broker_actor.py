@@ -23,7 +23,7 @@ from raymq.placement.nodes import alive_nodes, choose_queue_node, pinned_to
 from raymq.config import BrokerConfig, QueueConfig, validate_queue_name
 from raymq.core.controller import NoNodes, ReplicaSet
 from raymq.core.registry import QueueEntry, QueueRegistry
-from raymq.errors import BrokerUnavailable, QueueExists, QueueNotFound
+from raymq.errors import BrokerUnavailable, NotLeader, QueueExists, QueueNotFound
 
 BROKER_ACTOR_NAME = "raymq.broker"
 #: How often the controller checks the leaders and followers of replicated queues
@@ -284,6 +284,21 @@ class BrokerActor:
         await leader.ready.remote()
         return leader
 
+    async def begin_epoch(self, name: str, replica_id: str) -> tuple[int, tuple]:
+        """A leader (re)starts: the next epoch (saved before it is given) and the
+        current followers as (replica id, node id, actor handle). ``NotLeader`` if
+        ``replica_id`` no longer leads the queue."""
+        entry = self._queues.get(name)
+        rs = entry.replicas if entry is not None else None
+        if rs is None or rs.leader != replica_id:
+            raise NotLeader(f"queue {name!r}: replica {replica_id} no longer leads it")
+        rs.epoch += 1
+        self._save(name)
+        followers = tuple(
+            (r, rs.nodes[r], self._follower(name, r, rs.nodes[r], rs.epoch)) for r in rs.followers
+        )
+        return rs.epoch, followers
+
     async def update_in_sync(self, name: str, epoch: int, in_sync: list[str]) -> bool:
         """A leader's in-sync replicas; False (fenced) if ``epoch`` is not current."""
         entry = self._queues.get(name)
@@ -314,12 +329,12 @@ class BrokerActor:
             await self._check_leader(name)
         return True
 
-    async def _ping(self, handle) -> bool:
+    async def _ping(self, handle) -> int | None:
+        """A replica's answer to a ping (a leader's epoch), None if none in time."""
         try:
-            await asyncio.wait_for(handle.ping.remote(), PING_TIMEOUT_SECONDS)
-            return True
+            return await asyncio.wait_for(handle.ping.remote(), PING_TIMEOUT_SECONDS)
         except (asyncio.TimeoutError, *_GONE):
-            return False
+            return None
 
     async def _check_leader(self, name: str) -> None:
         """Fail over if the leader does not answer (under the queue's lock: one check
@@ -332,7 +347,8 @@ class BrokerActor:
                 leader = ray.get_actor(queue_actor_name(name), namespace=self.namespace)
             except ValueError:
                 leader = None
-            if leader is not None and await self._ping(leader):
+            # A leader of another epoch was replaced (or fenced): it leads nothing.
+            if leader is not None and await self._ping(leader) == entry.replicas.epoch:
                 return
             await self._failover(name, leader)
 
@@ -540,7 +556,7 @@ class BrokerActor:
             await self._trim_excess(name)
         for rid in rs.followers:
             try:
-                ok = await self._ping(self._replica_handle(name, rid))
+                ok = await self._ping(self._replica_handle(name, rid)) is not None
             except ValueError:
                 ok = False
             if ok:

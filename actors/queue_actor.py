@@ -96,12 +96,7 @@ class QueueActor:
             directory=role.directory if role else None,
             replication=replication,
         )
-        if replication is not None:  # this epoch starts where this copy ends
-            epochs = read_epochs(role.directory)
-            if not epochs or epochs[-1][0] < role.epoch:
-                epochs.append((role.epoch, self.core.log.next_offset))
-                write_epochs(role.directory, epochs)
-            replication.epochs = epochs
+        self._start_lock = asyncio.Lock()
         self._dead_letter_queue = None  # its actor handle, once found
         self._death_watches: dict[str, asyncio.Task] = {}
         self._started = False
@@ -112,9 +107,14 @@ class QueueActor:
         self._endpoint: tuple[str, int, str] | None = None
 
     async def _ensure_started(self) -> None:
-        if not self._started:
+        if self._started:
+            return
+        async with self._start_lock:  # every call waits for the start, epoch included
+            if self._started:
+                return
+            if self.role is not None:
+                await self._begin_epoch()
             self.core.start()
-            self._started = True
             self.core.supervise("consumer watch", self._watch_consumers)
             self._metrics_task = self.core.supervise("metrics", self._export_metrics)
             if self.role is not None:
@@ -124,6 +124,26 @@ class QueueActor:
                 self._endpoint = await self._channel.start(ray.util.get_node_ip_address())
             except OSError as exc:  # single sends then go through Ray calls
                 log.warning("queue %r: no send channel: %s", self.core.name, exc)
+            self._started = True
+
+    async def _begin_epoch(self) -> None:
+        """Lead in an epoch of its own, every (re)start: the controller gives the next
+        epoch and the current followers (a restart in place has old ones in its
+        arguments). Followers holding records this copy lost (its unsynced tail torn
+        by a crash) are then cut back by the epoch history; this copy's epoch starts
+        where its recovered log ends."""
+        from raymq.actors.broker_actor import BROKER_ACTOR_NAME  # it imports this module
+
+        broker = ray.get_actor(BROKER_ACTOR_NAME, namespace=self.namespace)
+        epoch, followers = await broker.begin_epoch.remote(self.core.name, self.role.replica_id)
+        self.role = LeaderRole(self.role.replica_id, self.role.directory, epoch, followers)
+        rep = self.core.replication
+        rep.epoch = epoch
+        epochs = read_epochs(self.role.directory)
+        if not epochs or epochs[-1][0] < epoch:
+            epochs.append((epoch, self.core.log.next_offset))
+            write_epochs(self.role.directory, epochs)
+        rep.epochs = epochs
 
     async def _export_metrics(self) -> None:
         """Every ``metrics.EXPORT_PERIOD_SECONDS``, set this queue's metrics and its
@@ -173,10 +193,14 @@ class QueueActor:
             await asyncio.sleep(0.02)
         return rep.in_sync
 
-    def ping(self) -> int:
-        """The epoch this actor leads (0: not replicated); answers while it lives."""
+    async def ping(self) -> int:
+        """The epoch this actor leads (0: not replicated; -1: it was replaced), once
+        started; answers while it lives."""
+        await self._ensure_started()
         rep = self.core.replication
-        return 0 if rep is None else rep.epoch
+        if rep is None:
+            return 0
+        return -1 if rep.fenced is not None else rep.epoch
 
     async def _send_dead_letters(self, dead_letter_queue: str, batch: MessageBatch) -> None:
         """The QueueCore's dead-letter sink: append ``batch`` durably to the dead-letter

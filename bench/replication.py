@@ -10,7 +10,10 @@ follower's catch-up take, measured in one run on a four-node Ray cluster of its 
    ``applied_commits``: the leader sends one commit at a time).
 2. CPU per message of each produce phase: the leader's process, one follower's process,
    this (the producers') process (``/proc/<pid>/stat`` before and after) and the whole
-   machine, in microseconds.
+   machine, in microseconds. Then, for ``replicas=2``, one replicated commit (its time,
+   the leader's CPU beyond ``replicas=1``'s and the follower's) against a bare Ray call
+   between two worker nodes carrying as many bytes to an actor that does nothing with
+   them: the share of Ray's transport in what a replica costs.
 3. Failover, ``replicas=3``: single-message producers (``--producers``) and a consumer
    running; the leader's node is removed (not gracefully) and the leader's process
    SIGKILLed. Seconds from the SIGKILL (and from the start of the removal) to the first
@@ -47,8 +50,8 @@ printed: other work on it skews every figure.
     python -m bench.replication [--quick] [--batched 200000] [--single 16000]
         [--single-seconds 20] [--fill-mib 1024] [--producers 3] [--parts 1234]
 
-``--quick`` (about a minute): 40,000 batched and up to 4,000 single sends per queue
-(5 s), 128 MiB for the catch-up. The default run takes about three minutes here. It
+``--quick`` (about a minute): 100,000 batched and up to 4,000 single sends per queue
+(5 s), 128 MiB for the catch-up. The default run takes about two minutes here. It
 always starts its own cluster (``$RAYMQ_BENCH_ADDRESS`` is not used: nodes are removed),
 with its paging directory under ``$RAYMQ_BENCH_DIR`` (or /tmp) and Ray's under /tmp,
 both deleted at the end.
@@ -65,10 +68,12 @@ import tempfile
 import threading
 import time
 
+import numpy as np
 import ray
 from ray.cluster_utils import Cluster
 from raymq.actors.replica_actor import replica_actor_name
 from raymq.placement import spares
+from raymq.placement.nodes import pinned_to
 
 import raymq
 from bench.common import (
@@ -117,29 +122,35 @@ class Bench:
         temp = os.path.join(self.root, "ray")
         os.makedirs(os.path.join(temp, "ray"))
         os.environ["RAY_TMPDIR"] = temp
-        self.cluster = Cluster(
-            initialize_head=True,
-            head_node_args={
-                "num_cpus": 2,
-                "object_store_memory": store_bytes,
-                "include_dashboard": False,
-                "temp_dir": temp,
-            },
-        )
-        self.top_up()
-        ray.init(address=self.cluster.address, log_to_driver=False, configure_logging=False)
-        self.broker = raymq.connect(namespace=NAMESPACE, paging_directory=self.paging)
+        self.cluster = self.broker = None
+        try:
+            self.cluster = Cluster(
+                initialize_head=True,
+                head_node_args={
+                    "num_cpus": 2,
+                    "object_store_memory": store_bytes,
+                    "include_dashboard": False,
+                    "temp_dir": temp,
+                },
+            )
+            self.top_up()
+            ray.init(address=self.cluster.address, log_to_driver=False, configure_logging=False)
+            self.broker = raymq.connect(namespace=NAMESPACE, paging_directory=self.paging)
+        except BaseException:
+            self.close()
+            raise
         self.head = ray.get_runtime_context().get_node_id()
-        #: Processes of lost replicas this benchmark killed (kept to make sure at exit).
-        self.killed: list[int] = []
 
     def close(self) -> None:
+        """Stop the broker, Ray and the cluster; delete the temporary directories."""
         try:
-            with contextlib.suppress(Exception):
-                self.broker.shutdown()
+            if self.broker is not None:
+                with contextlib.suppress(Exception):
+                    self.broker.shutdown()
         finally:
             ray.shutdown()
-            self.cluster.shutdown()
+            if self.cluster is not None:
+                self.cluster.shutdown()
             shutil.rmtree(self.root, ignore_errors=True)
             shutil.rmtree(self.paging, ignore_errors=True)
 
@@ -164,7 +175,6 @@ class Bench:
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        self.killed += pids
         return t0, time.monotonic()
 
     def replica_set(self, name: str) -> dict:
@@ -206,15 +216,21 @@ def in_threads(n_threads: int, total: int, work) -> int:
     returns the sum."""
     per = total // n_threads
     done = [0] * n_threads
+    errors: list[BaseException] = []
 
     def run(k: int) -> None:
-        done[k] = work(per)
+        try:
+            done[k] = work(per)
+        except BaseException as exc:  # raised in the caller, not lost in a thread
+            errors.append(exc)
 
     threads = [threading.Thread(target=run, args=(k,)) for k in range(n_threads)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    if errors:
+        raise errors[0]
     return sum(done)
 
 
@@ -268,6 +284,7 @@ def produce(
             "rate": rate,
             # What every replica writes, all on this machine's one disk.
             "disk_mb_s": stored / seconds * replicas / 1e6,
+            "bytes_per_msg": stored / n,
             "leader_us": us[0],
             "follower_us": us[1] if follower else None,
             "producers_us": us[2],
@@ -276,8 +293,6 @@ def produce(
             "per_commit": n / replicated if replicated else None,
             "commit_ms": seconds / replicated * 1e3 if replicated else None,
         }
-    st = q.stats()
-    out["unreplicated"] = st.get("unreplicated_commits", 0)
     b.delete(name)
     return out
 
@@ -325,6 +340,96 @@ def produce_rows(res: dict[int, dict]) -> tuple[list[list[str]], list[list[str]]
                 ]
             )
     return rates, cpu
+
+
+@ray.remote(num_cpus=0, max_concurrency=1000)
+class _Callee:
+    """The far end of a bare Ray call (the baseline of a replicated commit)."""
+
+    def apply(self, epoch: int, data: np.ndarray) -> None:
+        return None
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    async def ready(self) -> bool:
+        return True
+
+
+@ray.remote(num_cpus=0, max_concurrency=1000)
+class _Caller:
+    """An async actor calling ``_Callee.apply`` and awaiting each answer, as a leader
+    sends its followers a commit."""
+
+    def __init__(self, callee):
+        self.callee = callee
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    async def run(self, calls: int, nbytes: int) -> float:
+        import asyncio
+
+        data = np.zeros(nbytes, dtype=np.uint8)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            await asyncio.wait({asyncio.ensure_future(self.callee.apply.remote(1, data))})
+        return (time.perf_counter() - t0) / calls
+
+
+def bare_calls(b: Bench, sizes: dict[str, int], seconds: float = 2.0) -> dict[str, dict]:
+    """Per bare Ray call between two worker nodes, with ``sizes`` bytes of argument:
+    latency and the CPU of caller and callee (microseconds)."""
+    a_node, b_node = sorted(b.workers())[:2]
+    callee = _Callee.options(scheduling_strategy=pinned_to(b_node)).remote()
+    ray.get(callee.ready.remote())
+    caller = _Caller.options(scheduling_strategy=pinned_to(a_node)).remote(callee)
+    pids = ray.get([caller.pid.remote(), callee.pid.remote()])
+    out = {}
+    for label, nbytes in sizes.items():
+        latency = ray.get(caller.run.remote(20, nbytes))  # warm, and a first estimate
+        calls = max(20, int(seconds / latency))
+        cpu0 = [process_cpu_seconds(p) for p in pids]
+        latency = ray.get(caller.run.remote(calls, nbytes))
+        cpu = [
+            (process_cpu_seconds(p) - c0) / calls * 1e6 for p, c0 in zip(pids, cpu0, strict=True)
+        ]
+        out[label] = {
+            "bytes": nbytes,
+            "ms": latency * 1e3,
+            "caller_us": cpu[0],
+            "callee_us": cpu[1],
+        }
+    ray.kill(caller)
+    ray.kill(callee)
+    return out
+
+
+def commit_rows(res: dict[int, dict], bare: dict[str, dict]) -> list[list[str]]:
+    """Each phase's replicated commit (replicas=2) against a bare call of its size."""
+    rows = []
+    for phase, c in bare.items():
+        r1, r2 = res[1][phase], res[2][phase]
+        per = r2["per_commit"]
+        rows.append(
+            [
+                f"{phase}: replicated commit ({per:,.0f} msgs)",
+                f"{c['bytes'] / 1024:,.0f}",
+                f"{r2['commit_ms']:.2f}",
+                f"{(r2['leader_us'] - r1['leader_us']) * per:,.0f}",
+                f"{r2['follower_us'] * per:,.0f}",
+            ]
+        )
+        rows.append(
+            [
+                f"{phase}: bare Ray call, same bytes",
+                f"{c['bytes'] / 1024:,.0f}",
+                f"{c['ms']:.2f}",
+                f"{c['caller_us']:,.0f}",
+                f"{c['callee_us']:,.0f}",
+            ]
+        )
+    return rows
 
 
 # -- part 3: failover -----------------------------------------------------------------
@@ -553,11 +658,17 @@ def catch_up(b: Bench, fill_bytes: int) -> dict:
     old_node = b.replica_set(name)["nodes"][old_rid]
     wait_for("in sync before", lambda: all(r["in_sync"] for r in q.stats()["replicas"]))
     removed, killed = b.remove(old_node, [old_pid])
-    new_rid = wait_for(
-        "a new follower",
-        lambda: next((r for r in b.replica_set(name)["nodes"] if r not in rids), None),
-        poll=0.01,
-    )
+    stale = [0.0]  # the lost follower still reported in sync, this long after the kill
+
+    def new_follower() -> str | None:
+        new = next((r for r in b.replica_set(name)["nodes"] if r not in rids), None)
+        if new is None:
+            reps = {r["replica_id"]: r for r in q.stats()["replicas"]}
+            if reps.get(old_rid, {}).get("in_sync"):
+                stale[0] = time.monotonic() - killed
+        return new
+
+    new_rid = wait_for("a new follower", new_follower, poll=0.01)
     named = time.monotonic()
     lag = {"bytes": 0, "messages": 0}
 
@@ -579,6 +690,7 @@ def catch_up(b: Bench, fill_bytes: int) -> dict:
         "bytes_on_disk": st["bytes_on_disk"],
         "remove_node_seconds": killed - removed,
         "named_seconds": named - killed,
+        "stale_in_sync_seconds": stale[0],
         "sync_seconds": synced - named,
         "total_seconds": synced - killed,
         "lag_bytes": lag["bytes"],
@@ -615,7 +727,7 @@ def main() -> None:
     parser.add_argument("--parts", default="1234", help="which parts to run (2 comes with 1)")
     args = parser.parse_args()
     quick = args.quick
-    batched = args.batched or (40_000 if quick else 200_000)
+    batched = args.batched or (100_000 if quick else 200_000)
     single = args.single or (4_000 if quick else 16_000)
     single_seconds = args.single_seconds or (5.0 if quick else 20.0)
     fill_mib = args.fill_mib or (128 if quick else 1024)
@@ -676,6 +788,22 @@ def main() -> None:
                 ],
                 cpu,
             )
+            sizes = {
+                phase: int(res[2][phase]["per_commit"] * res[2][phase]["bytes_per_msg"])
+                for phase in ("batched", "single")
+            }
+            print_table(
+                "2b. replicas=2: per replicated commit, against a bare Ray call between two"
+                " nodes (same run)",
+                [
+                    "what",
+                    "KiB",
+                    "ms each",
+                    "leader CPU us (beyond r=1) / caller",
+                    "follower / callee CPU us",
+                ],
+                commit_rows(res, bare_calls(b, sizes)),
+            )
             for phase, target in (("batched", BATCHED_TARGET), ("single", SINGLE_TARGET)):
                 ratio = res[2][phase]["rate"] / res[1][phase]["rate"]
                 summary.append(
@@ -705,7 +833,8 @@ def main() -> None:
                 ["SIGKILL -> failover logged", fmt_s(f["logged_after_kill"])],
                 ["SIGKILL -> first ack of a send started after it", fmt_s(f["ack_after_kill"], na)],
                 [
-                    "remove_node began -> first ack of a send started after it",
+                    "remove_node began -> first ack of a send started after it"
+                    " (the old leader runs until its SIGKILL)",
                     fmt_s(f["ack_after_removal"], na),
                 ],
                 [
@@ -765,6 +894,10 @@ def main() -> None:
                 [
                     "SIGKILL -> new follower named (detection: 2 missed pings)",
                     f"{c['named_seconds']:.2f} s",
+                ],
+                [
+                    "lost follower still reported in sync (stats) after SIGKILL",
+                    f"{c['stale_in_sync_seconds']:.2f} s (no sends meanwhile)",
                 ],
                 [
                     "new follower named -> in sync (copy)",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -379,3 +380,115 @@ def test_a_follower_out_of_sync_is_never_promoted():
     assert rs.promote({"r2": 500}) is None  # r2 has more, but may lack answered sends
     assert rs.epoch == 2 and rs.leader == "r0"
     assert ReplicaSet.from_dict(rs.to_dict()) == rs
+
+
+# -- found by review: cut-backs, restarts, fences ------------------------------------
+
+
+def test_a_commit_refused_for_want_of_replicas_is_cut_back_on_followers_that_took_it(tmp_path):
+    """min_insync_replicas=3 and r2 lost mid-commit: r1 wrote the commit the leader then
+    cut back. r1 leaves the in-sync set and is cut back before it may be promoted: the
+    refused messages are never served, their offsets go to later messages."""
+
+    async def main():
+        links = [follower(tmp_path, "r1"), follower(tmp_path, "r2")]
+        cfg = config(replicas=3, min_insync_replicas=3)
+        core, rep, ctl = open_leader(tmp_path, links, cfg=cfg)
+        await until_in_sync(rep, 3)
+        await send(core, 0, 40)
+        links[1].down = True
+        with pytest.raises(NotEnoughReplicas):
+            await send(core, 500, 10)
+        assert "r1" not in rep.in_sync  # it holds what the leader cut back
+        assert ctl.reports[-1] == ["r0"]
+        links[1].down = False
+        await until_in_sync(rep, 3)
+        await send(core, 1000, 10)  # offsets 40.. again, for other messages
+        await core.close()
+        for link in links:
+            link.follower.files.close()
+        copy = reopen(tmp_path, "r1")
+        assert await drain_bodies(copy) == bodies(0, 40) + bodies(1000, 10)
+        await copy.close()
+
+    asyncio.run(main())
+
+
+def test_a_restarted_leader_cuts_back_followers_holding_its_lost_tail(tmp_path):
+    """The leader's last commit reached the followers but not its own disk (a power
+    loss tore it): restarted in a new epoch, it cuts them back to its recovered end,
+    so no follower keeps records the leader gives other messages to."""
+
+    async def main():
+        root = str(tmp_path)
+        links = [follower(root, "r1"), follower(root, "r2")]
+        core, rep, _ = open_leader(root, links)
+        await until_in_sync(rep, 3)
+        await send(core, 0, 90)
+        shutil.copytree(os.path.join(root, "r0"), os.path.join(root, "image"))  # all synced
+        await send(core, 5000, 10)  # on every copy; then lost from the leader's disk
+        await core.close()
+        for link in links:
+            link.follower.files.close()
+        shutil.rmtree(os.path.join(root, "r0"))
+        os.rename(os.path.join(root, "image"), os.path.join(root, "r0"))
+        epochs = [(1, 0), (2, 90)]  # what QueueActor._begin_epoch writes after recovery
+        write_epochs(os.path.join(root, "r0"), epochs)
+        ctl = Controller(epoch=2)
+        rep2 = ReplicationLeader(
+            "rq",
+            os.path.join(root, "r0"),
+            replica_id="r0",
+            node_id="n0",
+            epoch=2,
+            quorum=2,
+            epochs=epochs,
+            report_in_sync=ctl.report,
+        )
+        core2 = QueueCore(
+            config(),
+            BrokerConfig(paging_directory=root),
+            directory=os.path.join(root, "r0"),
+            replication=rep2,
+        )
+        assert core2.log.next_offset == 90
+        core2.start()
+        again = [follower(root, "r1", epoch=2), follower(root, "r2", epoch=2)]
+        rep2.set_followers(again)
+        await until_in_sync(rep2, 3)
+        await send(core2, 7000, 10)  # offsets 90..99 again, for other messages
+        await core2.close()
+        for link in again:
+            link.follower.files.close()
+        copy = reopen(root, "r1")
+        assert await drain_bodies(copy) == bodies(0, 90) + bodies(7000, 10)
+        await copy.close()
+
+    asyncio.run(main())
+
+
+def test_a_fenced_leader_answers_no_ack_as_durable(tmp_path):
+    async def main():
+        links = [follower(tmp_path, "r1"), follower(tmp_path, "r2")]
+        core, rep, _ = open_leader(tmp_path, links)
+        await until_in_sync(rep, 3)
+        await send(core, 0, 5)
+        batch = await core.fetch("c", 5, 1.0, 100)
+        for link in links:
+            link.follower.fence(2)
+        with pytest.raises(NotLeader):
+            await core.ack("c", np.asarray(batch.column("offset")))
+        await core.close()
+
+    asyncio.run(main())
+
+
+def test_a_follower_remembers_its_fence_across_a_restart(tmp_path):
+    directory = str(tmp_path / "f")
+    f = ReplicationFollower(ReplicaFiles(directory, "rq"), epoch=1)
+    f.fence(3)
+    f.files.close()
+    again = ReplicationFollower(ReplicaFiles(directory, "rq"), epoch=1)  # as Ray restarts it
+    assert again.epoch == 3
+    with pytest.raises(Fenced):
+        again.heartbeat(2)

@@ -105,10 +105,10 @@ def test_a_paused_old_leader_rejoins_as_a_follower(observed):
     assert follower["role"] == "follower" and follower["in_sync"]
 
 
-def test_each_failover_moves_to_the_next_epoch(observed):
+def test_each_failover_moves_to_a_newer_epoch(observed):
     assert observed["failovers"], observed
     for f in observed["failovers"]:
-        assert f["epoch"] == f["old_epoch"] + 1
+        assert f["epoch"] > f["old_epoch"]
         assert f["leader"] != f["old_leader"]
 
 

@@ -196,7 +196,9 @@ class QueueCore:
         self.replication = replication
         if replication is not None:
             self.log.keep_deleted_names()
-            replication.bind(self.log.published_sizes, lambda: self.log.next_offset)
+            replication.bind(
+                self.log.published_sizes, lambda: self.log.next_offset, lambda: self.log.records_end
+            )
         #: One for the queue or the whole address (see ``_cache_housekeeping``).
         self.head_cache = HeadQueueCache(0, share)
         #: An address's subscriptions by name (a queue has only ``_own``).
@@ -493,21 +495,28 @@ class QueueCore:
         except Exception as exc:  # a bug: fail the callers, not the loop
             if prepared is not None:
                 self.log.abort(prepared)
+            if replicating is not None:
+                await self.replication.abandon(replicating)
             _fail(pending, waiters, exc)
             return
         unreplicated: Exception | None = None
+        fenced: NotLeader | None = None
         if replicating is not None:
             try:
                 await self.replication.finish(replicating)
             except (NotEnoughReplicas, NotLeader) as exc:
                 # Acks stay (durable here; a follower that missed them is caught up);
-                # records too few replicas have are cut back, never served.
+                # records too few replicas have are cut back, never served. A leader
+                # replaced answers nothing as durable, acks included.
                 unreplicated = exc if prepared.items else None
+                fenced = exc if isinstance(exc, NotLeader) else None
         if unreplicated is not None:
             self.log.abort(prepared)
         else:
             self.log.publish(prepared)
         stored = prepared.records_error is None and unreplicated is None
+        if replicating is not None and prepared.items and not stored:
+            await self.replication.abandon(replicating)  # followers may hold them
         if stored:
             try:  # the commit is durable: what follows derives state, it cannot undo it
                 await self._after_commit(prepared)
@@ -532,7 +541,9 @@ class QueueCore:
         # written again with a later commit (the housekeeping retries).
         for fut in waiters:
             if not fut.done():
-                if prepared.ack_error is None:
+                if fenced is not None:
+                    fut.set_exception(fenced)
+                elif prepared.ack_error is None:
                     fut.set_result(None)
                 else:
                     fut.set_exception(prepared.ack_error)

@@ -62,6 +62,8 @@ CATCH_UP_SWITCH_BYTES = 4 * 2**20
 CATCH_UP_RETRY_SECONDS = 0.5
 #: The leader writes to idle followers this often, so they know it lives (seconds).
 HEARTBEAT_SECONDS = 0.5
+#: Longest the last copy of a catch-up may hold commits back (seconds); it is small.
+LOCKED_COPY_SECONDS = 10.0
 
 
 class Fenced(Exception):
@@ -203,15 +205,27 @@ class ReplicationLeader:
         self.fenced: NotLeader | None = None
         self._published_sizes: Callable[[], dict[str, int]] = dict
         self._end_offset: Callable[[], int] = lambda: 0
+        self._records_end: Callable[[], int] = lambda: 0
         self._last_write = clock()
         self.failed_commits = 0  # refused for want of in-sync replicas
+        #: The in-sync set changed and the controller has not been told yet: nothing
+        #: is answered until it has.
+        self._unreported = False
         self.catch_ups = 0  # followers brought in sync
 
     # -- wiring ----------------------------------------------------------------------
 
-    def bind(self, published_sizes: Callable[[], dict[str, int]], end_offset: Callable[[], int]):
-        """The queue's log: its published segment sizes (name -> bytes) and next offset."""
+    def bind(
+        self,
+        published_sizes: Callable[[], dict[str, int]],
+        end_offset: Callable[[], int],
+        records_end: Callable[[], int],
+    ) -> None:
+        """The queue's log: its published segment sizes (name -> bytes), next offset,
+        and the end of its last record (below the next offset when offsets at the end
+        were lost to damage or burned)."""
         self._published_sizes, self._end_offset = published_sizes, end_offset
+        self._records_end = records_end
 
     def set_followers(self, links: list[FollowerLink]) -> None:
         """The followers this leader writes to (the controller's choice). New ones
@@ -342,8 +356,10 @@ class ReplicationLeader:
                 log.warning(
                     "queue %r: replica %s out of sync: %s", self.queue, f.link.replica_id, f.error
                 )
-            await self._report_in_sync()
+            self._unreported = True
             self._start_catch_ups()
+        if self._unreported:
+            await self._report_in_sync()
         have = len(self.in_sync)
         if have < self.quorum:
             self.failed_commits += 1
@@ -354,7 +370,9 @@ class ReplicationLeader:
         await self.finish(self.start(write, first_offset))
 
     async def _report_in_sync(self) -> None:
-        """Tell the controller the in-sync set; fenced if it knows a newer epoch."""
+        """Tell the controller the in-sync set; fenced if it knows a newer epoch.
+        Until it was told, ``_unreported`` stays set and no commit is answered."""
+        self._unreported = True
         try:
             current = await self._report(self.epoch, self.in_sync)
         except Exception as exc:  # cannot shrink the set: nothing may be answered
@@ -364,6 +382,24 @@ class ReplicationLeader:
             ) from exc
         if not current:
             raise self._fence(self.epoch + 1)
+        self._unreported = False
+
+    async def abandon(self, round: _Round) -> None:
+        """The leader cut back a commit it had sent (its own write failed, or too few
+        replicas had it): the followers that took it hold records the leader will give
+        other messages to. They leave the in-sync set, to be cut back to where the
+        commit started, and the controller is told (a failure is left to the next
+        commit, which reports first)."""
+        changed = False
+        for f in round.calls.values():
+            f.agreed = round.first_offset if f.agreed is None else min(f.agreed, round.first_offset)
+            if f.in_sync:
+                f.in_sync, f.error, changed = False, "holds a commit the leader cut back", True
+        if changed:
+            self._unreported = True
+            self._start_catch_ups()
+            with contextlib.suppress(NotEnoughReplicas, NotLeader):
+                await self._report_in_sync()
 
     async def heartbeat_loop(self) -> None:
         """Write to idle followers every ``HEARTBEAT_SECONDS`` (they report a silent
@@ -411,11 +447,16 @@ class ReplicationLeader:
         """Bring one follower in sync (see the module docstring)."""
         link = f.link
         state = await link.state(self.epoch)
-        cut = min(state.end_offset, end_of_epoch(self.epochs, state.last_epoch, state.end_offset))
+        # Kafka's rule: where the follower's newest epoch ends in this leader's history
+        # (this leader's end, if it is the current one); never past what it is known to
+        # share. Always cut: that also drops a torn or stale tail after its last record.
+        # A follower never keeps records past this leader's last one either (its own
+        # copy of them was lost): its files must be prefixes of the leader's.
+        ends = end_of_epoch(self.epochs, state.last_epoch, self._end_offset())
+        cut = min(state.end_offset, ends, self._records_end())
         if f.agreed is not None:
             cut = min(cut, f.agreed)
-        if cut < state.end_offset or state.last_epoch > self.epoch:
-            state = await link.truncate_to(self.epoch, cut)
+        state = await link.truncate_to(self.epoch, cut)
         have = dict(state.segments)
         f.end_offset, f.nbytes = state.end_offset, state.nbytes
         while True:  # rounds of bulk copying, commits going on meanwhile
@@ -424,10 +465,15 @@ class ReplicationLeader:
                 break
         async with self.commit_lock:  # no commit in flight: the copy can be complete
             sizes = self._published_sizes()
-            await self._copy_missing(f, have, sizes)
+            # Every commit waits for this: a follower that stops answering must not
+            # stall the queue (the loop tries again).
+            await asyncio.wait_for(self._copy_missing(f, have, sizes), LOCKED_COPY_SECONDS)
             small = await asyncio.to_thread(read_small_files, self.directory)
             end = self._end_offset()
-            await link.install(self.epoch, sizes, small, self.epochs, end, self.seq)
+            await asyncio.wait_for(
+                link.install(self.epoch, sizes, small, self.epochs, end, self.seq),
+                FOLLOWER_TIMEOUT_SECONDS,
+            )
             f.in_sync, f.error = True, ""
             f.end_offset, f.agreed, f.nbytes = end, end, sum(sizes.values())
             self.catch_ups += 1
@@ -469,8 +515,9 @@ class ReplicationFollower:
         self, files: ReplicaFiles, epoch: int, clock: Callable[[], float] = time.monotonic
     ):
         self.files = files
-        #: The newest epoch this follower was told of; older leaders are refused.
-        self.epoch = epoch
+        #: The newest epoch this follower was told of; older leaders are refused. Kept
+        #: on disk: a restarted follower still refuses them.
+        self.epoch = max(epoch, files.read_fence(), files.last_epoch)
         self._clock = clock
         self.heard = clock()
         self.applied_commits = 0
@@ -479,13 +526,18 @@ class ReplicationFollower:
     def _check(self, epoch: int) -> None:
         if epoch < self.epoch:
             raise Fenced(self.epoch)
-        self.epoch = epoch
+        self._raise_to(epoch)
         self.heard = self._clock()
+
+    def _raise_to(self, epoch: int) -> None:
+        if epoch > self.epoch:
+            self.files.write_fence(epoch)  # durable before anything is answered
+            self.epoch = epoch
 
     def fence(self, epoch: int) -> MirrorState:
         """The controller starts ``epoch``: writes of older epochs are refused from now
         on. Returns what this copy holds (the controller promotes the most complete)."""
-        self.epoch = max(self.epoch, epoch)
+        self._raise_to(epoch)
         return self.files.state()
 
     def silent_for(self) -> float:

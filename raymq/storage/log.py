@@ -184,6 +184,12 @@ class SegmentLog:
         return {os.path.basename(s.path): s.size for s in self.segments if s.path}
 
     @property
+    def records_end(self) -> int:
+        """One past the last published record's last offset (the next offset if there
+        is no segment)."""
+        return self.segments[-1].end_offset if len(self.segments) else self.next_offset
+
+    @property
     def planned_next(self) -> int:
         """The next offset once the write in flight (if any) is published."""
         return self._writer.planned_next

@@ -51,6 +51,9 @@ from raymq.storage.segment import BadSegmentHeader, parse_segment_header
 
 #: The epoch history file of a replica directory.
 EPOCHS_NAME = "epochs"
+#: The newest epoch a follower was told of (it refuses older leaders, also after a
+#: restart).
+FENCE_NAME = "fenced-epoch"
 
 
 class Diverged(Exception):
@@ -120,6 +123,18 @@ class ReplicaFiles:
         if not self.epochs or epoch > self.epochs[-1][0]:
             self.epochs.append((epoch, start))
             write_epochs(self.directory, self.epochs)
+
+    def read_fence(self) -> int:
+        """The newest epoch this copy was told of (0: none)."""
+        try:
+            with open(os.path.join(self.directory, FENCE_NAME), "rb") as f:
+                return int(json.loads(f.read()))
+        except (OSError, ValueError):
+            return 0
+
+    def write_fence(self, epoch: int) -> None:
+        """Record durably that this copy refuses leaders of epochs before ``epoch``."""
+        write_file_atomic(os.path.join(self.directory, FENCE_NAME), json.dumps(epoch).encode())
 
     @property
     def last_epoch(self) -> int:
@@ -252,26 +267,26 @@ class ReplicaFiles:
     # -- catching up -----------------------------------------------------------------
 
     def truncate_to(self, offset: int) -> None:
-        """Cut this copy back to the records before ``offset`` (a record boundary every
-        replica agrees on): later segment files removed, the one holding it cut at it.
-        Its commit sequence is forgotten: it is caught up from here."""
+        """Cut this copy back to its valid records before ``offset`` (a record boundary
+        every replica agrees on): later segment files removed, the one holding it cut
+        at it (a torn or stale tail goes too); a file left with no record goes whole
+        (its header may not be the leader's). Only that one file is read. Its commit
+        sequence is forgotten: it is caught up from here."""
         self.seq = -1
+        bases = self._segment_bases()
         removed = False
-        for base in self._segment_bases():
-            name = segment_name(base)
-            if base >= offset and not (base == offset == 0):
+        for base in bases:
+            if base >= offset:
+                removed |= self._unlink(segment_name(base))
+        below = [b for b in bases if b < offset]
+        if below:  # the only file that can hold ``offset`` or a torn tail
+            name = segment_name(below[-1])
+            records, valid_end = self._records_of(below[-1])
+            kept = [r for r in records if r[0] + r[1] <= offset]
+            keep = valid_end if len(kept) == len(records) else records[len(kept)][2]
+            if not kept:
                 removed |= self._unlink(name)
-                continue
-            records, valid_end = self._records_of(base)
-            keep = valid_end
-            for first, count, pos in records:
-                if first + count > offset:
-                    keep = pos
-                    break
-            if keep < self.sizes[name]:
-                if keep == 0:  # not even a header survives: the leader's copy replaces it
-                    removed |= self._unlink(name)
-                    continue
+            elif keep < self.sizes[name]:
                 fd = self._fd(name, create=False)
                 os.ftruncate(fd, keep)
                 os.fdatasync(fd)
