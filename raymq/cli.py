@@ -605,10 +605,22 @@ _node_id_option = click.option("--node-id", help="Node for the queue's files (de
     help="Where dead letters go (default NAME.DLQ, created when first needed).",
 )
 @_node_id_option
+@click.option(
+    "--replicas",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Copies of the queue's files, each on its own node (2 or 3 survive a node's loss).",
+)
+@click.option(
+    "--min-insync-replicas",
+    type=click.IntRange(min=1),
+    help="Replicas that must have a send before it is answered (default: all of 2, 2 of 3).",
+)
 @click.pass_context
 def create_queue(ctx: click.Context, name: str, **settings: Any) -> None:
     """Create a queue (or confirm it exists with these settings)."""
-    for optional in ("max_delivery_attempts", "dead_letter_queue"):
+    for optional in ("max_delivery_attempts", "dead_letter_queue", "min_insync_replicas"):
         if settings[optional] is None:  # passed only when given (older clients lack them)
             del settings[optional]
     q = _connect(ctx).create_queue(name, **settings)

@@ -563,6 +563,18 @@ def test_create_queue_passes_dead_letter_settings_only_when_given(monkeypatch, c
     assert made[1]["max_delivery_attempts"] == 3 and "dead_letter_queue" not in made[1]
 
 
+def test_a_replicated_queue_needs_as_many_nodes_and_says_so(capsys, ns):
+    code, _out, err = run(capsys, ns, "create-queue", "rq", "--replicas", "2")
+    assert code != 0
+    line = one_error_line(err)
+    assert "'rq'" in line and "2 replicas need 2 alive nodes; 1 are" in line
+    code, _out, err = run(
+        capsys, ns, "create-queue", "rq", "--replicas", "3", "--min-insync-replicas", "1"
+    )
+    assert "min_insync_replicas=1" in one_error_line(err) and "between 2 and 3" in err
+    assert "rq" not in json.loads(ok(capsys, ns, "status", "--json"))["queues"]
+
+
 # -- addresses and subscriptions --------------------------------------------------------
 
 
