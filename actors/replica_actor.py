@@ -22,6 +22,7 @@ import numpy as np
 import ray
 
 from raymq.core.replication import ReplicationFollower
+from raymq.replica_channel import ChannelFailed, ReplicaChannel, ReplicaChannelServer
 from raymq.storage.mirror import MirrorState, MirrorWrite, ReplicaFiles
 
 REPLICA_ACTOR_PREFIX = "raymq.replica."
@@ -47,6 +48,9 @@ class ReplicaActor:
         self.namespace = namespace
         self.follower = ReplicationFollower(ReplicaFiles(directory, queue), epoch)
         self._watch: asyncio.Task | None = None
+        self._channel = ReplicaChannelServer(self.follower, queue)
+        self._endpoint: tuple[str, int, str] | None = None
+        self._channel_started = False
 
     def _ensure_watch(self) -> None:
         if self._watch is None:
@@ -71,7 +75,21 @@ class ReplicaActor:
     async def ready(self) -> MirrorState:
         """What this copy holds, once its files are open."""
         self._ensure_watch()
+        await self.endpoint()
         return self.follower.files.state()
+
+    async def endpoint(self) -> tuple[str, int, str] | None:
+        """(host, port, secret) of this follower's ReplicaChannel (None: it has none;
+        its leader then writes through Ray calls)."""
+        if not self._channel_started:
+            self._channel_started = True
+            try:
+                self._endpoint = await self._channel.start(ray.util.get_node_ip_address())
+            except OSError as exc:
+                log.warning(
+                    "queue %r: replica %s has no channel: %s", self.queue, self.replica_id, exc
+                )
+        return self._endpoint
 
     def ping(self) -> int:
         """The epoch this follower knows (for the controller's liveness checks)."""
@@ -93,6 +111,7 @@ class ReplicaActor:
 
     def release(self) -> MirrorState:
         """Close the files (this copy is about to be opened as the queue's leader)."""
+        self._channel.close()
         self.follower.files.close()
         if self._watch is not None:
             self._watch.cancel()
@@ -154,19 +173,50 @@ class ReplicaActor:
 
 
 class RayFollowerLink:
-    """A leader's ``FollowerLink`` to a ReplicaActor: each call leaves at once and is
-    awaited as an ObjectRef."""
+    """A leader's ``FollowerLink`` to a ReplicaActor: commits and heartbeats over the
+    follower's ReplicaChannel (a socket; through Ray calls if it has none), catching up
+    through Ray calls. A commit leaves at once when the channel is connected."""
 
     def __init__(self, replica_id: str, node_id: str, handle):
         self.replica_id, self.node_id, self.handle = replica_id, node_id, handle
+        self._channel: ReplicaChannel | None = None
+        self._no_channel = False  # the follower has none: Ray calls
 
     def apply(self, epoch: int, write: MirrorWrite):
         """See ``FollowerLink``."""
-        return self.handle.apply.remote(epoch, write)
+        if self._channel is not None:
+            return self._guarded(self._channel.apply(epoch, write))
+        return self._first(lambda ch: ch.apply(epoch, write), "apply", epoch, write)
 
     def heartbeat(self, epoch: int):
         """See ``FollowerLink``."""
-        return self.handle.heartbeat.remote(epoch)
+        if self._channel is not None:
+            return self._guarded(self._channel.heartbeat(epoch))
+        return self._first(lambda ch: ch.heartbeat(epoch), "heartbeat", epoch)
+
+    async def _guarded(self, answer) -> None:
+        try:
+            await answer
+        except ChannelFailed:
+            self._drop_channel()  # found again next time (the follower may have restarted)
+            raise
+
+    def _drop_channel(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+        self._channel = None
+
+    async def _first(self, send, method: str, epoch: int, write: MirrorWrite | None = None):
+        if not self._no_channel:
+            endpoint = await self.handle.endpoint.remote()
+            if endpoint is not None:
+                if self._channel is None:
+                    self._channel = ReplicaChannel(*endpoint, replica=self.replica_id)
+                return await self._guarded(send(self._channel))
+            self._no_channel = True
+        if write is None:
+            return await self.handle.heartbeat.remote(epoch)
+        return await self.handle.apply.remote(epoch, write.portable())
 
     def state(self, epoch: int):
         """See ``FollowerLink``."""
@@ -183,6 +233,10 @@ class RayFollowerLink:
     def install(self, epoch, segments, small_files, epochs, end_offset, seq):
         """See ``FollowerLink``."""
         return self.handle.install.remote(epoch, segments, small_files, epochs, end_offset, seq)
+
+    def close(self) -> None:
+        """Drop the channel."""
+        self._drop_channel()
 
 
 @dataclass(frozen=True)

@@ -310,7 +310,7 @@ def test_replica_files_refuse_a_write_that_does_not_continue_them(tmp_path):
     from raymq.storage.mirror import MirrorWrite
 
     w = MirrorWrite(epoch=3, seq=1, end_offset=5)
-    w.records.append(("00000000000000000000.seg", 40, np.zeros(10, dtype=np.uint8)))
+    w.records.append(("00000000000000000000.seg", 40, [np.zeros(10, dtype=np.uint8)]))
     with pytest.raises(Diverged):
         f.apply(3, w)
     with pytest.raises(Fenced):
@@ -492,3 +492,62 @@ def test_a_follower_remembers_its_fence_across_a_restart(tmp_path):
     assert again.epoch == 3
     with pytest.raises(Fenced):
         again.heartbeat(2)
+
+
+# -- the ReplicaChannel (raymq.replica_channel): commits over a socket ---------------
+
+
+class ChannelLink(LocalLink):
+    """Commits and heartbeats over a real ReplicaChannel to the follower's server."""
+
+    def __init__(self, replica_id, follower, endpoint):
+        super().__init__(replica_id, follower)
+        from raymq.replica_channel import ReplicaChannel
+
+        self.channel = ReplicaChannel(*endpoint, replica=replica_id)
+
+    def apply(self, epoch, write):
+        return self.channel.apply(epoch, write)
+
+    def heartbeat(self, epoch):
+        return self.channel.heartbeat(epoch)
+
+
+def test_commits_over_the_replica_channel_make_the_same_copy(tmp_path):
+    from raymq.replica_channel import ChannelFailed, ReplicaChannel, ReplicaChannelServer
+
+    async def main():
+        root = str(tmp_path)
+        links, servers = [], []
+        for rid in ("r1", "r2"):
+            f = ReplicationFollower(ReplicaFiles(os.path.join(root, rid), "rq"), 1)
+            server = ReplicaChannelServer(f, "rq")
+            servers.append(server)
+            links.append(ChannelLink(rid, f, await server.start("127.0.0.1")))
+        core, rep, _ = open_leader(root, links)
+        await until_in_sync(rep, 3)
+        await send(core, 0, 300)  # several segments, acks, checkpoints
+        assert await drain_bodies(core) == bodies(0, 300)
+        await send(core, 300, 50)
+        links[0].follower.fence(5)  # a newer epoch: the channel carries the refusal
+        with pytest.raises(NotLeader):
+            await send(core, 350, 10)
+        await core.close()
+        host, port, _secret = await servers[1].start("127.0.0.1")
+        wrong = ReplicaChannel(host, port, "not the secret", "r2")
+        with pytest.raises(ChannelFailed):
+            await wrong.heartbeat(1)
+        for link, server in zip(links, servers, strict=True):
+            link.channel.close()
+            server.close()
+            link.follower.files.close()
+        copies = {}
+        for rid in ("r1", "r2"):
+            copy = reopen(root, rid)
+            copies[rid] = await drain_bodies(copy)
+            await copy.close()
+        assert copies["r1"] == bodies(300, 50)  # it refused the fenced leader's commit
+        # r2 took it: a tail never acknowledged, which the next leader's epoch cuts off
+        assert copies["r2"][:50] == bodies(300, 50)
+
+    asyncio.run(main())

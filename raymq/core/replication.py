@@ -236,8 +236,13 @@ class ReplicationLeader:
                 f = self._followers.pop(rid)
                 if f.task is not None:
                     f.task.cancel()
+                if hasattr(f.link, "close"):
+                    f.link.close()
         for rid, link in wanted.items():
             if rid in self._followers:
+                old = self._followers[rid].link
+                if old is not link and hasattr(old, "close"):
+                    old.close()
                 self._followers[rid].link = link
             else:
                 self._followers[rid] = _Follower(link)

@@ -71,8 +71,9 @@ class MirrorWrite:
     end_offset: int
     #: One ack record (header and payload), appended to the current ack log.
     ack_record: bytes | None = None
-    #: (segment file name, position, bytes): records (a new file's header first, at 0).
-    records: list[tuple[str, int, np.ndarray]] = field(default_factory=list)
+    #: (segment file name, position, buffers): records (a new file's header first, at
+    #: 0), as the leader's writer writes them (bytes-like buffers, not joined).
+    records: list[tuple[str, int, list]] = field(default_factory=list)
     #: (generation, next offset, checkpoint bytes): start ack log ``generation`` and
     #: replace the checkpoint, then remove older ack logs.
     checkpoint: tuple[int, int, bytes] | None = None
@@ -82,7 +83,27 @@ class MirrorWrite:
     @property
     def nbytes(self) -> int:
         """Bytes of records carried."""
-        return sum(len(data) for _name, _pos, data in self.records)
+        return sum(_length(bufs) for _name, _pos, bufs in self.records)
+
+    def portable(self) -> MirrorWrite:
+        """A copy whose records are each one array (a Ray argument: picklable)."""
+        records = [
+            (name, pos, [np.frombuffer(b"".join(bufs), dtype=np.uint8)])
+            for name, pos, bufs in self.records
+        ]
+        return MirrorWrite(
+            self.epoch,
+            self.seq,
+            self.end_offset,
+            self.ack_record,
+            records,
+            self.checkpoint,
+            list(self.deleted),
+        )
+
+
+def _length(bufs: list) -> int:
+    return sum(memoryview(b).nbytes for b in bufs)
 
 
 @dataclass
@@ -198,7 +219,7 @@ class ReplicaFiles:
         disk fails."""
         if self.seq >= 0 and write.seq != self.seq + 1:
             raise Diverged(f"commit {write.seq} after {self.seq}")
-        for name, pos, _data in write.records:
+        for name, pos, _bufs in write.records:
             have = self.sizes.get(name)
             if (have is None and pos != 0) or (have is not None and have != pos):
                 raise Diverged(f"{name}: a record at {pos}, the copy has {have} bytes")
@@ -213,11 +234,11 @@ class ReplicaFiles:
             os.write(fd, write.ack_record)
             os.fdatasync(fd)
         touched: dict[str, int] = {}
-        for name, pos, data in write.records:
+        for name, pos, bufs in write.records:
             created |= name not in self.sizes
             fd = self._fd(name, create=name not in self.sizes)
-            pwritev_all(fd, [data], pos)
-            self.sizes[name] = pos + len(data)
+            pwritev_all(fd, bufs, pos)
+            self.sizes[name] = pos + _length(bufs)
             touched[name] = fd
         for fd in touched.values():
             os.fdatasync(fd)
@@ -430,8 +451,7 @@ def mirror_write(prepared, deleted: list[str], end_offset: int) -> MirrorWrite:
                 continue
             if id(seg) in new:
                 bufs, pos = [seg.file_header(), *bufs], 0
-            data = np.frombuffer(b"".join(bufs), dtype=np.uint8)
-            out.records.append((os.path.basename(seg.path), pos, data))
+            out.records.append((os.path.basename(seg.path), pos, list(bufs)))
     if prepared.checkpoint is not None:
         out.checkpoint = (prepared.checkpoint_generation, prepared.ack_high, prepared.checkpoint)
     return out
