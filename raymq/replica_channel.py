@@ -78,7 +78,9 @@ async def _read_frame(reader: asyncio.StreamReader, limit: int) -> object:
 class ReplicaChannelServer:
     """Serves a leader's commits and heartbeats to one follower. ``follower`` has the
     methods of ``raymq.core.replication.ReplicationFollower`` (``apply``,
-    ``heartbeat``), whose exceptions are sent back by name."""
+    ``heartbeat``), whose exceptions are sent back by name. A commit's bytes are
+    received straight into one buffer (``asyncio.BufferedProtocol``) and written to
+    the files from it: no copy between the socket and the disk."""
 
     def __init__(self, follower, queue: str):
         self._follower = follower
@@ -89,7 +91,8 @@ class ReplicaChannelServer:
 
     async def start(self, host: str) -> tuple[str, int, str]:
         """Listen on ``host`` (a free port); returns (host, port, secret)."""
-        self._server = await asyncio.start_server(self._serve, host, 0, limit=READ_BUFFER_BYTES)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _ServerProtocol(self), host, 0)
         return host, self._server.sockets[0].getsockname()[1], self.secret
 
     def close(self) -> None:
@@ -97,72 +100,146 @@ class ReplicaChannelServer:
         if self._server is not None:
             self._server.close()
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.connections += 1
+    def authentic(self, hello: object) -> bool:
+        """The first frame presents this follower's secret (compared in constant time)."""
+        return (
+            isinstance(hello, list)
+            and len(hello) == 1
+            and isinstance(hello[0], str)
+            and hmac.compare_digest(hello[0].encode(), self.secret.encode())
+        )
+
+    def handle(self, req: list, payload: memoryview) -> list:
+        """Apply one request (its raw buffer ``payload``); returns the answer."""
+        if req[0] == "apply":
+            return _answer(self._follower.apply, req[1], _mirror_write(req, payload))
+        return _answer(self._follower.heartbeat, req[1])
+
+
+class _ServerProtocol(asyncio.BufferedProtocol):
+    """One leader's connection: length, header, then (for a commit) its raw buffer,
+    each read into a buffer of its exact size."""
+
+    def __init__(self, server: ReplicaChannelServer):
+        self._server = server
+        self._transport: asyncio.Transport | None = None
+        self._authed = False
+        self._stage = "length"
+        self._buf = bytearray(_LENGTH.size)
+        self._view = memoryview(self._buf)
+        self._got = 0
+        self._req: list | None = None
+        self._payload = bytearray()  # reused: a commit's bytes live only while it applies
+        self._hello_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:
+        self._transport = transport
+        self._server.connections += 1
+        loop = asyncio.get_running_loop()
+        self._hello_timer = loop.call_later(HELLO_TIMEOUT_SECONDS, self._drop)
+
+    def connection_lost(self, exc) -> None:
+        self._server.connections -= 1
+        if self._hello_timer is not None:
+            self._hello_timer.cancel()
+
+    def _drop(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+    def _expect(self, stage: str, n: int, view: memoryview | None = None) -> None:
+        self._stage, self._got = stage, 0
+        if view is None:
+            self._buf = bytearray(n)
+            view = memoryview(self._buf)
+        self._view = view
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._view[self._got :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._got += nbytes
         try:
-            hello = await asyncio.wait_for(_read_frame(reader, HELLO_LIMIT), HELLO_TIMEOUT_SECONDS)
-            ok = (
-                isinstance(hello, list)
-                and len(hello) == 1
-                and isinstance(hello[0], str)
-                and hmac.compare_digest(hello[0].encode(), self.secret.encode())
+            while self._got == len(self._view) and not self._transport.is_closing():
+                self._advance()
+        except Exception as exc:  # nonsense from the peer: drop the connection
+            log.warning(
+                "queue %r: replica channel dropped a connection: %r", self._server._queue, exc
             )
-            if not ok:
-                return
-            writer.write(_frame([True]))
-            while True:
-                req = await _read_frame(reader, HEADER_LIMIT)
-                if not isinstance(req, list) or not req:
-                    return
-                if req[0] == "apply":
-                    write = await self._read_write(req, reader)
-                    writer.write(_frame(self._answer(self._follower.apply, req[1], write)))
-                elif req[0] == "heartbeat":
-                    writer.write(_frame(self._answer(self._follower.heartbeat, req[1])))
-                else:
-                    return
-                await writer.drain()
-        except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError, ValueError):
-            pass  # the leader went away, was silent, or spoke nonsense: drop the connection
-        except Exception as exc:  # msgpack's own errors among them: never kill the server
-            log.warning("queue %r: replica channel dropped a connection: %r", self._queue, exc)
-        finally:
-            self.connections -= 1
-            writer.close()
+            self._drop()
 
-    @staticmethod
-    async def _read_write(req: list, reader: asyncio.StreamReader) -> MirrorWrite:
-        _, epoch, seq, end_offset, ack_length, records, checkpoint, deleted = req
-        total = ack_length + sum(r[2] for r in records) + (checkpoint[2] if checkpoint else 0)
-        if total > PAYLOAD_LIMIT:
-            raise ValueError(f"a commit of {total} bytes")
-        payload = memoryview(await reader.readexactly(total))
-        write = MirrorWrite(epoch=epoch, seq=seq, end_offset=end_offset, deleted=list(deleted))
-        pos = 0
-        if ack_length:
-            write.ack_record, pos = bytes(payload[:ack_length]), ack_length
-        for name, at, length in records:
-            write.records.append((name, at, [payload[pos : pos + length]]))
-            pos += length
-        if checkpoint:
-            gen, next_offset, length = checkpoint
-            write.checkpoint = (gen, next_offset, bytes(payload[pos : pos + length]))
-        return write
+    def _advance(self) -> None:
+        if self._stage == "length":
+            (n,) = _LENGTH.unpack(self._view)
+            limit = HEADER_LIMIT if self._authed else HELLO_LIMIT
+            if n > limit:
+                raise ValueError(f"frame of {n} bytes over the limit of {limit}")
+            self._expect("header", n)
+        elif self._stage == "header":
+            req = msgpack.unpackb(self._view, raw=False)
+            if not self._authed:
+                if not self._server.authentic(req):
+                    raise ValueError("a peer without the secret")
+                self._authed = True
+                self._hello_timer.cancel()
+                self._transport.write(_frame([True]))
+                self._expect("length", _LENGTH.size)
+            elif isinstance(req, list) and req and req[0] == "apply":
+                total = _payload_length(req)
+                if len(self._payload) < total:
+                    self._payload = bytearray(total)
+                self._req = req
+                self._expect("payload", total, memoryview(self._payload)[:total])
+            elif isinstance(req, list) and len(req) == 2 and req[0] == "heartbeat":
+                self._reply(self._server.handle(req, memoryview(b"")))
+            else:
+                raise ValueError(f"a bad request {req!r:.100}")
+        else:  # the commit's raw buffer is in
+            req, self._req = self._req, None
+            self._reply(self._server.handle(req, self._view))
 
-    @staticmethod
-    def _answer(method, *args) -> list:
-        # Imported here: raymq.core.replication imports this module's client.
-        from raymq.core.replication import Fenced
+    def _reply(self, answer: list) -> None:
+        self._transport.write(_frame(answer))
+        self._expect("length", _LENGTH.size)
 
-        try:
-            method(*args)
-            return [True]
-        except Fenced as exc:
-            return ["Fenced", exc.epoch]
-        except Diverged as exc:
-            return ["Diverged", str(exc)]
-        except Exception as exc:  # a disk error, say: the leader takes us out of sync
-            return [type(exc).__name__, str(exc)]
+
+def _payload_length(req: list) -> int:
+    _, _epoch, _seq, _end, ack_length, records, checkpoint, _deleted = req
+    total = ack_length + sum(r[2] for r in records) + (checkpoint[2] if checkpoint else 0)
+    if not 0 <= total <= PAYLOAD_LIMIT:
+        raise ValueError(f"a commit of {total} bytes")
+    return total
+
+
+def _mirror_write(req: list, payload: memoryview) -> MirrorWrite:
+    """The ``MirrorWrite`` a commit request and its raw buffer carry (views into it)."""
+    _, epoch, seq, end_offset, ack_length, records, checkpoint, deleted = req
+    write = MirrorWrite(epoch=epoch, seq=seq, end_offset=end_offset, deleted=list(deleted))
+    pos = 0
+    if ack_length:
+        write.ack_record, pos = bytes(payload[:ack_length]), ack_length
+    for name, at, length in records:
+        write.records.append((name, at, [payload[pos : pos + length]]))
+        pos += length
+    if checkpoint:
+        gen, next_offset, length = checkpoint
+        write.checkpoint = (gen, next_offset, bytes(payload[pos : pos + length]))
+    return write
+
+
+def _answer(method, *args) -> list:
+    # Imported here: raymq.core.replication imports this module.
+    from raymq.core.replication import Fenced
+
+    try:
+        method(*args)
+        return [True]
+    except Fenced as exc:
+        return ["Fenced", exc.epoch]
+    except Diverged as exc:
+        return ["Diverged", str(exc)]
+    except Exception as exc:  # a disk error, say: the leader takes us out of sync
+        return [type(exc).__name__, str(exc)]
 
 
 class ReplicaChannel:
