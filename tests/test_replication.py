@@ -551,3 +551,25 @@ def test_commits_over_the_replica_channel_make_the_same_copy(tmp_path):
         assert copies["r2"][:50] == bodies(300, 50)
 
     asyncio.run(main())
+
+
+def test_an_idle_leader_takes_a_follower_that_misses_a_heartbeat_out_of_sync(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr("raymq.core.replication.HEARTBEAT_SECONDS", 0.05)
+
+    async def main():
+        links = [follower(tmp_path, "r1"), follower(tmp_path, "r2")]
+        core, rep, ctl = open_leader(tmp_path, links)
+        await until_in_sync(rep, 3)
+        await send(core, 0, 10)
+        hb = asyncio.get_running_loop().create_task(rep.heartbeat_loop())
+        links[1].down = True  # no commit goes out: only a heartbeat can notice
+        async with asyncio.timeout(30):
+            while "r2" in rep.in_sync:
+                await asyncio.sleep(0.01)
+        assert ctl.reports[-1] == ["r0", "r1"]
+        hb.cancel()
+        await core.close()
+
+    asyncio.run(main())

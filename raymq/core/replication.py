@@ -413,18 +413,43 @@ class ReplicationLeader:
             await asyncio.sleep(HEARTBEAT_SECONDS)
             if self._clock() - self._last_write < HEARTBEAT_SECONDS:
                 continue
-            links = [f.link for f in self._followers.values()]
+            followers = list(self._followers.values())
             results = await asyncio.gather(
                 *(
-                    asyncio.wait_for(link.heartbeat(self.epoch), FOLLOWER_TIMEOUT_SECONDS)
-                    for link in links
+                    asyncio.wait_for(f.link.heartbeat(self.epoch), FOLLOWER_TIMEOUT_SECONDS)
+                    for f in followers
                 ),
                 return_exceptions=True,
             )
-            fenced = [_remote_cause(r) for r in results if isinstance(r, BaseException)]
-            newest = max((r.epoch for r in fenced if isinstance(r, Fenced)), default=0)
+            causes = [_remote_cause(r) if isinstance(r, BaseException) else None for r in results]
+            newest = max((c.epoch for c in causes if isinstance(c, Fenced)), default=0)
             if newest:
                 self._fence(newest)
+                return
+            lost = [(f, c) for f, c in zip(followers, causes, strict=True) if c is not None]
+            if lost:
+                await self._lose_in_sync(lost)
+
+    async def _lose_in_sync(self, lost: list[tuple[_Follower, BaseException]]) -> None:
+        """In-sync followers that did not answer a heartbeat leave the in-sync set at
+        once (between two commits; the controller is told), not at the next commit."""
+        async with self.commit_lock:
+            changed = False
+            for f, cause in lost:
+                if f.in_sync and f in self._followers.values():
+                    f.in_sync, changed = False, True
+                    f.error = f"no answer to a heartbeat: {type(cause).__name__}: {cause}"
+                    log.warning(
+                        "queue %r: replica %s out of sync: %s",
+                        self.queue,
+                        f.link.replica_id,
+                        f.error,
+                    )
+            if changed:
+                self._unreported = True
+                self._start_catch_ups()
+                with contextlib.suppress(NotEnoughReplicas, NotLeader):
+                    await self._report_in_sync()
 
     # -- catching up -----------------------------------------------------------------
 
