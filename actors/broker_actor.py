@@ -45,7 +45,9 @@ _GONE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 log = logging.getLogger("raymq.broker")
 
 
-@ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=100)
+# Many concurrent calls: clients reporting a lost leader wait while it is replaced, and
+# the new leader's begin_epoch must still find a free slot.
+@ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=1000)
 class BrokerActor:
     """Registry of queues: name -> (settings, node, actor handle)."""
 
@@ -65,6 +67,8 @@ class BrokerActor:
         #: Replicated queues whose leader is being started (not checked meanwhile: it
         #: answers no ping while it recovers), with how many starts are under way.
         self._starting: dict[str, int] = {}
+        #: Queue -> the leader replica id a failover under way replaces.
+        self._replacing: dict[str, str] = {}
         #: Nodes where a replica was lost, and when (monotonic seconds).
         self._lost_nodes: dict[str, float] = {}
 
@@ -244,18 +248,40 @@ class BrokerActor:
         """A follower's actor by name (``ValueError`` if there is none)."""
         return ray.get_actor(replica_actor_name(name, rid), namespace=self.namespace)
 
-    async def _replicated(self, name: str):
-        """The leader of a replicated queue, its followers started (if need be)."""
+    async def _replicated(self, name: str, fresh: bool = False):
+        """The leader of a replicated queue, its followers started (if need be). A
+        leader that runs already has ``PING_TIMEOUT_SECONDS * 5`` to answer
+        (``BrokerUnavailable`` after: it is checked, and failed over, meanwhile); one
+        started here is not checked until it is up (it answers nothing while it
+        recovers)."""
         self._ensure_monitor()
+        running = False
+        if not fresh:
+            with contextlib.suppress(ValueError):
+                running = bool(ray.get_actor(queue_actor_name(name), namespace=self.namespace))
+        if running:
+            leader = await self._leader_actor(name)
+            try:
+                await asyncio.wait_for(leader.ready.remote(), PING_TIMEOUT_SECONDS * 5)
+            except (asyncio.TimeoutError, *_GONE) as exc:
+                raise BrokerUnavailable(
+                    f"queue {name!r}: its leader does not answer ({exc!r}); it is checked"
+                    " and replaced if lost: try again"
+                ) from None
+            return leader
         self._starting[name] = self._starting.get(name, 0) + 1
         try:
-            return await self._start_replicated(name)
+            leader = await self._leader_actor(name, fresh)
+            await leader.ready.remote()
+            return leader
         finally:
             self._starting[name] -= 1
             if not self._starting[name]:
                 del self._starting[name]
 
-    async def _start_replicated(self, name: str):
+    async def _leader_actor(self, name: str, fresh: bool = False):
+        """The leader actor (created with its role if it does not run; ``fresh``: a new
+        one, once the old one's name is free), its followers started."""
         entry = self._queues[name]
         rs = entry.replicas
         followers = []
@@ -269,20 +295,17 @@ class BrokerActor:
         deadline = time.monotonic() + 10.0
         while True:
             try:
-                leader = QueueActor.options(
+                return QueueActor.options(
                     name=queue_actor_name(name),
                     namespace=self.namespace,
                     lifetime="detached",
-                    get_if_exists=True,
+                    get_if_exists=not fresh,
                     scheduling_strategy=pinned_to(rs.leader_node),
                 ).remote(entry.config, self.broker_config, self.namespace, role)
-                break
             except ValueError:  # the old leader's name is being released
                 if time.monotonic() > deadline:
                     raise
                 await asyncio.sleep(0.05)
-        await leader.ready.remote()
-        return leader
 
     async def begin_epoch(self, name: str, replica_id: str) -> tuple[int, tuple]:
         """A leader (re)starts: the next epoch (saved before it is given) and the
@@ -290,7 +313,9 @@ class BrokerActor:
         ``replica_id`` no longer leads the queue."""
         entry = self._queues.get(name)
         rs = entry.replicas if entry is not None else None
-        if rs is None or rs.leader != replica_id:
+        if rs is None or rs.leader != replica_id or self._replacing.get(name) == replica_id:
+            # (a leader restarted in place while its failover fences the followers would
+            # get the epoch they are fenced with)
             raise NotLeader(f"queue {name!r}: replica {replica_id} no longer leads it")
         rs.epoch += 1
         self._save(name)
@@ -312,7 +337,8 @@ class BrokerActor:
     async def leader_silent(self, name: str, epoch: int) -> None:
         """A follower has not heard from the leader of ``epoch``: check it now."""
         entry = self._queues.get(name)
-        if entry is not None and entry.replicas is not None and entry.replicas.epoch == epoch:
+        current = entry is not None and entry.replicas is not None and entry.replicas.epoch == epoch
+        if current and not self._lock_of(name).locked():  # one check at a time, no queue
             await self._check_leader(name)
 
     async def suspect_leader(self, name: str, actor_id: str) -> bool:
@@ -325,8 +351,13 @@ class BrokerActor:
             current = ray.get_actor(queue_actor_name(name), namespace=self.namespace)
         except ValueError:
             current = None
+        lock = self._lock_of(name)
         if current is None or current._actor_id.hex() == actor_id:
-            await self._check_leader(name)
+            if lock.locked():  # a check (a failover) is under way: wait for it, not in line
+                while lock.locked():
+                    await asyncio.sleep(0.05)
+            else:
+                await self._check_leader(name)
         return True
 
     async def _ping(self, handle) -> int | None:
@@ -355,6 +386,13 @@ class BrokerActor:
     async def _failover(self, name: str, old) -> None:
         """Fence the followers with the next epoch, promote the most complete in-sync
         one, replace the old leader's replica, start the new leader."""
+        self._replacing[name] = self._queues[name].replicas.leader
+        try:
+            await self._fail_over(name, old)
+        finally:
+            self._replacing.pop(name, None)
+
+    async def _fail_over(self, name: str, old) -> None:
         t0 = time.monotonic()
         entry = self._queues[name]
         rs = entry.replicas
@@ -414,7 +452,7 @@ class BrokerActor:
             self._save(name)
         except NoNodes as exc:
             log.warning("queue %r: the lost replica is not replaced: %s", name, exc)
-        await self._replicated(name)
+        await self._replicated(name, fresh=True)
         record = {
             "queue": name,
             "old_epoch": old_epoch,

@@ -48,6 +48,9 @@ PING_TIMEOUT_SECONDS = 5.0
 #: retried (seconds).
 DEAD_LETTER_SEND_TIMEOUT_SECONDS = 5.0
 _ACTOR_GONE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+#: Longest a replicated queue's leader waits for the controller (seconds): a commit
+#: that needs it is refused after that (``NotEnoughReplicas``), not held for ever.
+CONTROLLER_SECONDS = 10.0
 
 log = logging.getLogger("raymq.queue")
 
@@ -85,6 +88,7 @@ class QueueActor:
                 quorum=config.insync_quorum,
                 epochs=[],
                 report_in_sync=self._report_in_sync,
+                new_epoch=self._next_epoch,
             )
         # Cached batches are put in the object store once, on their first delivery:
         # every delivery of them, to any subscription, is then a reference.
@@ -170,7 +174,19 @@ class QueueActor:
         from raymq.actors.broker_actor import BROKER_ACTOR_NAME  # it imports this module
 
         broker = ray.get_actor(BROKER_ACTOR_NAME, namespace=self.namespace)
-        return await broker.update_in_sync.remote(self.core.name, epoch, in_sync)
+        return await asyncio.wait_for(
+            broker.update_in_sync.remote(self.core.name, epoch, in_sync), CONTROLLER_SECONDS
+        )
+
+    async def _next_epoch(self) -> int:
+        """The controller's next epoch for this leader (after a cut-back commit)."""
+        from raymq.actors.broker_actor import BROKER_ACTOR_NAME  # it imports this module
+
+        broker = ray.get_actor(BROKER_ACTOR_NAME, namespace=self.namespace)
+        epoch, _followers = await asyncio.wait_for(
+            broker.begin_epoch.remote(self.core.name, self.role.replica_id), CONTROLLER_SECONDS
+        )
+        return epoch
 
     async def set_followers(self, epoch: int, followers: tuple) -> None:
         """The controller's followers for this leader (``LeaderRole.followers``)."""

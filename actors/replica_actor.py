@@ -110,7 +110,9 @@ class ReplicaActor:
         return self.follower.fence(epoch)
 
     def release(self) -> MirrorState:
-        """Close the files (this copy is about to be opened as the queue's leader)."""
+        """Close the files and take nothing more (this copy is about to be opened as the
+        queue's leader, by another process)."""
+        self.follower.retire()
         self._channel.close()
         self.follower.files.close()
         if self._watch is not None:
@@ -197,8 +199,10 @@ class RayFollowerLink:
     async def _guarded(self, answer) -> None:
         try:
             await answer
-        except ChannelFailed:
-            self._drop_channel()  # found again next time (the follower may have restarted)
+        except (ChannelFailed, asyncio.CancelledError, asyncio.TimeoutError):
+            # Failed, or given up on: found again next time (the follower may have
+            # restarted), never left half-connected.
+            self._drop_channel()
             raise
 
     def _drop_channel(self) -> None:
@@ -237,6 +241,15 @@ class RayFollowerLink:
     def close(self) -> None:
         """Drop the channel."""
         self._drop_channel()
+
+    def same_as(self, other) -> bool:
+        """``other`` reaches the same follower actor."""
+        theirs = getattr(other, "handle", None)
+        if theirs is None:
+            return False
+        return getattr(self.handle, "_actor_id", self.handle) == getattr(
+            theirs, "_actor_id", theirs
+        )
 
 
 @dataclass(frozen=True)

@@ -51,8 +51,11 @@ ANSWER_LIMIT = 64 * 1024
 HEADER_LIMIT = 16 * 2**20
 #: Longest raw buffer of one commit (bytes).
 PAYLOAD_LIMIT = 2**31
-#: Seconds a client waits to connect and for the server's answer to its secret.
-CONNECT_TIMEOUT_SECONDS = 5.0
+#: A follower keeps its receive buffer between commits up to this size (bytes).
+KEEP_PAYLOAD_BYTES = 64 * 2**20
+#: Seconds a client waits to connect and for the server's answer to its secret, in
+#: all: less than a commit waits for a follower (``FOLLOWER_TIMEOUT_SECONDS``).
+CONNECT_TIMEOUT_SECONDS = 2.0
 #: Seconds a server waits for a new connection's secret before closing it.
 HELLO_TIMEOUT_SECONDS = 5.0
 #: Bytes a connection buffers before it stops reading the socket.
@@ -88,6 +91,7 @@ class ReplicaChannelServer:
         self.secret = secrets.token_hex(16)
         self._server: asyncio.AbstractServer | None = None
         self.connections = 0
+        self._open: set[_ServerProtocol] = set()
 
     async def start(self, host: str) -> tuple[str, int, str]:
         """Listen on ``host`` (a free port); returns (host, port, secret)."""
@@ -96,9 +100,12 @@ class ReplicaChannelServer:
         return host, self._server.sockets[0].getsockname()[1], self.secret
 
     def close(self) -> None:
-        """Stop listening."""
+        """Stop listening and drop the open connections (a released follower takes no
+        more commits)."""
         if self._server is not None:
             self._server.close()
+        for protocol in list(self._open):
+            protocol.drop()
 
     def authentic(self, hello: object) -> bool:
         """The first frame presents this follower's secret (compared in constant time)."""
@@ -135,15 +142,18 @@ class _ServerProtocol(asyncio.BufferedProtocol):
     def connection_made(self, transport) -> None:
         self._transport = transport
         self._server.connections += 1
+        self._server._open.add(self)
         loop = asyncio.get_running_loop()
-        self._hello_timer = loop.call_later(HELLO_TIMEOUT_SECONDS, self._drop)
+        self._hello_timer = loop.call_later(HELLO_TIMEOUT_SECONDS, self.drop)
 
     def connection_lost(self, exc) -> None:
         self._server.connections -= 1
+        self._server._open.discard(self)
         if self._hello_timer is not None:
             self._hello_timer.cancel()
 
-    def _drop(self) -> None:
+    def drop(self) -> None:
+        """Close the connection."""
         if self._transport is not None:
             self._transport.close()
 
@@ -166,7 +176,7 @@ class _ServerProtocol(asyncio.BufferedProtocol):
             log.warning(
                 "queue %r: replica channel dropped a connection: %r", self._server._queue, exc
             )
-            self._drop()
+            self.drop()
 
     def _advance(self) -> None:
         if self._stage == "length":
@@ -196,7 +206,10 @@ class _ServerProtocol(asyncio.BufferedProtocol):
                 raise ValueError(f"a bad request {req!r:.100}")
         else:  # the commit's raw buffer is in
             req, self._req = self._req, None
-            self._reply(self._server.handle(req, self._view))
+            answer = self._server.handle(req, self._view)
+            if len(self._payload) > KEEP_PAYLOAD_BYTES:  # not held for ever after a big one
+                self._payload = bytearray()
+            self._reply(answer)
 
     def _reply(self, answer: list) -> None:
         self._transport.write(_frame(answer))
@@ -262,34 +275,42 @@ class ReplicaChannel:
         return self._writer is not None and not self._writer.is_closing()
 
     async def connect(self) -> None:
-        """Connect and present the secret (``ChannelFailed`` if that fails)."""
+        """Connect and present the secret (``ChannelFailed`` if that fails). Whatever
+        ends the attempt (a failure, a timeout, a cancelled caller), the next request
+        starts a new one."""
         if self.connected:
             return
         if self._connecting is not None:  # another request is connecting: wait for it
             await asyncio.shield(self._connecting)
             return
-        self._connecting = asyncio.get_running_loop().create_future()
+        connecting = self._connecting = asyncio.get_running_loop().create_future()
+        writer = None
         try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(*self._address, limit=READ_BUFFER_BYTES),
-                CONNECT_TIMEOUT_SECONDS,
-            )
-            writer.write(_frame([self._secret]))
-            answer = await asyncio.wait_for(
-                _read_frame(reader, ANSWER_LIMIT), CONNECT_TIMEOUT_SECONDS
-            )
+            async with asyncio.timeout(CONNECT_TIMEOUT_SECONDS):
+                reader, writer = await asyncio.open_connection(
+                    *self._address, limit=READ_BUFFER_BYTES
+                )
+                writer.write(_frame([self._secret]))
+                answer = await _read_frame(reader, ANSWER_LIMIT)
             if answer != [True]:
-                writer.close()
                 raise ChannelFailed(f"replica {self._replica} refused the connection")
-        except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError) as exc:
-            error = ChannelFailed(f"replica {self._replica}: cannot connect: {exc!r}")
-            self._connecting.set_exception(error)
-            self._connecting.exception()  # retrieved: waiters re-raise it themselves
+        except BaseException as exc:
+            if writer is not None:
+                writer.close()
+            error = (
+                exc
+                if isinstance(exc, ChannelFailed)
+                else ChannelFailed(f"replica {self._replica}: cannot connect: {exc!r}")
+            )
+            connecting.set_exception(error)
+            connecting.exception()  # retrieved: waiters re-raise it themselves
             self._connecting = None
-            raise error from exc
+            if isinstance(exc, Exception) and exc is not error:
+                raise error from exc
+            raise
         self._writer = writer
         self._reader_task = asyncio.get_running_loop().create_task(self._read_answers(reader))
-        self._connecting.set_result(None)
+        connecting.set_result(None)
         self._connecting = None
 
     async def _read_answers(self, reader: asyncio.StreamReader) -> None:
@@ -308,6 +329,7 @@ class ReplicaChannel:
         for fut in waiting:
             if not fut.done():
                 fut.set_exception(error)
+                fut.exception()
         self.close()
 
     def _send(self, header: list, buffers: list) -> Awaitable[None]:
@@ -363,7 +385,14 @@ class ReplicaChannel:
         return self._send(["heartbeat", epoch], [])
 
     def close(self) -> None:
-        """Drop the connection (the next request connects again)."""
+        """Drop the connection: requests waiting for an answer fail (``ChannelFailed``;
+        an answer on a later connection is never taken for theirs), and the next request
+        connects again."""
+        waiting, self._waiting = self._waiting, collections.deque()
+        for fut in waiting:
+            if not fut.done():
+                fut.set_exception(ChannelFailed(f"replica {self._replica}: channel closed"))
+                fut.exception()  # retrieved, if nobody waits any more
         if self._writer is not None:
             with contextlib.suppress(Exception):
                 self._writer.close()

@@ -65,6 +65,10 @@ class Controller:
         self.epoch = epoch
         self.reports: list[list[str]] = []
 
+    async def new_epoch(self) -> int:
+        self.epoch += 1
+        return self.epoch
+
     async def report(self, epoch: int, in_sync: list[str]) -> bool:
         if epoch != self.epoch:
             return False
@@ -92,6 +96,7 @@ def open_leader(root, links, *, epoch=1, controller=None, cfg=None, replica="r0"
         quorum=cfg.insync_quorum,
         epochs=epochs,
         report_in_sync=controller.report,
+        new_epoch=controller.new_epoch,
     )
     broker = BrokerConfig(paging_directory=str(root), checkpoint_interval=0.05)
     core = QueueCore(cfg, broker, directory=directory, replication=rep)
@@ -553,9 +558,7 @@ def test_commits_over_the_replica_channel_make_the_same_copy(tmp_path):
     asyncio.run(main())
 
 
-def test_an_idle_leader_takes_a_follower_that_misses_a_heartbeat_out_of_sync(
-    tmp_path, monkeypatch
-):
+def test_an_idle_leader_takes_a_follower_that_misses_a_heartbeat_out_of_sync(tmp_path, monkeypatch):
     monkeypatch.setattr("raymq.core.replication.HEARTBEAT_SECONDS", 0.05)
 
     async def main():
@@ -571,5 +574,68 @@ def test_an_idle_leader_takes_a_follower_that_misses_a_heartbeat_out_of_sync(
         assert ctl.reports[-1] == ["r0", "r1"]
         hb.cancel()
         await core.close()
+
+    asyncio.run(main())
+
+
+def test_a_commit_cut_back_after_followers_took_it_starts_a_new_epoch(tmp_path):
+    """The leader's own write fails after both followers wrote the commit: it takes a
+    new epoch starting where the commit started, so that a later leader cuts a follower
+    still holding it back there, although the same offsets went to other messages."""
+    from raymq.errors import StorageError
+
+    async def main():
+        root = str(tmp_path)
+        links = [follower(root, "r1"), follower(root, "r2")]
+        core, rep, ctl = open_leader(root, links)
+        await until_in_sync(rep, 3)
+        await send(core, 0, 40)
+        real_write = core.log.write
+
+        def failing_write(prepared):  # as the writer does when pwritev fails
+            prepared.records_error = StorageError("disk gone (test)")
+            raise prepared.records_error
+
+        core.log.write = failing_write
+        with pytest.raises(StorageError):
+            await send(core, 500, 10)  # r1 and r2 wrote it; the leader cut it back
+        core.log.write = real_write
+        assert rep.in_sync == ["r0"] and rep.needs_epoch
+        links[0].down = True  # r1 keeps the cut-back commit
+        await until_in_sync(rep, 2)  # r2 is cut back and caught up
+        await send(core, 1000, 20)  # offsets 40..59, in a new epoch
+        assert rep.epoch == 2 and rep.epochs[-1] == (2, 40)
+        await core.close()
+        for link in links:
+            link.follower.files.close()
+        # r0 is lost: r2 leads epoch 3 from its own files; r1 comes back
+        r2 = os.path.join(root, "r2")
+        from raymq.storage.mirror import read_epochs
+
+        epochs = [*read_epochs(r2)]
+        assert (2, 40) in epochs
+        ctl3 = Controller(epoch=3)
+        rep3 = ReplicationLeader(
+            "rq",
+            r2,
+            replica_id="r2",
+            node_id="n2",
+            epoch=3,
+            quorum=2,
+            epochs=[*epochs, (3, 60)],
+            report_in_sync=ctl3.report,
+        )
+        core3 = QueueCore(
+            config(), BrokerConfig(paging_directory=root), directory=r2, replication=rep3
+        )
+        core3.start()
+        r1 = follower(root, "r1", epoch=3)
+        rep3.set_followers([r1])
+        await until_in_sync(rep3, 2)
+        await core3.close()
+        r1.follower.files.close()
+        copy = reopen(root, "r1")
+        assert await drain_bodies(copy) == bodies(0, 40) + bodies(1000, 20)
+        await copy.close()
 
     asyncio.run(main())

@@ -34,6 +34,7 @@ from raymq.core.supervisor import Supervisor
 from raymq.core.target_area import TargetArea
 from raymq.errors import (
     AddressFull,
+    BrokerUnavailable,
     InvalidSetting,
     NotEnoughReplicas,
     NotLeader,
@@ -474,6 +475,12 @@ class QueueCore:
         batches = [b for b, _ in pending]
         prepared = None
         replicating: _Round | None = None
+        if self.replication is not None and self.replication.needs_epoch:
+            try:  # a commit was cut back after followers took it: a new epoch first
+                await self.replication.renew_epoch()
+            except (NotEnoughReplicas, NotLeader) as exc:
+                _fail(pending, waiters, exc)
+                return
         try:
             prepared = self.log.prepare(batches, int(time.time() * 1e6), checkpoint=checkpoint)
             if self.replication is not None:
@@ -515,8 +522,15 @@ class QueueCore:
         else:
             self.log.publish(prepared)
         stored = prepared.records_error is None and unreplicated is None
+        told = True
         if replicating is not None and prepared.items and not stored:
-            await self.replication.abandon(replicating)  # followers may hold them
+            told = await self.replication.abandon(replicating)  # followers may hold them
+        if not told:
+            cause = prepared.records_error or unreplicated
+            unreplicated = BrokerUnavailable(
+                f"queue {self.name!r}: a send failed ({cause}) and the controller could not"
+                " be told which replicas hold it: it may be delivered later"
+            )
         if stored:
             try:  # the commit is durable: what follows derives state, it cannot undo it
                 await self._after_commit(prepared)
@@ -529,7 +543,7 @@ class QueueCore:
             self._counters["in"] += prepared.message_count
             self._counters["bytes_in"] += sum(item[3].nbytes for item in prepared.items)
         else:  # cut back: never served; the senders may retry
-            _fail(pending, [], prepared.records_error or unreplicated)
+            _fail(pending, [], unreplicated or prepared.records_error)
         if prepared.checkpoint_written:
             self._last_checkpoint = time.monotonic()
             self._dirty_since_checkpoint = False

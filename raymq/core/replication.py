@@ -47,6 +47,7 @@ from raymq.storage.mirror import (
     end_of_epoch,
     read_range,
     read_small_files,
+    write_epochs,
 )
 
 log = logging.getLogger("raymq.replication")
@@ -186,8 +187,11 @@ class ReplicationLeader:
         quorum: int,
         epochs: list[tuple[int, int]],
         report_in_sync: ReportInSync,
+        new_epoch: Callable[[], Awaitable[int]] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
+        """``report_in_sync`` tells the controller the in-sync set; ``new_epoch`` asks
+        it for the next epoch (None: epochs never change here, as in tests)."""
         self.queue = queue
         self.directory = directory
         self.replica_id = replica_id
@@ -211,6 +215,10 @@ class ReplicationLeader:
         #: The in-sync set changed and the controller has not been told yet: nothing
         #: is answered until it has.
         self._unreported = False
+        self._in_sync_version = 0
+        #: Where a new epoch must start (a commit cut back after followers took it).
+        self._epoch_from: int | None = None
+        self._new_epoch = new_epoch
         self.catch_ups = 0  # followers brought in sync
 
     # -- wiring ----------------------------------------------------------------------
@@ -241,7 +249,9 @@ class ReplicationLeader:
         for rid, link in wanted.items():
             if rid in self._followers:
                 old = self._followers[rid].link
-                if old is not link and hasattr(old, "close"):
+                if old is link or (hasattr(old, "same_as") and old.same_as(link)):
+                    continue  # the same follower: its connection and commit in flight stay
+                if hasattr(old, "close"):
                     old.close()
                 self._followers[rid].link = link
             else:
@@ -361,7 +371,7 @@ class ReplicationLeader:
                 log.warning(
                     "queue %r: replica %s out of sync: %s", self.queue, f.link.replica_id, f.error
                 )
-            self._unreported = True
+            self._in_sync_changed()
             self._start_catch_ups()
         if self._unreported:
             await self._report_in_sync()
@@ -374,10 +384,16 @@ class ReplicationLeader:
         """``start`` then ``finish``."""
         await self.finish(self.start(write, first_offset))
 
+    def _in_sync_changed(self) -> None:
+        self._unreported = True
+        self._in_sync_version += 1
+
     async def _report_in_sync(self) -> None:
         """Tell the controller the in-sync set; fenced if it knows a newer epoch.
-        Until it was told, ``_unreported`` stays set and no commit is answered."""
+        Until it was told, ``_unreported`` stays set and no commit is answered; a
+        report of a set changed since it left does not clear it."""
         self._unreported = True
+        version = self._in_sync_version
         try:
             current = await self._report(self.epoch, self.in_sync)
         except Exception as exc:  # cannot shrink the set: nothing may be answered
@@ -387,24 +403,60 @@ class ReplicationLeader:
             ) from exc
         if not current:
             raise self._fence(self.epoch + 1)
-        self._unreported = False
+        if version == self._in_sync_version:
+            self._unreported = False
 
-    async def abandon(self, round: _Round) -> None:
+    async def abandon(self, round: _Round) -> bool:
         """The leader cut back a commit it had sent (its own write failed, or too few
         replicas had it): the followers that took it hold records the leader will give
         other messages to. They leave the in-sync set, to be cut back to where the
-        commit started, and the controller is told (a failure is left to the next
-        commit, which reports first)."""
+        commit started; the controller is told, and this leader takes a new epoch
+        starting there before its next commit, so that any later leader cuts them back
+        too. Returns False if the controller could not be told: a follower it still
+        counts in sync may hold the commit, whose outcome is then unknown."""
         changed = False
         for f in round.calls.values():
             f.agreed = round.first_offset if f.agreed is None else min(f.agreed, round.first_offset)
             if f.in_sync:
                 f.in_sync, f.error, changed = False, "holds a commit the leader cut back", True
-        if changed:
-            self._unreported = True
-            self._start_catch_ups()
-            with contextlib.suppress(NotEnoughReplicas, NotLeader):
-                await self._report_in_sync()
+        if round.calls:
+            start = round.first_offset
+            self._epoch_from = start if self._epoch_from is None else min(self._epoch_from, start)
+        if not changed:
+            return True
+        self._in_sync_changed()
+        self._start_catch_ups()
+        try:
+            await self._report_in_sync()
+        except (NotEnoughReplicas, NotLeader):
+            return False
+        return True
+
+    @property
+    def needs_epoch(self) -> bool:
+        """A commit was cut back after followers took it: a new epoch must start before
+        the next commit (``renew_epoch``)."""
+        return self._epoch_from is not None
+
+    async def renew_epoch(self) -> None:
+        """Start a new epoch (the controller's next) at the offset where a cut-back
+        commit started; ``NotEnoughReplicas`` if the controller cannot be reached."""
+        if self._new_epoch is None:
+            self._epoch_from = None
+            return
+        try:
+            epoch = await self._new_epoch()
+        except NotLeader:
+            raise
+        except Exception as exc:
+            raise NotEnoughReplicas(
+                f"queue {self.queue!r}: no new epoch from the controller after a cut-back"
+                f" commit ({exc!r})"
+            ) from exc
+        self.epoch = epoch
+        self.epochs.append((epoch, self._epoch_from))
+        write_epochs(self.directory, self.epochs)
+        self._epoch_from = None
 
     async def heartbeat_loop(self) -> None:
         """Write to idle followers every ``HEARTBEAT_SECONDS`` (they report a silent
@@ -446,7 +498,7 @@ class ReplicationLeader:
                         f.error,
                     )
             if changed:
-                self._unreported = True
+                self._in_sync_changed()
                 self._start_catch_ups()
                 with contextlib.suppress(NotEnoughReplicas, NotLeader):
                     await self._report_in_sync()
@@ -552,10 +604,15 @@ class ReplicationFollower:
         self.heard = clock()
         self.applied_commits = 0
         self.applied_bytes = 0
+        self.retired = False
+
+    def retire(self) -> None:
+        """Refuse every leader from now on (this copy is handed over)."""
+        self.retired = True
 
     def _check(self, epoch: int) -> None:
-        if epoch < self.epoch:
-            raise Fenced(self.epoch)
+        if epoch < self.epoch or self.retired:
+            raise Fenced(max(self.epoch, epoch + 1) if self.retired else self.epoch)
         self._raise_to(epoch)
         self.heard = self._clock()
 
