@@ -21,6 +21,7 @@ Usage: python tests/replication_scenario.py PAGING_DIR RAY_TEMP_DIR [SCENARIO ..
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import signal
@@ -354,10 +355,17 @@ def readme(s: Scenario) -> dict:
     finally:
         raymq.connect = connect
     orders = scope["orders"]
+    from raymq.cli import main as raymq_command
+
+    shown = io.StringIO()
+    with contextlib.redirect_stdout(shown):  # `raymq status` as a pipe gets it
+        code = raymq_command(["--namespace", "replication", "status"])
     return {
         "replicas": orders.stats()["replicas"],
         "leader_node": s.broker.queue_nodes()["orders"],
         "consumed": [b.decode() for b in consume_all(orders)],
+        "status_code": code,
+        "status": shown.getvalue(),
     }
 
 

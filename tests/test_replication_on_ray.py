@@ -118,3 +118,14 @@ def test_the_readme_replicas_block_runs_as_typed(observed):
     assert r["replicas"][0]["role"] == "leader"
     assert r["replicas"][0]["node_id"] == r["leader_node"]
     assert r["consumed"] == ["..."]
+
+
+def test_raymq_status_shows_each_replica(observed):
+    r = observed["readme"]
+    assert r["status_code"] == 0
+    table = r["status"][r["status"].index("replicas (replicated queues)") :]
+    rows = [line for line in table.splitlines() if "orders" in line]
+    assert len(rows) == 3, table
+    assert sum("leader" in row for row in rows) == 1
+    for replica in r["replicas"]:
+        assert any(replica["node_id"][:12] in row for row in rows), table
