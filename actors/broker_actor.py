@@ -4,6 +4,11 @@ One detached actor ``raymq.broker`` per namespace. It creates queue actors, find
 again after a restart of the cluster (each queue directory holds a ``queue.json``), and
 serializes create and delete so that ``create_queue`` is idempotent. It holds no
 message: a crash of it loses nothing and it rebuilds its registry from the files.
+
+It also hibernates idle unreplicated queues (``raymq.core.hibernation``): at most
+``max_active_queues`` queue actors run per node, and one idle for
+``hibernate_after_seconds`` ends (its files stay). ``get_queue`` starts a hibernated
+queue's actor again; clients reach it through ``Queue._refresh``.
 """
 
 from __future__ import annotations
@@ -20,8 +25,14 @@ from raymq.actors.queue_actor import QueueActor, queue_actor_name
 from raymq.actors.replica_actor import LeaderRole, ReplicaActor, replica_actor_name
 from raymq.placement.nodes import alive_nodes, choose_queue_node, pinned_to
 
+from raymq import metrics
 from raymq.config import BrokerConfig, QueueConfig, validate_queue_name
 from raymq.core.controller import NoNodes, ReplicaSet
+from raymq.core.hibernation import (
+    HibernationPolicy,
+    HibernationSettings,
+    HibernationStats,
+)
 from raymq.core.registry import QueueEntry, QueueRegistry
 from raymq.errors import BrokerUnavailable, NotLeader, QueueExists, QueueNotFound
 
@@ -40,7 +51,30 @@ LOST_NODE_SECONDS = 120.0
 #: How long a replaced leader's node has to start its copy again as a follower
 #: (seconds); a lost node never does.
 REJOIN_SECONDS = 10.0
+#: Longest a queue's ``hibernate`` call (flush and close) and the release of its actor
+#: name may take (seconds); past it the hibernation is given up (logged, counted).
+HIBERNATE_SECONDS = 10.0
+#: Longest an idleness probe may take; a queue that does not answer counts as busy
+#: (seconds).
+IDLE_PROBE_SECONDS = 2.0
+#: Longest period of the hibernation sweep (seconds); shorter for a short
+#: ``hibernate_after_seconds``.
+SWEEP_PERIOD_SECONDS = 5.0
 _GONE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+
+
+def _hibernation_settings(config: BrokerConfig) -> HibernationSettings:
+    """The broker's hibernation settings: ``BrokerConfig`` fields if it has them, else
+    its ``extra`` dict, else the defaults."""
+    defaults = HibernationSettings()
+    values = {}
+    for name in ("max_active_queues", "hibernate_after_seconds"):
+        if hasattr(config, name):
+            values[name] = getattr(config, name)
+        else:
+            values[name] = config.extra.get(name, getattr(defaults, name))
+    return HibernationSettings(**values)
+
 
 log = logging.getLogger("raymq.broker")
 
@@ -71,6 +105,15 @@ class BrokerActor:
         self._replacing: dict[str, str] = {}
         #: Nodes where a replica was lost, and when (monotonic seconds).
         self._lost_nodes: dict[str, float] = {}
+        # Hibernation of idle unreplicated queues (raymq.core.hibernation).
+        self._hibernation = HibernationPolicy(_hibernation_settings(config))
+        #: Unreplicated queue -> lock around its revival and hibernation.
+        self._queue_locks: dict[str, asyncio.Lock] = {}
+        self._sweeper: asyncio.Task | None = None
+        self._exporter: asyncio.Task | None = None
+        self._counts = {"hibernations": 0, "revivals": 0, "refused": 0, "over_cap": 0}
+        self._revival_seconds = 0.0
+        self._find_running()
 
     def config(self) -> BrokerConfig:
         """The broker settings."""
@@ -128,7 +171,7 @@ class BrokerActor:
                 node = choose_queue_node(node_id, per_node)
                 self._queues[cfg.name] = QueueEntry(cfg, node)
                 self._registry.save(self._queues[cfg.name])
-                handle = self._actor(cfg.name, cfg, node)
+                handle = await self._handle(cfg.name, new=True)
             await handle.ready.remote()
             return handle
 
@@ -142,14 +185,37 @@ class BrokerActor:
             )
         return await self._handle(name)
 
-    async def _handle(self, name: str):
-        """The running actor of a queue (its leader's, if replicated), started if need be."""
+    async def _handle(self, name: str, new: bool = False):
+        """The running actor of a queue (its leader's, if replicated), started if need be
+        (``new``: a queue being created, not a revival). Starting one on a node at its
+        ``max_active_queues`` hibernates an idle queue there meanwhile."""
         entry = self._queues[name]
         if entry.config.replicas > 1:
             return await self._replicated(name)
-        handle = self._actor(name, entry.config, entry.node_id)
-        await handle.ready.remote()
-        return handle
+        self._ensure_sweeper()
+        async with self._queue_lock(name):  # not while it hibernates
+            entry = self._queues[name]  # (it may have moved)
+            reviving = not self._hibernation.is_active(name)
+            t0 = time.monotonic()
+            handle = self._actor(name, entry.config, entry.node_id)
+            if reviving:  # while its process starts (a second of CPU): its ready comes later
+                await self._make_room(self._queues[name].node_id, name)
+            try:
+                await handle.ready.remote()
+            except (NotLeader, ray.exceptions.RayTaskError) as exc:
+                if not isinstance(getattr(exc, "cause", exc), NotLeader):
+                    raise
+                # Closed for a hibernation that its broker did not finish (it died, or
+                # gave up waiting): end it and start the queue anew.
+                log.warning("queue %r: ending an actor left hibernating", name)
+                await self._end_actor(name, handle)
+                handle = self._actor(name, entry.config, self._queues[name].node_id)
+                await handle.ready.remote()
+            self._hibernation.started(name, self._queues[name].node_id)
+            if reviving and not new:
+                self._counts["revivals"] += 1
+                self._revival_seconds += time.monotonic() - t0
+            return handle
 
     async def dead_letter_queue(self, name: str, durable: bool):
         """The handle of dead-letter queue ``name``, created with default settings and
@@ -617,12 +683,15 @@ class BrokerActor:
                 await handle.shutdown.remote(delete_files=True)
                 ray.kill(handle, no_restart=True)
                 del self._queues[name]
+                self._hibernation.stopped(name)
             shutil.rmtree(self._registry.directory(name), ignore_errors=True)
 
     async def stop_queues(self) -> None:
         """Stop every queue actor, keeping the files (``raymq stop``, test teardown)."""
         if self._monitor is not None:  # stopped queues are not failed over
             self._monitor.cancel()
+        if self._sweeper is not None:  # nor hibernated meanwhile
+            self._sweeper.cancel()
         async with self._lock:
             for name in list(self._queues):
                 try:
@@ -634,6 +703,7 @@ class BrokerActor:
                     await handle.shutdown.remote()
                 finally:
                     ray.kill(handle, no_restart=True)
+                    self._hibernation.stopped(name)
 
     async def _stop_followers(self, name: str, delete_files: bool = False) -> None:
         """Stop a replicated queue's follower actors (and delete their copies)."""
@@ -650,3 +720,197 @@ class BrokerActor:
                     handle.shutdown.remote(delete_files), PING_TIMEOUT_SECONDS * 5
                 )
             ray.kill(handle, no_restart=True)
+
+    # -- hibernation of idle unreplicated queues ------------------------------------------
+
+    def _find_running(self) -> None:
+        """Take the queue actors already running (this broker actor restarted) as
+        active: they count toward the cap and may hibernate."""
+        try:
+            running = ray.util.list_named_actors(all_namespaces=True)
+        except Exception as exc:  # only the cap's accounting is lost: logged
+            log.warning("running queue actors not listed: %r", exc)
+            return
+        prefix = queue_actor_name("")
+        for actor in running:
+            name = actor["name"][len(prefix) :]
+            entry = self._queues.get(name)
+            if (
+                actor["namespace"] == self.namespace
+                and actor["name"].startswith(prefix)
+                and entry is not None
+                and entry.replicas is None
+            ):
+                self._hibernation.started(name, entry.node_id)
+
+    def _queue_lock(self, name: str) -> asyncio.Lock:
+        return self._queue_locks.setdefault(name, asyncio.Lock())
+
+    def _ensure_sweeper(self) -> None:
+        """Start the metrics export and (with ``hibernate_after_seconds``) the sweep."""
+        if self._exporter is None or self._exporter.done():
+            self._exporter = asyncio.get_running_loop().create_task(self._export_metrics())
+        if self._hibernation.settings.hibernate_after_seconds is None:
+            return
+        if self._sweeper is None or self._sweeper.done():
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_loop())
+
+    async def _export_metrics(self) -> None:
+        """Every ``metrics.EXPORT_PERIOD_SECONDS``, the ``raymq_broker_*`` gauges."""
+        while True:
+            with metrics.guard("broker hibernation"):
+                metrics.export_hibernation(self.hibernation_stats(), self.namespace)
+            await asyncio.sleep(metrics.EXPORT_PERIOD_SECONDS)
+
+    def _sweep_period(self) -> float:
+        after = self._hibernation.settings.hibernate_after_seconds
+        return SWEEP_PERIOD_SECONDS if after is None else min(SWEEP_PERIOD_SECONDS, after / 2)
+
+    async def _sweep_loop(self) -> None:
+        """Every ``_sweep_period()`` seconds, hibernate the queues idle for
+        ``hibernate_after_seconds`` (and any over the cap)."""
+        while True:
+            await asyncio.sleep(self._sweep_period())
+            try:
+                await self._sweep()
+            except Exception:
+                log.exception("hibernation sweep")
+
+    async def _idle_times(self, names: list[str]) -> dict[str, float | None]:
+        """Each running queue's idle seconds (None: busy, or no answer in time); one
+        whose actor is gone (killed, or stopped by hand) is no longer active."""
+
+        async def probe(name: str) -> float | None:
+            try:
+                handle = ray.get_actor(queue_actor_name(name), namespace=self.namespace)
+            except ValueError:
+                self._hibernation.stopped(name)
+                return None
+            try:
+                return await asyncio.wait_for(handle.idle_seconds.remote(), IDLE_PROBE_SECONDS)
+            except (asyncio.TimeoutError, *_GONE):
+                return None
+
+        answers = await asyncio.gather(*(probe(n) for n in names))
+        return dict(zip(names, answers, strict=True))
+
+    async def _sweep(self, room_on: str | None = None, skip: str | None = None) -> None:
+        """Hibernate what the policy chooses (``room_on``: a node about to start one
+        more queue; ``skip``: that queue)."""
+        names = [
+            n
+            for n in self._hibernation.active()
+            if n != skip and not self._queue_lock(n).locked()  # being revived or hibernated
+        ]
+        if not names:
+            return
+        idle = await self._idle_times(names)
+        for name in self._hibernation.choose(idle, room_on):
+            await self._hibernate(name)
+
+    async def _make_room(self, node: str, name: str) -> None:
+        """Before ``name`` starts on ``node``: hibernate idle queues there if the node
+        is at its cap. None idle: it starts all the same (counted in ``over_cap``)."""
+        if not self._hibernation.needs_room(node):
+            return
+        await self._sweep(room_on=node, skip=name)
+        if self._hibernation.needs_room(node):
+            self._counts["over_cap"] += 1
+            log.warning(
+                "queue %r starts on node %s over max_active_queues=%s: no idle queue there",
+                name,
+                node[:12],
+                self._hibernation.settings.max_active_queues,
+            )
+
+    async def _hibernate(self, name: str) -> bool:
+        """Hibernate one queue if it is still idle: its actor closes its files, is
+        ended, and its name released (so that the next ``get_queue`` starts it anew).
+        Returns True if it hibernated."""
+        lock = self._queue_lock(name)
+        if lock.locked():
+            return False
+        async with lock:
+            try:
+                handle = ray.get_actor(queue_actor_name(name), namespace=self.namespace)
+            except ValueError:
+                self._hibernation.stopped(name)
+                return False
+            try:
+                done = await asyncio.wait_for(handle.hibernate.remote(), HIBERNATE_SECONDS)
+            except (asyncio.TimeoutError, *_GONE) as exc:
+                log.warning("queue %r: hibernation failed: %r", name, exc)
+                self._counts["refused"] += 1
+                return False
+            if not done:  # busy meanwhile
+                self._counts["refused"] += 1
+                return False
+            # Closed: it answers every call with NotLeader until it is gone.
+            await self._end_actor(name, handle)
+            self._hibernation.stopped(name)
+            self._counts["hibernations"] += 1
+            log.info("queue %r hibernated", name)
+            return True
+
+    async def _end_actor(self, name: str, handle) -> None:
+        """Kill a closed queue actor and wait until its name is free (up to
+        ``HIBERNATE_SECONDS``), so that the next start makes a new actor."""
+        ray.kill(handle, no_restart=True)
+        deadline = time.monotonic() + HIBERNATE_SECONDS
+        while time.monotonic() < deadline:
+            try:
+                await asyncio.to_thread(ray.get_actor, queue_actor_name(name), self.namespace)
+            except ValueError:
+                return  # the name is free
+            await asyncio.sleep(0.02)
+        log.warning(
+            "queue %r: its actor name is not released %.0f s after a kill", name, HIBERNATE_SECONDS
+        )
+
+    async def hibernate(self, name: str) -> bool:
+        """Hibernate queue ``name`` now if it is idle (tests, ``raymq``); returns True if
+        it hibernated, False if it is busy, replicated or not running."""
+        validate_queue_name(name)
+        entry = self._queues.get(name)
+        if entry is None:
+            raise QueueNotFound(f"queue {name!r} does not exist")
+        if entry.replicas is not None or not self._hibernation.is_active(name):
+            return False
+        return await self._hibernate(name)
+
+    async def set_hibernation(
+        self, max_active_queues: int | None, hibernate_after_seconds: float | None
+    ) -> None:
+        """Change the hibernation settings of this broker actor (until it restarts;
+        ``BrokerConfig`` holds the lasting ones). Applied from the next sweep or start."""
+        self._hibernation.settings = HibernationSettings(max_active_queues, hibernate_after_seconds)
+        if self._sweeper is not None:
+            self._sweeper.cancel()  # its period may change
+            self._sweeper = None
+        self._ensure_sweeper()
+
+    def queue_states(self) -> dict[str, str]:
+        """Each queue's (and address's) state by name: "active" (its actor runs),
+        "hibernated" (it does not; the next call starts it), or "replicated"."""
+        out = {}
+        for name, entry in sorted(self._queues.items()):
+            if entry.replicas is not None:
+                out[name] = "replicated"
+            else:
+                out[name] = "active" if self._hibernation.is_active(name) else "hibernated"
+        return out
+
+    def hibernation_stats(self) -> HibernationStats:
+        """Settings, running queues per node, hibernated queues and counts."""
+        settings = self._hibernation.settings
+        return HibernationStats(
+            max_active_queues=settings.max_active_queues,
+            hibernate_after_seconds=settings.hibernate_after_seconds,
+            active_per_node=self._hibernation.active_per_node(),
+            hibernated=[n for n, s in self.queue_states().items() if s == "hibernated"],
+            hibernations=self._counts["hibernations"],
+            revivals=self._counts["revivals"],
+            refused=self._counts["refused"],
+            over_cap=self._counts["over_cap"],
+            revival_seconds=self._revival_seconds,
+        )

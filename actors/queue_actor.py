@@ -29,9 +29,11 @@ from raymq import metrics
 from raymq.batch import MessageBatch, warm_arrow_conversions
 from raymq.config import BrokerConfig, QueueConfig
 from raymq.core.budget import QueueUsage
+from raymq.core.hibernation import Activity
 from raymq.core.queue import QueueCore, QueueStats
 from raymq.core.replication import ReplicationLeader
 from raymq.core.target_list import FetchAnswer
+from raymq.errors import NotLeader
 from raymq.send_channel import SendChannelServer
 from raymq.storage.mirror import read_epochs, write_epochs
 from raymq.storage.subscriptions import SubscriptionSpec
@@ -109,8 +111,19 @@ class QueueActor:
             self.core.send_batch, config.name, broker.max_message_size
         )
         self._endpoint: tuple[str, int, str] | None = None
+        #: Its last call, for the broker's hibernation (``idle_seconds``).
+        self._activity = Activity()
+        #: Set once ``hibernate`` began: later calls are sent back to the broker.
+        self._hibernating = False
+        self._closing: asyncio.Task | None = None
 
-    async def _ensure_started(self) -> None:
+    async def _ensure_started(self, touch: bool = True) -> None:
+        if touch:  # (not the governor's rounds: they would keep every queue awake)
+            self._activity.touch()
+        if self._hibernating:
+            # Clients take NotLeader as "ask the broker again" (Queue._refresh): it
+            # waits for this hibernation to end and revives the queue.
+            raise NotLeader(f"queue {self.core.name!r} is hibernating: ask the broker again")
         if self._started:
             return
         async with self._start_lock:  # every call waits for the start, epoch included
@@ -442,7 +455,7 @@ class QueueActor:
     async def usage(self) -> tuple[QueueUsage, list[tuple[str, object]]]:
         """For the MemoryGovernor: the queue's usage (a ``QueueUsage``, bytes) on this
         node, and its consumers' TargetList actors as (consumer id, handle)."""
-        await self._ensure_started()
+        await self._ensure_started(touch=False)
         consumers = [
             (t.consumer_id, t.watch)
             for sub in self.core.all_subscriptions()
@@ -453,7 +466,7 @@ class QueueActor:
 
     async def set_budget(self, queue_bytes: int) -> None:
         """The MemoryGovernor's budget for this actor's caches (bytes)."""
-        await self._ensure_started()
+        await self._ensure_started(touch=False)
         self.core.set_budget(queue_bytes)
 
     async def stats(self, subscription: str | None = None) -> QueueStats:
@@ -468,6 +481,53 @@ class QueueActor:
     def pid(self) -> int:
         """The actor's process id (for fault tests and diagnostics)."""
         return os.getpid()
+
+    def _busy(self) -> bool:
+        """True if hibernating now could cost a client more than a delay: consumers
+        registered (their TargetLists hold this actor), sends or acks not yet durable,
+        deliveries not acknowledged, blocked producers, dead letters waiting, or a
+        replicated queue (its leadership is the controller's, not hibernation's)."""
+        if self.role is not None:
+            return True
+        if not self._started:
+            return False
+        core = self.core
+        if core._pending or core.log.has_pending_acks or core._blocked:
+            return True
+        for stats in [core.stats()] + [core.stats(name) for name in core.subscriptions]:
+            if stats.consumers or stats.in_flight or stats.dead_letters_pending:
+                return True
+        return False
+
+    def idle_seconds(self) -> float | None:
+        """Seconds since this queue's last call (this probe excepted); None while it is
+        busy (see ``hibernate``). For the broker's hibernation."""
+        return self._activity.idle_seconds(self._busy())
+
+    async def hibernate(self) -> bool:
+        """If the queue is idle (no consumer, nothing pending, nothing unacknowledged,
+        not replicated), close its send channel and files for the broker to end this
+        actor; returns False (changing nothing) if it is busy. Calls arriving from now
+        on raise ``NotLeader`` (clients then ask the broker, which revives the queue).
+        A channel send caught between the check and the close is made durable by the
+        close; its producer, whose channel breaks, sends it again (at-least-once)."""
+        if self._hibernating:  # again (its broker died meanwhile): once it is closed
+            await self._closing
+            return True
+        if self._busy():
+            return False
+        self._hibernating = True
+        self._closing = asyncio.get_running_loop().create_task(self._close_for_hibernation())
+        await self._closing
+        return True
+
+    async def _close_for_hibernation(self) -> None:
+        if self._metrics_task is not None:
+            self._metrics_task.cancel()
+        self._channel.close()
+        if self._started:
+            await self.core.close()
+        log.info("queue %r: hibernating", self.core.name)
 
     async def shutdown(self, delete_files: bool = False) -> None:
         """Flush, close files and optionally delete the queue's directory."""

@@ -27,6 +27,7 @@ import re
 import time
 
 import numpy as np
+import pyarrow as pa
 import ray
 from raymq.actors.queue_actor import queue_actor_name
 
@@ -40,6 +41,7 @@ from raymq.core.target_list import (
     FetchFailed,
     TargetList,
 )
+from raymq.delivery_channel import BY_REFERENCE, DeliveryChannelServer
 from raymq.errors import BrokerUnavailable, NotLeader, RayMQError
 
 log = logging.getLogger("raymq.consumer")
@@ -85,6 +87,9 @@ class TargetListActor:
         self._queue_dead = False
         self._death = ""  # Ray's reason for that death
         self._namespace: str | None = None  # the broker's, once known
+        #: The consumer's receives come over this socket (``raymq.delivery_channel``).
+        self._channel: DeliveryChannelServer | None = None
+        self.channel_lost_batches = 0  # batches lost with a restarted queue, skipped
 
     def ready(self) -> bool:
         """True once the process is up (a spare is warm)."""
@@ -101,10 +106,11 @@ class TargetListActor:
         high_watermark_bytes: int,
         pending_cache_bytes: int,
         subscription: str | None = None,
-    ) -> None:
+    ) -> tuple[str, int, str] | None:
         """Become the TargetList of ``consumer_id``: register with the queue (or with
         ``subscription`` of the address ``queue``; it may check our liveness) and start
-        eager loading."""
+        eager loading. Returns the (host, port, secret) of this consumer's
+        DeliveryChannel, None if it could not listen (receives then go through Ray)."""
         self.queue_actor = queue_actor
         self.subscription = subscription
         self.queue = queue
@@ -113,16 +119,72 @@ class TargetListActor:
         self.selector = selector
         self.targets = TargetList(high_watermark, high_watermark_bytes, pending_cache_bytes)
         self.loader = EagerLoader(self.targets, self._fetch, queue=queue)
-        await self._register()
+        # The loader's first fetch does not wait for the registration's answer: a fetch
+        # registers an unknown consumer too (registering is idempotent), which saves a
+        # new consumer's first message a round trip. Its errors are start's.
+        registered = self._register()
         self._tasks = Supervisor(f"consumer {consumer_id} of queue {queue!r}", log)
         self._loader = self._tasks.spawn("eager loader", self.loader.run)
         self._metrics = self._tasks.spawn("metrics", self._export_metrics)
+        what = f"consumer {consumer_id} of queue {queue!r}"
+        self._channel = DeliveryChannelServer(self._channel_take, self._channel_give_back, what)
+        endpoint = None
+        try:
+            endpoint = await self._channel.start(ray.util.get_node_ip_address())
+        except OSError as exc:  # receives then go through Ray calls
+            log.warning("%s: no delivery channel: %s", what, exc)
+            self._channel = None
+        try:
+            await registered
+        except BaseException:
+            # Not a consumer after all (a malformed selector, a deleted subscription...).
+            self.loader.close()
+            await self._tasks.cancel_all()
+            if self._channel is not None:
+                self._channel.close()
+            raise
+        return endpoint
 
-    async def _register(self) -> None:
+    async def _channel_take(
+        self, max_messages: int, timeout: float, inline_bytes: int
+    ) -> pa.RecordBatch | str | None:
+        """``take`` for the DeliveryChannel: the rows themselves (read here, where they
+        are local), or ``BY_REFERENCE`` when more than ``inline_bytes`` are ready (the
+        client takes them through Ray, without a copy); None if nothing came within
+        ``timeout`` seconds. Raises what ``take`` raises."""
+        await self.loader.wait(timeout)
+        if self.targets.bytes_ahead(max_messages) > inline_bytes:
+            return BY_REFERENCE
+        entries = self.loader.take_now(max_messages)
+        if not entries:
+            return None
+        lost = (ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError)
+        got = await asyncio.gather(*(ref for ref, _, _ in entries), return_exceptions=True)
+        parts = []
+        for (_ref, start, n), batch in zip(entries, got, strict=True):
+            if isinstance(batch, lost):  # lost with a restarted queue (comes again)
+                self.channel_lost_batches += 1
+                continue
+            if isinstance(batch, BaseException):
+                error = BrokerUnavailable(
+                    f"queue {self.queue!r}: reading a delivery failed: {_reason(batch)}"
+                )
+                raise error from batch
+            parts.append(batch.slice(start, n))
+        if not parts:
+            return None
+        return parts[0] if len(parts) == 1 else pa.concat_batches(parts)
+
+    async def _channel_give_back(self, batch: pa.RecordBatch) -> None:
+        """Rows taken for a DeliveryChannel answer that could not be written."""
+        await self._give_back(batch.column("offset").to_numpy().astype(np.int64))
+
+    def _register(self):
         """Register with the queue actor, handing it this actor's handle: it watches
-        for our death to deliver again what we held."""
+        for our death to deliver again what we held. Returns the call's reference
+        (submitted at once; await it)."""
         me = ray.get_runtime_context().current_actor
-        await self.queue_actor.register_consumer.remote(
+        return self.queue_actor.register_consumer.remote(
             self.consumer_id, self.prefetch, self.selector, me, self.subscription
         )
 
@@ -278,6 +340,12 @@ class TargetListActor:
             "loader_failures_total": failures.failures_total,
             "loader_error_persistent": failures.persistent,
             "task_restarts": 0 if self._tasks is None else self._tasks.restarts,
+            "delivery_channel": self._channel is not None,
+            "delivery_channel_answers": 0 if self._channel is None else self._channel.answers,
+            "delivery_channel_by_reference": (
+                0 if self._channel is None else self._channel.by_reference
+            ),
+            "delivery_channel_given_back": 0 if self._channel is None else self._channel.given_back,
         }
 
     async def _queue_side(self) -> dict:
@@ -291,6 +359,8 @@ class TargetListActor:
         self._closed = True
         self._closed_event.set()
         self.loader.close()
+        if self._channel is not None:
+            self._channel.close()
         if self._tasks is not None:  # the loader and the metrics: none left pending at kill
             await self._tasks.cancel_all()
         rest = self.targets.drain()

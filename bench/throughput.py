@@ -1,7 +1,9 @@
 """Produce and consume rates of RayMQ against ray.util.queue.Queue, measured in one run.
 
 1 KiB messages; durable and non-durable queues; single sends from 8 concurrent
-producers and batches of 1,000. Each RayMQ figure is printed with its ratio to
+producers and batches of 1,000. Then the default consume paths (``consumer()`` with
+default settings: ``receive(max_messages=1000)`` + ``ack(msgs)``, and ``for message in
+consumer``) beside the tuned one, as ratios. Each RayMQ figure is printed with its ratio to
 ray.util.queue doing the same work in memory, and durable figures also as a fraction
 of this disk's sequential fdatasync bandwidth, measured first.
 
@@ -91,8 +93,53 @@ def raymq_rates(broker, durable: bool, messages: int, single: int) -> dict[str, 
         return got
 
     rates = measure(q.send_batch, consume, q.send, messages, single, consuming)
+    rates.update(default_consume_rates(q, messages))
     broker.delete_queue(name)
     return rates
+
+
+def default_consume_rates(q, messages: int) -> dict[str, float]:
+    """The consume paths most users write first, with default settings:
+    ``receive(max_messages=1000)`` and a plain ``ack(msgs)``, then ``for message in
+    consumer`` acking each. Each drains ``messages`` sent beforehand (untimed)."""
+    bodies = [BODY] * BATCH
+    out = {}
+
+    def receive_and_ack(c, n: int) -> int:
+        got = 0
+        while got < n:
+            msgs = c.receive(max_messages=BATCH, timeout=10)
+            if not msgs:
+                raise RuntimeError(f"consumer stalled after {got} messages")
+            c.ack(msgs)
+            got += len(msgs)
+        return got
+
+    def iterate(c, n: int) -> int:
+        got = 0
+        for message in c:
+            c.ack(message)
+            got += 1
+            if got == n:
+                break
+        return got
+
+    for label, consume in (
+        ("default consume: receive(1000) + ack", receive_and_ack),
+        ("default consume: for message in consumer", iterate),
+    ):
+        for _ in range(messages // BATCH):
+            q.send_batch(bodies)
+        with q.consumer() as c:
+            spares.wait_warm(timeout=30)
+
+            def drain(c=c, consume=consume) -> int:
+                got = consume(c, messages)
+                c.flush()  # every ack durable before the clock stops
+                return got
+
+            _, out[label] = timed(drain)
+    return out
 
 
 def ray_queue_rates(messages: int, single: int) -> dict[str, float]:
@@ -124,10 +171,18 @@ def main() -> None:
     try:
         console.print("ray.util.queue baseline ...")
         base = ray_queue_rates(args.messages, args.single)
-        rows = []
+        rows, default_rows = [], []
         for durable in (True, False):
+            kind = "durable" if durable else "memory"
             console.print(f"RayMQ {'durable' if durable else 'non-durable'} ...")
             rates = raymq_rates(broker, durable, args.messages, args.single)
+            tuned = rates["batched consume"]
+            default_rows.append(
+                [f"{kind} tuned: receive_batch + ack(wait=False)", f"{tuned:,.0f}", "1.00x"]
+            )
+            for k in [k for k in rates if k.startswith("default")]:
+                v = rates.pop(k)
+                default_rows.append([f"{kind} {k}", f"{v:,.0f}", f"{v / tuned:.2f}x"])
             for k, v in rates.items():
                 disk_share = f"{v * len(BODY) / disk:.0%}" if durable and "produce" in k else "-"
                 rows.append(
@@ -144,6 +199,11 @@ def main() -> None:
             f"{time.strftime('%Y-%m-%d')}",
             ["workload", "RayMQ msg/s", "ray.util.queue msg/s", "ratio", "of disk bw"],
             rows,
+        )
+        print_table(
+            "default consume paths beside the tuned one (target: 0.8x)",
+            ["workload", "msg/s", "of tuned"],
+            default_rows,
         )
     finally:
         stop_broker(broker)

@@ -58,8 +58,10 @@ def wait_warm(timeout: float | None = None) -> bool:
 
 def take(node_id: str):
     """A TargetList actor on ``node_id``: the warm spare if there is one, else a new
-    one; either way a fresh spare is started for the next consumer."""
+    one. The caller starts the next spare with ``warm`` once its consumer is up:
+    submitting an actor's creation costs the caller milliseconds, which a new
+    consumer's first message need not wait for."""
     with _lock:
         actor = _spares.pop(_key(node_id), None)
-        _spares[_key(node_id)], _ready[_key(node_id)] = _new(node_id)
+        _ready.pop(_key(node_id), None)
     return actor if actor is not None else _new(node_id)[0]

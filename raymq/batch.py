@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import numpy as np
 import pyarrow as pa
@@ -60,9 +61,15 @@ def _pack(
     parts: Sequence[bytes], sizes: Sequence[int] | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """Concatenate byte strings: (int64 offsets of n+1 entries from 0, uint8 data)."""
-    offsets = np.zeros(len(parts) + 1, dtype=np.int64)
-    np.cumsum([len(p) for p in parts] if sizes is None else sizes, out=offsets[1:])
-    return offsets, as_u8(b"".join(parts)) if len(parts) else _EMPTY_U8
+    n = len(parts)
+    if sizes is None:
+        # Summed as Python ints straight into the array: np.cumsum of a list converted
+        # it first, 3.5x slower for the few messages of a single send's gather.
+        offsets = np.fromiter(accumulate(map(len, parts), initial=0), np.int64, n + 1)
+    else:
+        offsets = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(sizes, out=offsets[1:])
+    return offsets, as_u8(b"".join(parts)) if n else _EMPTY_U8
 
 
 def as_u8(data: object) -> np.ndarray:

@@ -218,7 +218,9 @@ def _refuse_changes(ctx: click.Context, broker, asked: dict[str, Any]) -> None:
 )
 @click.option("--max-message-size", type=BYTES, help="Largest message, bytes (e.g. 100MiB).")
 @click.option(
-    "--head-cache-bytes", type=BYTES, help="HeadQueueCache per queue until budgets come, bytes."
+    "--head-cache-bytes",
+    type=BYTES,
+    help="HeadQueueCache per queue beyond its consumers' prefetch (all until budgets come), bytes.",
 )
 @click.option(
     "--flow-to-disk-threshold",
@@ -378,12 +380,16 @@ def _status(broker) -> dict[str, Any]:
     by_address = {}
     for name in addresses:
         stats = queues.pop(name, None)
+        if stats is not None and stats.get("state") == "hibernated":
+            by_address[name] = {**stats, "subscriptions": {}}  # not woken for a status
+            continue
         subs = subscription_stats(broker, name) if stats is not None else None
         if subs is not None:
             by_address[name] = {**stats, "subscriptions": subs}
     return {
         "queues": queues,
         "addresses": by_address,
+        "hibernation": broker.hibernation_stats(),
         "governor": broker.governor_stats(),
         "metrics": metrics_urls(ray.nodes()),
     }
@@ -413,7 +419,10 @@ def _stats_table(title: str, first: str) -> Table:
 
 
 def _stats_cells(s: dict) -> list[str]:
-    """A queue's (or an address's) cells under ``STATS_COLUMNS``."""
+    """A queue's (or an address's) cells under ``STATS_COLUMNS``; a hibernated one's
+    figures are not read (that would start its actor): "hibernated", then blanks."""
+    if s.get("state") == "hibernated":
+        return ["hibernated"] + [""] * (len(STATS_COLUMNS) - 1)
     policy = s["address_full_policy"]
     if s["max_size_bytes"] > 0:
         policy += f" at {_human(s['max_size_bytes'])}"
@@ -485,6 +494,14 @@ def status(ctx: click.Context, as_json: bool) -> None:
         table.add_row(label, *_stats_cells(queues[name]))
     _print_table(table)
     _say(MEMORY_NOTE, style="dim")
+    h = data["hibernation"]
+    _say(
+        f"hibernation: {sum(h['active_per_node'].values())} queue actors running"
+        f" (max_active_queues={h['max_active_queues']} per node), {len(h['hibernated'])}"
+        f" hibernated (after {h['hibernate_after_seconds']} s idle);"
+        f" {h['hibernations']} hibernations, {h['revivals']} revivals",
+        style="dim",
+    )
     replicated = {n: q["replicas"] for n, q in queues.items() if q.get("replicas")}
     if replicated:
         rt = Table(title="replicas (replicated queues)")

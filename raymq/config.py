@@ -196,8 +196,12 @@ class BrokerConfig:
     paging_directory: str = DEFAULT_PAGING_DIRECTORY
     #: Largest message body accepted, bytes.
     max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE
-    #: Bytes of undelivered messages each queue keeps in its HeadQueueCache.
-    head_cache_bytes: int = 64 * 2**20
+    #: Bytes of undelivered messages a durable queue keeps in its HeadQueueCache beyond
+    #: what its consumers can take at once (their prefetch), within its memory budget;
+    #: all of its HeadQueueCache until the MemoryGovernor gives it a budget. Small: a
+    #: backlog held in memory that no consumer will take soon slows fills and restarts
+    #: down (bench/memory_defaults.py); the rest is read from the segment files.
+    head_cache_bytes: int = 16 * 2**20
     #: Seconds between checkpoints of a queue's index and ack state.
     checkpoint_interval: float = 1.0
     #: Bytes of messages the whole broker keeps in memory before they flow to disk

@@ -423,7 +423,7 @@ class Drained:
         One call per block: a single call for millions of offsets would hold the queue
         actor for seconds, and its other producers and consumers with it.
         """
-        return sum(self.consumer.ack(offsets) for offsets in self.offsets)
+        return sum(self.consumer.ack(offsets, wait=True) for offsets in self.offsets)
 
 
 def _expected(queue: Queue, selector: str | None, max_messages: int | None) -> int | None:

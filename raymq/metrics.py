@@ -310,11 +310,40 @@ GOVERNOR_METRICS: list[MetricSpec] = [
     ),
 ]
 
+#: Exported by the broker actor from its ``HibernationStats``.
+HIBERNATION_METRICS: list[MetricSpec] = [
+    MetricSpec(
+        "raymq_broker_active_queues",
+        "Queue actors running on the node (the rest hibernate; cap: max_active_queues)",
+        NODE,
+        "active",
+    ),
+    MetricSpec(
+        "raymq_broker_hibernated_queues",
+        "Queues whose actor is not running (files kept; started again on the next call)",
+        BROKER,
+        "hibernated",
+    ),
+    MetricSpec(
+        "raymq_broker_hibernations",
+        "Queue hibernations since the broker actor started (count)",
+        BROKER,
+        "hibernations",
+    ),
+    MetricSpec(
+        "raymq_broker_revivals",
+        "Hibernated queues started again since the broker actor started (count)",
+        BROKER,
+        "revivals",
+    ),
+]
+
 ALL_METRICS: list[MetricSpec] = [
     *QUEUE_METRICS,
     *CONSUMER_QUEUE_SIDE_METRICS,
     *CONSUMER_METRICS,
     *GOVERNOR_METRICS,
+    *HIBERNATION_METRICS,
 ]
 #: Every metric RayMQ exports, as ``ray.util.metrics`` names (Prometheus adds ``ray_``).
 METRIC_NAMES: list[str] = [m.name for m in ALL_METRICS]
@@ -418,6 +447,17 @@ def export_governor(stats: Mapping, broker: str) -> None:
             _set("raymq_governor_consumer_pending_bytes", value, {**tags, "consumer": consumer_id})
 
 
+def export_hibernation(stats: object, broker: str) -> None:
+    """Set the ``raymq_broker_*`` gauges from the broker actor's ``HibernationStats``:
+    running queue actors per node, hibernated queues, hibernations and revivals."""
+    whole = {"broker": broker}
+    for node, count in (_field(stats, "active_per_node") or {}).items():
+        _set("raymq_broker_active_queues", count, {"broker": broker, "node": node})
+    _set("raymq_broker_hibernated_queues", len(_field(stats, "hibernated") or ()), whole)
+    _set("raymq_broker_hibernations", _field(stats, "hibernations"), whole)
+    _set("raymq_broker_revivals", _field(stats, "revivals"), whole)
+
+
 def broker_of(actor_name: str, actor_id: str) -> str:
     """The broker (Ray namespace) of the named actor whose id is ``actor_id`` (hex).
 
@@ -465,6 +505,7 @@ __all__ = [
     "broker_of",
     "export_consumer",
     "export_governor",
+    "export_hibernation",
     "export_queue",
     "export_queue_consumers",
     "guard",

@@ -33,8 +33,10 @@ Frames: a 4-byte big-endian length, then msgpack. The client's first frame is
 
 or, for either, ``[id, nil, error class name, message]``.
 
-The server gathers the requests that arrive together into one ``MessageBatch`` (one
-record on disk, one group commit), as the client's coalescer does for threads.
+The server parses frames in the event-loop callback that receives their bytes (an
+asyncio Protocol, not a stream reader: no task is woken per request), and gathers the
+requests that arrive together into one ``MessageBatch`` (one record on disk, one group
+commit), as the client's coalescer does for threads.
 """
 
 from __future__ import annotations
@@ -65,9 +67,6 @@ _LENGTH = struct.Struct(">I")
 HELLO_LIMIT = 1024
 #: Room for a request's framing beside its body and properties (bytes).
 FRAME_OVERHEAD = 64 * 1024
-#: Bytes a connection buffers before it stops reading the socket: asyncio's 64 KiB
-#: default paused and resumed reading 16 times per MiB of a batch.
-READ_BUFFER_BYTES = 4 * 2**20
 #: Seconds a client waits to connect and for the server's answer to its secret.
 CONNECT_TIMEOUT_SECONDS = 5.0
 #: Seconds a server waits for a new connection's secret before closing it.
@@ -77,6 +76,9 @@ MAX_CONNECTIONS = 256
 #: A client waiting this long for an answer pings the server; a ping unanswered as long
 #: again breaks the channel (seconds). A BLOCKed send may wait for ever, a dead peer not.
 REPLY_PATIENCE_SECONDS = 30.0
+#: An asyncio send larger than this is written from a worker thread, not the event
+#: loop's (bytes).
+ASYNC_INLINE_WRITE_BYTES = 2**20
 
 
 class ChannelBroken(ConnectionError):
@@ -118,8 +120,8 @@ class SendChannelServer:
         self._where = f"a message for queue {queue!r}"
         self.secret = secrets.token_hex(16)
         self._server: asyncio.AbstractServer | None = None
-        # Requests gathered since the last flush: (body, properties, timeout, id, writer).
-        self._gathered: list[tuple[bytes, bytes, float | None, int, asyncio.StreamWriter]] = []
+        # Requests gathered since the last flush: (body, properties, timeout, id, transport).
+        self._gathered: list[tuple[bytes, bytes, float | None, int, asyncio.Transport]] = []
         self._tasks: set[asyncio.Task] = set()
         self.connections = 0
         self.refused_connections = 0
@@ -127,7 +129,8 @@ class SendChannelServer:
 
     async def start(self, host: str) -> tuple[str, int, str]:
         """Listen on ``host`` (a free port); returns (host, port, secret)."""
-        self._server = await asyncio.start_server(self._serve, host, 0, limit=READ_BUFFER_BYTES)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _Connection(self), host, 0)
         port = self._server.sockets[0].getsockname()[1]
         return host, port, self.secret
 
@@ -135,45 +138,6 @@ class SendChannelServer:
         """Stop listening (open connections end with the actor)."""
         if self._server is not None:
             self._server.close()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self.connections >= MAX_CONNECTIONS:
-            self.refused_connections += 1
-            log.warning(
-                "queue %r: send channel refuses a connection: %d open (MAX_CONNECTIONS)",
-                self._queue,
-                self.connections,
-            )
-            writer.close()
-            return
-        self.connections += 1
-        try:
-            hello = await asyncio.wait_for(_read_frame(reader, HELLO_LIMIT), HELLO_TIMEOUT_SECONDS)
-            if not self._authentic(hello):
-                return  # not a client of this queue
-            writer.write(frame([True]))
-            limit = self._frame_limit
-            while True:
-                req = await _read_frame(reader, limit)
-                if type(req) is not list or not req or not _is_id(req[0]):
-                    return  # no id to answer: drop the connection
-                n = len(req)
-                if n == 4:  # one message: the hot path, first
-                    self._gather(req, writer)
-                elif n == 1:
-                    _replier(req[0], writer)(True)
-                    self.pings_answered += 1
-                elif n == 3:
-                    await self._batch(req, reader, writer)
-                else:
-                    _replier(req[0], writer)(None, ValueError(f"bad request to {self._queue!r}"))
-        except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError, ValueError):
-            pass  # the client went away, was silent, or spoke nonsense: drop the connection
-        except Exception as exc:  # msgpack's own errors among them: never kill the server
-            log.warning("queue %r: send channel dropped a connection: %r", self._queue, exc)
-        finally:
-            self.connections -= 1
-            writer.close()
 
     def _authentic(self, hello: object) -> bool:
         """True if ``hello`` is ``[secret]`` (compared in constant time)."""
@@ -184,23 +148,43 @@ class SendChannelServer:
             and hmac.compare_digest(hello[0].encode(), self.secret.encode())
         )
 
-    async def _batch(
-        self, req: list, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        """Read a batch request's buffers and store it (in a task: the next request is
-        read meanwhile, and concurrent batches share the queue's group commit)."""
-        req_id, timeout, lengths = req
+    def _request(self, req: object, transport: asyncio.Transport) -> list[int] | None:
+        """Handle one request frame; returns the lengths of the raw buffers that follow
+        a batch request (None: none follow). ``ValueError`` drops the connection."""
+        if type(req) is not list or not req or not _is_id(req[0]):
+            raise ValueError("a request without an id")  # nothing to answer
+        n = len(req)
+        if n == 4:  # one message: the hot path, first
+            self._gather(req, transport)
+        elif n == 1:
+            _replier(req[0], transport)(True)
+            self.pings_answered += 1
+        elif n == 3:
+            return self._batch_lengths(req)
+        else:
+            _replier(req[0], transport)(None, ValueError(f"bad request to {self._queue!r}"))
+        return None
+
+    def _batch_lengths(self, req: list) -> list[int]:
+        """The byte lengths of a batch request's four buffers (``ValueError``, which
+        drops the connection, if they or its timeout are malformed: its buffers follow)."""
+        _req_id, timeout, lengths = req
         if not _is_timeout(timeout):
-            raise ValueError(f"bad timeout {timeout!r}")  # its buffers follow: drop it
+            raise ValueError(f"bad timeout {timeout!r}")
         if (
             not isinstance(lengths, list)
             or len(lengths) != 4
             or not all(isinstance(n, int) and n >= 0 for n in lengths)
             or sum(lengths) > self._frame_limit
         ):
-            raise ValueError(f"bad batch request {lengths!r}")  # drops the connection
-        buffers = [await reader.readexactly(n) for n in lengths]
-        reply = _replier(req_id, writer)
+            raise ValueError(f"bad batch request {lengths!r}")
+        return lengths
+
+    def _batch(self, req: list, buffers: list[bytes], transport: asyncio.Transport) -> None:
+        """Store a batch request whose buffers arrived (in a task: the next request is
+        read meanwhile, and concurrent batches share the queue's group commit)."""
+        req_id, timeout, _lengths = req
+        reply = _replier(req_id, transport)
         try:
             batch = MessageBatch.from_wire(buffers, self._queue)
         except ValueError as exc:
@@ -222,7 +206,7 @@ class SendChannelServer:
         self._tasks.add(task)  # a task not referenced may be collected mid-way
         task.add_done_callback(self._tasks.discard)
 
-    def _gather(self, req: list, writer: asyncio.StreamWriter) -> None:
+    def _gather(self, req: list, transport: asyncio.Transport) -> None:
         """Check one message where it enters, alone (a bad one gets its error and takes
         no other request of the gather with it), and gather it for the next flush."""
         req_id, body, props, timeout = req
@@ -244,13 +228,15 @@ class SendChannelServer:
                 try:
                     check_encoded_properties(props, where=self._where)
                 except errors.InvalidProperties as exc:
-                    _replier(req_id, writer)(None, exc)
+                    _replier(req_id, transport)(None, exc)
                     return
             if not self._gathered:
+                # After every request already received is read (they are parsed in
+                # the same callback): those arriving together share one commit.
                 asyncio.get_running_loop().call_soon(self._flush)
-            self._gathered.append((body, props, timeout, req_id, writer))
+            self._gathered.append((body, props, timeout, req_id, transport))
             return
-        _replier(req_id, writer)(None, error)
+        _replier(req_id, transport)(None, error)
 
     def _flush(self) -> None:
         gathered, self._gathered = self._gathered, []
@@ -279,10 +265,112 @@ class SendChannelServer:
         )
 
 
-def _write_replies(replies: Iterable[tuple[asyncio.StreamWriter, list]]) -> None:
-    """Write each (writer, answer) as a frame, the answers to one connection in one
+class _Connection(asyncio.Protocol):
+    """One client's connection: frames parsed straight from the bytes received, as many
+    as arrived, in the callback that received them (no task woken per request, as a
+    stream reader's would be)."""
+
+    def __init__(self, server: SendChannelServer):
+        self._server = server
+        self._transport: asyncio.Transport | None = None
+        self._buffer = bytearray()
+        self._authenticated = False
+        self._counted = False
+        self._hello_timer: asyncio.TimerHandle | None = None
+        #: A batch request whose raw buffers are awaited, and their lengths.
+        self._batch: tuple[list, list[int]] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+        server = self._server
+        if server.connections >= MAX_CONNECTIONS:
+            server.refused_connections += 1
+            log.warning(
+                "queue %r: send channel refuses a connection: %d open (MAX_CONNECTIONS)",
+                server._queue,
+                server.connections,
+            )
+            transport.close()
+            return
+        server.connections += 1
+        self._counted = True
+        # A connection silent for that long is not a client of this queue.
+        self._hello_timer = asyncio.get_running_loop().call_later(
+            HELLO_TIMEOUT_SECONDS, transport.close
+        )
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._counted:
+            self._counted = False
+            self._server.connections -= 1
+        if self._hello_timer is not None:
+            self._hello_timer.cancel()
+        self._buffer = bytearray()
+
+    def data_received(self, data: bytes) -> None:
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return
+        buf = self._buffer
+        buf += data
+        try:
+            used = self._parse(buf, transport)
+        except ValueError:  # nonsense, a frame over the limit, a stranger: drop it
+            transport.close()
+            return
+        except Exception as exc:  # msgpack's own errors among them: never kill the server
+            log.warning("queue %r: send channel dropped a connection: %r", self._server._queue, exc)
+            transport.close()
+            return
+        if used:
+            del buf[:used]
+
+    def _parse(self, buf: bytearray, transport: asyncio.Transport) -> int:
+        """Handle every complete frame in ``buf``; returns the bytes they took."""
+        server, pos, end = self._server, 0, len(buf)
+        while True:
+            if self._batch is not None:  # a batch's raw buffers follow its header
+                req, lengths = self._batch
+                need = sum(lengths)
+                if end - pos < need:
+                    return pos
+                buffers = []
+                with memoryview(buf) as view:  # released before ``buf`` is cut
+                    for n in lengths:
+                        buffers.append(view[pos : pos + n].tobytes())
+                        pos += n
+                self._batch = None
+                server._batch(req, buffers, transport)
+                continue
+            if end - pos < _LENGTH.size:
+                return pos
+            (n,) = _LENGTH.unpack_from(buf, pos)
+            limit = server._frame_limit if self._authenticated else HELLO_LIMIT
+            if n > limit:
+                raise ValueError(f"frame of {n} bytes over the limit of {limit}")
+            if end - pos - _LENGTH.size < n:
+                return pos
+            start = pos + _LENGTH.size
+            obj = msgpack.unpackb(buf[start : start + n], raw=False)
+            pos = start + n
+            if not self._authenticated:
+                if not server._authentic(obj):
+                    raise ValueError("not a client of this queue")
+                self._authenticated = True
+                if self._hello_timer is not None:
+                    self._hello_timer.cancel()
+                    self._hello_timer = None
+                transport.write(frame([True]))
+                continue
+            lengths = server._request(obj, transport)
+            if lengths is not None:
+                self._batch = (obj, lengths)
+
+
+def _write_replies(replies: Iterable[tuple[asyncio.Transport, list]]) -> None:
+    """Write each (transport, answer) as a frame, the answers to one connection in one
     write: one system call for a whole group commit's senders, not one each."""
-    out: dict[asyncio.StreamWriter, list[bytes]] = {}
+    out: dict[asyncio.Transport, list[bytes]] = {}
     for writer, answer in replies:
         frames = out.get(writer)
         if frames is None:
@@ -304,7 +392,7 @@ def _is_timeout(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and value >= 0
 
 
-def _replier(req_id: int, writer: asyncio.StreamWriter) -> Callable:
+def _replier(req_id: int, writer: asyncio.Transport) -> Callable:
     """``reply(result, error=None)`` answering request ``req_id`` on ``writer``."""
 
     def reply(result: object, error: Exception | None = None) -> None:
@@ -316,13 +404,6 @@ def _replier(req_id: int, writer: asyncio.StreamWriter) -> Callable:
             writer.write(frame([req_id, None, type(error).__name__, str(error)]))
 
     return reply
-
-
-async def _read_frame(reader: asyncio.StreamReader, limit: int) -> object:
-    (n,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
-    if n > limit:
-        raise ValueError(f"frame of {n} bytes over the limit of {limit}")
-    return msgpack.unpackb(await reader.readexactly(n), raw=False)
 
 
 # -- the client's side -------------------------------------------------------------------
@@ -364,12 +445,45 @@ class _Reply:
         return self._value
 
 
+class _AsyncReply:
+    """A reply an asyncio task awaits: set from the reader thread, it wakes the task on
+    its own loop (``call_soon_threadsafe``), never blocking the loop. The answer is kept
+    in ``answer`` and ``future`` only wakes the awaiter (which may also be woken by its
+    patience running out: it then pings, and waits on a new ``future``)."""
+
+    __slots__ = ("_loop", "future", "answer")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self.future: asyncio.Future = loop.create_future()
+        self.answer: tuple[Any, BaseException | None] | None = None
+
+    def set_result(self, value: Any) -> None:
+        self._loop.call_soon_threadsafe(self._resolve, value, None)
+
+    def set_exception(self, error: BaseException) -> None:
+        self._loop.call_soon_threadsafe(self._resolve, None, error)
+
+    def _resolve(self, value: Any, error: BaseException | None) -> None:
+        self.answer = (value, error)
+        self.wake()
+
+    def wake(self) -> None:
+        if not self.future.done():
+            self.future.set_result(None)
+
+
 class SendChannel:
     """One connection of this process to one queue actor, shared by its threads.
 
     ``send`` may be called from many threads at once; a reader thread hands each answer
     to the sender waiting for it. Once broken (the actor restarted, the network failed)
     it stays broken: every waiting and later ``send`` raises ``ChannelBroken``.
+
+    Besides the waiting ``send`` and ``send_batch``, ``submit_batch`` sends without
+    waiting: the answer goes to a reply object's ``set_result`` /
+    ``set_exception`` (called from the reader thread, or from whichever thread found
+    the channel broken, never with the channel's lock held).
     """
 
     def __init__(self, host: str, port: int, secret: str, queue: str):
@@ -387,7 +501,7 @@ class SendChannel:
             raise
         self._sock = sock
         self._lock = threading.Lock()
-        self._waiting: dict[int, _Reply] = {}
+        self._waiting: dict[int, Any] = {}  # request id -> reply (set_result/set_exception)
         self._ids = itertools.count()
         self.broken: BaseException | None = None
         self._reader = threading.Thread(
@@ -405,46 +519,103 @@ class SendChannel:
     def send_batch(self, batch: MessageBatch, timeout: float | None) -> tuple[int, int]:
         """Store a batch; returns (first offset, count stored) once durable. Errors as
         ``send``."""
+        first, count = self._request(self._batch_parts(batch, timeout))
+        return first, count
+
+    def submit_batch(self, batch: MessageBatch, timeout: float | None, reply: Any) -> None:
+        """Send a batch without waiting: ``reply.set_result([first offset, count
+        stored])`` once durable, or ``reply.set_exception(error)``. Raises
+        ``ChannelBroken`` at once (and ``reply`` is not called) if the channel is broken."""
+        self._submit(self._batch_parts(batch, timeout), reply)
+
+    async def send_batch_async(self, batch: MessageBatch, timeout: float | None) -> tuple[int, int]:
+        """``send_batch`` for asyncio code: awaits the answer without blocking the loop."""
+        first, count = await self._request_async(self._batch_parts(batch, timeout), batch.nbytes)
+        return first, count
+
+    async def send_async(self, body: bytes, properties: bytes, timeout: float | None) -> int | None:
+        """``send`` for asyncio code."""
+        parts = lambda req_id: [frame([req_id, body, properties, timeout])]  # noqa: E731
+        return await self._request_async(parts, len(body))
+
+    @staticmethod
+    def _batch_parts(batch: MessageBatch, timeout: float | None) -> Callable[[int], list]:
         buffers = [memoryview(b).cast("B") for b in batch.wire_buffers()]
         lengths = [b.nbytes for b in buffers]
-        first, count = self._request(lambda req_id: [frame([req_id, timeout, lengths]), *buffers])
-        return first, count
+        return lambda req_id: [frame([req_id, timeout, lengths]), *buffers]
 
     def _request(self, parts_of: Callable[[int], list]) -> Any:
         """Send the frame ``parts_of(request id)`` and wait for its answer: as long as
         the server answers pings (a BLOCKed send may wait for ever), else
         ``ChannelBroken`` after ``REPLY_PATIENCE_SECONDS`` twice."""
-        fut = self._submit(parts_of)
+        fut = _Reply()
+        self._submit(parts_of, fut)
         while True:
             try:
                 return fut.result(timeout=REPLY_PATIENCE_SECONDS)
             except FutureTimeout:
                 pass
-            ping = self._submit(lambda req_id: [frame([req_id])])
-            try:
-                ping.result(timeout=REPLY_PATIENCE_SECONDS)
-            except FutureTimeout:
-                with self._lock:
-                    self._break(TimeoutError(f"no answer to a ping in {REPLY_PATIENCE_SECONDS} s"))
+            self.check_alive()
             if fut.done():
                 return fut.result()
 
-    def _submit(self, parts_of: Callable[[int], list]) -> _Reply:
-        """Send the frame ``parts_of(request id)``; returns the reply it will get."""
-        fut = _Reply()
+    async def _request_async(self, parts_of: Callable[[int], list], nbytes: int) -> Any:
+        """``_request`` for asyncio code. A large request is written from a worker thread
+        (a blocking ``sendall`` of many MiB would stall the event loop)."""
+        loop = asyncio.get_running_loop()
+        reply = _AsyncReply(loop)
+        if nbytes > ASYNC_INLINE_WRITE_BYTES:
+            await asyncio.to_thread(self._submit, parts_of, reply)
+        else:
+            self._submit(parts_of, reply)
+        while True:
+            # A timer, not wait_for(shield(...)): fewer objects and callbacks per send.
+            patience = loop.call_later(REPLY_PATIENCE_SECONDS, reply.wake)
+            try:
+                await reply.future
+            finally:
+                patience.cancel()
+            if reply.answer is None:  # patience ran out: is the server alive?
+                reply.future = loop.create_future()
+                await asyncio.to_thread(self.check_alive)
+                if reply.answer is None:
+                    continue
+            value, error = reply.answer
+            if error is not None:
+                raise error
+            return value
+
+    def check_alive(self) -> bool:
+        """Ping the server and wait up to ``REPLY_PATIENCE_SECONDS`` for the answer;
+        unanswered, the channel breaks (failing every waiting request with
+        ``ChannelBroken``). Returns False if the channel is (now) broken."""
+        ping = _Reply()
+        try:
+            self._submit(lambda req_id: [frame([req_id])], ping)
+            ping.result(timeout=REPLY_PATIENCE_SECONDS)
+            return True
+        except FutureTimeout:
+            self._break(TimeoutError(f"no answer to a ping in {REPLY_PATIENCE_SECONDS} s"))
+        except ChannelBroken:
+            pass
+        return False
+
+    def _submit(self, parts_of: Callable[[int], list], reply: Any) -> None:
+        """Send the frame ``parts_of(request id)``; its answer goes to ``reply``."""
         with self._lock:
             if self.broken is not None:
                 raise ChannelBroken(f"send channel of queue {self.queue!r}: {self.broken}")
             req_id = next(self._ids)
-            self._waiting[req_id] = fut
+            self._waiting[req_id] = reply
             try:
                 for part in parts_of(req_id):
                     self._sock.sendall(part)
+                return
             except OSError as exc:
                 self._waiting.pop(req_id, None)
-                self._break(exc)
-                raise ChannelBroken(f"send channel of queue {self.queue!r}: {exc}") from exc
-        return fut
+                error = exc
+        self._break(error)  # outside the lock: replies may take locks of their own
+        raise ChannelBroken(f"send channel of queue {self.queue!r}: {error}") from error
 
     def close(self) -> None:
         """Close the connection; waiting sends raise ``ChannelBroken``."""
@@ -475,15 +646,16 @@ class SendChannel:
                 else:
                     fut.set_exception(error_of(error, message))
         except Exception as exc:  # whatever ends the reader breaks the channel
-            with self._lock:
-                self._break(exc)
+            self._break(exc)
 
     def _break(self, exc: BaseException) -> None:
-        """Mark broken and fail every waiting send (call with the lock held)."""
-        if self.broken is None:
-            self.broken = exc
-        waiting, self._waiting = self._waiting, {}
-        for fut in waiting.values():
+        """Mark broken and fail every waiting request (call without the lock: the
+        replies are told outside it, in the order they were sent)."""
+        with self._lock:
+            if self.broken is None:
+                self.broken = exc
+            waiting, self._waiting = self._waiting, {}
+            with contextlib.suppress(OSError):
+                self._sock.close()
+        for fut in waiting.values():  # ids ascend: dict order is the order sent
             fut.set_exception(ChannelBroken(f"send channel of queue {self.queue!r}: {exc}"))
-        with contextlib.suppress(OSError):
-            self._sock.close()

@@ -19,6 +19,7 @@ from raymq.core.budget import (
     Plan,
     QueueMemory,
     QueueUsage,
+    head_cache_want,
     split_queue_bytes,
     split_share,
 )
@@ -522,6 +523,7 @@ def test_queue_core_applies_the_split_and_reports_a_typed_usage(tmp_path, durabl
             read_cache_max_bytes=5 * 64 * 1024,
             max_size_bytes=-1,
             default_bytes=MB,
+            head_cache_want=MB,  # no consumers: the margin only
         )
         assert core.log._cache.limit_bytes == want.read_cache_bytes
         if durable:
@@ -541,3 +543,21 @@ def test_usage_records_pickle_with_their_consumers() -> None:
     usage = q("a", 10, consumers=(c("c1", 100, 50),))
     back = pickle.loads(pickle.dumps(usage))
     assert back == usage and back.consumers[0].want_pending_bytes == 50
+
+
+def test_head_cache_want_is_the_consumers_prefetch_plus_the_margin() -> None:
+    assert head_cache_want([], 1024.0, 16 * MB) == 16 * MB
+    assert head_cache_want([1000, 500], 1024.0, MB) == MB + 1500 * 1024
+    assert head_cache_want([1000], 0.0, 0) == 1000  # a message is at least a byte
+
+
+@pytest.mark.parametrize("budget", [None, 0, 10 * MB, 10**12])
+def test_the_head_cache_want_bounds_only_the_head_cache(budget) -> None:
+    """The want lowers the HeadQueueCache's part and nothing else: the read cache keeps
+    its part, the total never grows."""
+    kw = {"durable": True, "read_cache_max_bytes": 4 * MB, "max_size_bytes": -1}
+    free = split_queue_bytes(budget, default_bytes=MB, **kw)
+    bounded = split_queue_bytes(budget, default_bytes=MB, head_cache_want=2 * MB, **kw)
+    assert bounded.read_cache_bytes == free.read_cache_bytes
+    assert bounded.head_cache_bytes == min(free.head_cache_bytes, 2 * MB)
+    assert bounded.transient_bytes == free.transient_bytes == 0

@@ -38,7 +38,7 @@ def test_a_queue_that_cannot_restart_fails_receive_until_it_is_back(broker, pagi
     with q.consumer(prefetch=5) as consumer:
         first = consumer.receive(5, timeout=DEADLINE_SECONDS)
         assert [m.body for m in first] == [b"m%02d" % i for i in range(5)]
-        consumer.ack(first)  # waits: durable before the kill
+        consumer.ack(first, wait=True)  # durable before the kill
         # The queue's files go away (a disk not mounted again after a reboot, say): a
         # plain file stands where its directory was, so the queue actor that Ray starts
         # again after the kill fails in its constructor, and Ray gives up on it.

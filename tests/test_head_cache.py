@@ -114,3 +114,18 @@ def test_many_small_batches_are_found_and_dropped_in_order():
     assert [b.first_offset for b in got] == [850, 851, 852]
     cache.resize(100 * cache.bytes // 300)  # the newest go first
     assert (cache.start, cache.end, cache.behind) == (700, 800, True)
+
+
+def test_a_refill_step_reads_about_step_bytes_and_the_next_call_goes_on():
+    batches = [batch(40 * i, 40) for i in range(10)]
+    size = batches[0].nbytes
+    cache = HeadQueueCache(max_bytes=11 * size)  # all of it, slices' overhead included
+    read = log_of(*batches)
+    # About a step: reads are sized by the average message, so within one message.
+    cache.refill(read, 0, 400, step_bytes=3 * size)
+    first = cache.bytes
+    assert cache.start == 0 and cache.behind and 2 * size < first <= 3 * size
+    cache.refill(read, 0, 400, step_bytes=3 * size)  # goes on where it stopped
+    assert cache.start == 0 and cache.behind and first + 2 * size < cache.bytes <= 6 * size
+    cache.refill(read, 0, 400)  # no step: up to the budget, here the log's end
+    assert (cache.start, cache.end, cache.behind) == (0, 400, False)

@@ -88,3 +88,43 @@ def test_a_lone_surrogate_is_not_a_queue_name():
     with pytest.raises(InvalidQueueName, match="not valid Unicode"):
         validate_queue_name("\ud800")
     assert validate_queue_name("zürich-🚀") == "zürich-🚀"
+
+
+@pytest.mark.parametrize("n", [3, 100], ids=["a-gather", "a-big-batch"])
+def test_the_first_message_over_max_message_size_is_named_in_a_batch_of_any_size(tmp_path, n):
+    """Small batches are checked with Python ints, big ones with NumPy: both name the
+    first message over the limit, body and properties together, and store nothing."""
+    q = QueueCore(QueueConfig("q"), BrokerConfig(paging_directory=str(tmp_path)))
+    bad = n - 2
+    bodies = [b"x" * 10] * n
+    props = [b""] * n
+    bodies[bad] = b"x" * (q.broker.max_message_size - 2)
+    props[bad] = msgpack.packb({"k": 1})  # 4 bytes: over the limit with them only
+
+    async def main():
+        q.start()
+        with pytest.raises(MessageTooLarge, match=f"message {bad} for queue 'q'"):
+            await q.send_batch(forged(bodies, props))
+        assert q.stats().next_offset == 0
+        fine = forged(bodies[:bad], props[:bad])
+        assert await asyncio.wait_for(q.send_batch(fine), 30) == (0, bad)
+        await q.close()
+
+    asyncio.run(main())
+
+
+def test_sends_waiting_together_share_one_group_commit(tmp_path):
+    """Sends that arrive while the writer is busy go in one commit, counted in
+    ``group_commits``; ``messages_in / group_commits`` is the messages per commit."""
+    q = QueueCore(QueueConfig("q"), BrokerConfig(paging_directory=str(tmp_path)))
+
+    async def main():
+        q.start()
+        await q.send_batch(forged([b"first"], [b""]))
+        # All five are pending before the writer's task runs again: one commit.
+        got = await asyncio.gather(*(q.send_batch(forged([b"m"], [b""])) for _ in range(5)))
+        stats = q.stats()
+        await q.close()
+        return sorted(got), stats.messages_in, stats.group_commits
+
+    assert asyncio.run(main()) == ([(k, 1) for k in range(1, 6)], 6, 2)

@@ -230,3 +230,57 @@ def test_a_head_cache_refill_does_not_also_fill_the_read_cache(tmp_path):
     stats = run(scenario, q)
     assert stats.head_cache_messages == 200
     assert stats.read_cache_bytes == 0  # so memory figures add up, nothing counted twice
+
+
+def test_a_large_budget_caches_only_what_consumers_can_take_plus_the_margin(tmp_path):
+    """The budget is an upper limit: with room for the whole backlog, the HeadQueueCache
+    holds ``head_cache_bytes`` beyond its consumers' prefetch, grows when a consumer
+    comes and shrinks back when it goes; nothing is lost to the smaller cache."""
+    margin = 64 * KIB
+    broker = BrokerConfig(paging_directory=str(tmp_path), head_cache_bytes=margin)
+    q = QueueCore(QueueConfig("q", page_size_bytes=64 * KIB), broker)
+    per_message = batch_of(1).nbytes  # the cache's own measure of a message
+
+    async def scenario():
+        q.set_budget(64 * 2**20)  # room for all 2,000 messages many times over
+        for i in range(40):
+            await q.send_batch(batch_of(50, start=50 * i))
+        q.housekeeping()
+        assert 0 < q.head_cache.bytes <= margin  # the margin only: no consumers
+        assert q.head_cache.start == 0  # and it is the head
+        q.register_consumer("c", 500)
+        q.housekeeping()  # the bound follows the consumers (every tick, every round)
+        bound = q.head_cache.max_bytes
+        # 500 messages at the cache's average size (1 KiB bodies and their framing).
+        assert margin + 500 * KIB <= bound <= margin + 500 * per_message * 1.05
+        assert margin < q.head_cache.bytes <= bound
+        q.close_consumer("c")
+        q.housekeeping()
+        assert q.head_cache.bytes <= margin
+        return await drain(q, "d")
+
+    assert run(scenario, q) == list(range(2000))
+
+
+def test_a_reopened_queue_reads_only_the_margin_when_its_budget_comes(tmp_path):
+    """Restart: a large budget arriving just after the open makes the queue read the
+    head its first consumers need, not the whole backlog (it would block the event loop
+    while the first consumer waits)."""
+    margin = 64 * KIB
+    broker = BrokerConfig(paging_directory=str(tmp_path), head_cache_bytes=margin)
+    cfg = QueueConfig("q", page_size_bytes=64 * KIB)
+    q = QueueCore(cfg, broker)
+
+    async def fill():
+        for i in range(40):
+            await q.send_batch(batch_of(50, start=50 * i))
+
+    run(fill, q)
+    q = QueueCore(cfg, broker)
+
+    async def reopened():
+        q.set_budget(64 * 2**20)
+        assert 0 < q.head_cache.bytes <= margin and q.head_cache.start == 0
+        return await drain(q)
+
+    assert run(reopened, q) == list(range(2000))

@@ -63,7 +63,7 @@ def test_round_trip(broker, durable):
         assert msgs[4].properties == {"n": 5}
         assert [m.delivery_count for m in msgs] == [1] * 5
         assert all(m.timestamp > 1e9 for m in msgs)
-        assert c.ack(msgs) == 5
+        assert c.ack(msgs, wait=True) == 5
     stats = q.stats()
     assert stats["depth"] == 0 and stats["messages_in"] == 5
     # A durable queue keeps its newest segment (it names the highest offset given).
@@ -326,11 +326,11 @@ def test_ack_of_foreign_or_unknown_offsets_is_refused(broker):
         m1 = c1.receive(timeout=5)
         m2 = c2.receive(timeout=5)
         with pytest.raises(raymq.errors.InvalidAck):
-            c1.ack(m2)
+            c1.ack(m2, wait=True)
         with pytest.raises(raymq.errors.InvalidAck):
-            c1.ack([m1[0].offset, 99])
+            c1.ack([m1[0].offset, 99], wait=True)
         assert q.stats()["depth"] == 2  # nothing changed
-        assert c1.ack(m1) == 1
+        assert c1.ack(m1, wait=True) == 1
         with pytest.raises(TypeError):
             c1.ack("0")
 

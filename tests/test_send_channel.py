@@ -339,3 +339,41 @@ def test_a_blocked_send_outlives_the_reply_patience_while_the_server_answers_pin
     t.join(30)
     assert result == [0] and channel.broken is None
     channel.close()
+
+
+def test_frames_split_anywhere_or_run_together_are_each_answered(served):
+    """The server parses frames from whatever bytes each read brings: one byte at a
+    time (the hello, a send, a batch header and its buffers cut mid-way), or several
+    requests in one write."""
+    store, _, (host, port, secret), _ = served
+    sock = socket.create_connection((host, port), timeout=30)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    batch = MessageBatch.from_bodies([b"b1", b"b2"], max_message_size=MAX_MESSAGE)
+    buffers = [memoryview(b).cast("B").tobytes() for b in batch.wire_buffers()]
+    stream = (
+        frame([secret])
+        + frame([1, b"one", b"", None])
+        + frame([2, None, [len(b) for b in buffers]])
+        + b"".join(buffers)
+        + frame([3])
+    )
+    for i in range(len(stream)):  # a byte a write: TCP_NODELAY sends each at once
+        sock.sendall(stream[i : i + 1])
+    assert read_frame(sock) == [True]
+    answers = {}
+    while len(answers) < 3:
+        req_id, result, error, _message = read_frame(sock)
+        answers[req_id] = (result, error)
+    sock.sendall(frame([4, b"two", b"", None]) + frame([5, b"three", b"", 1.5]) + frame([6]))
+    while len(answers) < 6:
+        req_id, result, error, _message = read_frame(sock)
+        answers[req_id] = (result, error)
+    # A single send and a batch are stored in whichever order their commits take.
+    (one, _), ((first, count), _) = answers[1], answers[2]
+    assert count == 2 and {one, first, first + 1} == {0, 1, 2}
+    assert store.bodies[one] == b"one" and store.bodies[first : first + 2] == [b"b1", b"b2"]
+    assert answers[3] == (True, None)
+    assert {answers[4][0], answers[5][0]} == {3, 4}  # the two timeouts: two gathers
+    assert all(error is None for _, error in answers.values())
+    assert sorted(store.bodies) == sorted([b"one", b"b1", b"b2", b"two", b"three"])
+    sock.close()

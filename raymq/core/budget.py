@@ -423,6 +423,7 @@ def split_queue_bytes(
     read_cache_max_bytes: int,
     max_size_bytes: int,
     default_bytes: int,
+    head_cache_want: int | None = None,
 ) -> QueueMemory:
     """Split a queue actor's part of its budget (``QueueBudget.queue_bytes``, bytes).
 
@@ -433,7 +434,11 @@ def split_queue_bytes(
     ``queue_bytes`` None means the governor has not spoken yet: the read cache gets
     ``read_cache_max_bytes`` and the rest ``default_bytes`` (the broker's
     ``head_cache_bytes``). ``max_size_bytes`` > 0 caps it all (Artemis: beyond it, the
-    queue pages); <= 0 means no cap.
+    queue pages); <= 0 means no cap. ``head_cache_want`` (bytes, None: no bound) bounds
+    the HeadQueueCache further (see ``head_cache_want``): the budget is an upper limit,
+    not an amount to fill, and memory held beyond the consumers' reach only slows fills
+    and restarts down. What it leaves unused stays unused (the next round's
+    ``memory_bytes`` shows it).
     """
     cap = max_size_bytes if max_size_bytes > 0 else None
     if queue_bytes is None:
@@ -445,11 +450,23 @@ def split_queue_bytes(
         total = queue_bytes if cap is None else min(queue_bytes, cap)
         read = min(read_cache_max_bytes, total // (4 if durable else 8))
         rest = total - read
+    head = rest if head_cache_want is None else min(rest, max(0, head_cache_want))
     return QueueMemory(
         read_cache_bytes=read,
-        head_cache_bytes=rest if durable else 0,
+        head_cache_bytes=head if durable else 0,
         transient_bytes=0 if durable else rest,
     )
+
+
+def head_cache_want(prefetches: Iterable[int], message_bytes: float, margin_bytes: int) -> int:
+    """Bytes a HeadQueueCache needs (bytes): the head its consumers can take at once
+    (each one's ``prefetch``, in messages, at ``message_bytes`` each) plus
+    ``margin_bytes`` (the broker's ``head_cache_bytes``: a first consumer's head, and
+    arrivals between two rounds). ActiveMQ keeps the head a consumer's watermark can
+    reach in memory and pages the rest; a deep backlog nobody will take soon is read
+    from its segment files when it is wanted (the page cache keeps it warm)."""
+    per_message = max(float(message_bytes), 1.0)
+    return int(margin_bytes + sum(max(0, p) for p in prefetches) * per_message)
 
 
 class BudgetPlanner:

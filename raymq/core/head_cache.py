@@ -30,6 +30,10 @@ from raymq.batch import MessageBatch
 
 #: Most messages one refill read asks the log for.
 REFILL_STEP_MESSAGES = 4096
+#: Most bytes a housekeeping refill reads in one go (about 10 ms of reading and
+#: decoding here): the event loop serves fetches in between, so a large budget arriving
+#: (a restart, say) never holds a first consumer up for long; the next call goes on.
+REFILL_STEP_BYTES = 4 * 2**20
 
 
 class CachedBatch:
@@ -194,6 +198,7 @@ class HeadQueueCache:
         log_end: int,
         until: int | None = None,
         gap_ok: Callable[[int, int], bool] | None = None,
+        step_bytes: int | None = None,
     ) -> None:
         """Extend the cache with ``read(start, end)`` batches from the log while it has room.
 
@@ -203,7 +208,8 @@ class HeadQueueCache:
         (``message_bytes`` each), so what does not fit is hardly read. A gap in what
         the log returns (a deleted segment, a damaged record) is stepped over when
         ``gap_ok(start, end)`` says nobody will ask for those offsets; else the
-        refill stops there.
+        refill stops there. ``step_bytes``: stop once about that many bytes were added
+        (the cache stays ``behind``: a later call goes on); None: no such bound.
         """
         if not len(self):
             self.behind = head < log_end
@@ -212,8 +218,11 @@ class HeadQueueCache:
             pos = self.end
         stop = log_end if until is None else min(until, log_end)
         per_message = max(self.message_bytes, 1.0)
-        while self.behind and pos < stop and self.max_bytes - self.bytes >= per_message:
-            room = int((self.max_bytes - self.bytes) / per_message)
+        limit = (
+            self.max_bytes if step_bytes is None else min(self.max_bytes, self.bytes + step_bytes)
+        )
+        while self.behind and pos < stop and limit - self.bytes >= per_message:
+            room = int((limit - self.bytes) / per_message)
             chunk_end = min(log_end, pos + max(1, min(REFILL_STEP_MESSAGES, room)))
             for b in read(pos, chunk_end):
                 if self.bytes + b.nbytes > self.max_bytes:

@@ -46,6 +46,11 @@ RESTART_PATIENCE_SECONDS = 60.0
 #: First and longest wait before the loader fetches again after a failure (seconds).
 RETRY_BACKOFF_SECONDS = 0.25
 RETRY_BACKOFF_MAX_SECONDS = 2.0
+#: Messages the loader's first fetch asks for; each fetch that brings some doubles it,
+#: up to the room below the high watermark. A new consumer's first message waits for
+#: the queue to read and convert that first batch: 10,000 rows of a deep backlog took
+#: tens of milliseconds, 1,000 a few (messages).
+FIRST_FETCH_MESSAGES = 1000
 
 
 class FetchAnswer(NamedTuple):
@@ -190,6 +195,17 @@ class TargetList:
                 self.direct.popleft()
         self.handed_out += max_messages - need
         return out
+
+    def bytes_ahead(self, max_messages: int) -> int:
+        """Approximate bytes of the next ``max_messages`` that ``take`` would hand out."""
+        total, need = 0, max_messages
+        for e in self.direct:
+            if need <= 0:
+                break
+            n = min(need, e.remaining)
+            total += e.nbytes * n // max(len(e.offsets), 1)
+            need -= n
+        return total
 
     # -- budgets -----------------------------------------------------------------------
 
@@ -382,6 +398,7 @@ class EagerLoader:
         self.refused: ConsumerClosed | None = None
         self.closed = False
         self._filled = asyncio.Event()  # something to hand out, or an error to raise
+        self.fetch_size = FIRST_FETCH_MESSAGES  # grows: see FIRST_FETCH_MESSAGES
         self._space = asyncio.Event()  # room below the high watermark again
 
     def error(self) -> RayMQError | None:
@@ -400,7 +417,7 @@ class EagerLoader:
                 self._filled.set()
                 continue
             try:
-                entry = await self._fetch(room)
+                entry = await self._fetch(min(room, self.fetch_size))
             except ConsumerClosed as exc:
                 self.refused = exc  # the queue closed us: take() says so
                 self._filled.set()
@@ -423,6 +440,7 @@ class EagerLoader:
             if entry is not None and len(entry.offsets):
                 self.targets.loaded(entry)
                 self._filled.set()
+                self.fetch_size = min(self.fetch_size * 2, 2**31)
 
     def _failed(self, failure: FetchFailed) -> float:
         """Count a failure, wake waiting takes if it now persists; returns the backoff."""
@@ -446,12 +464,24 @@ class EagerLoader:
         """Up to ``max_messages`` as (reference, first row, rows), waiting up to
         ``timeout`` seconds for the first. With nothing to hand out, raises the queue's
         ``ConsumerClosed`` or a persistent fetch error (``FailureStreak``)."""
+        await self.wait(timeout)
+        return self.take_now(max_messages)
+
+    async def wait(self, timeout: float) -> None:
+        """Return once something is buffered to hand out or an error is to be raised,
+        or after ``timeout`` seconds."""
         if not self.targets.direct:
             self.targets.load_from_pending()  # buffered here: hand it out before any error
         if not self.targets.direct and self.error() is None:
             self._filled.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._filled.wait(), max(timeout, 0.0))
+
+    def take_now(self, max_messages: int) -> list[tuple[object, int, int]]:
+        """``take`` without waiting: what is buffered, up to ``max_messages``, else the
+        error to raise (if any), else nothing."""
+        if not self.targets.direct:
+            self.targets.load_from_pending()
         out = self.targets.take(max_messages)
         if out:
             self._space.set()

@@ -18,6 +18,7 @@ reports every byte it dropped and why. docs/FORMAT.md, "Recovery", lists the rul
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 from dataclasses import dataclass, field
 
@@ -43,7 +44,7 @@ from raymq.storage.format import (
     segment_name,
 )
 from raymq.storage.scanner import ScanResult, crash_explains_tail, scan
-from raymq.storage.segment import BadSegmentHeader, Segment, Segments
+from raymq.storage.segment import BadSegmentHeader, Segment, Segments, parse_segment_header
 
 #: Above this many offsets, a lost range is counted whole (not checked against acks).
 _EXACT_COUNT_MAX = 50_000_000
@@ -373,7 +374,7 @@ class Loader:
 
     def _recover_segment(self, f: _SegmentFile, saved: dict | None) -> Segment | None:
         try:
-            seg, data = Segment.open_existing(self.directory, f.base)
+            seg, data = _open_mapped(self.directory, f.base)
         except BadSegmentHeader as exc:
             self._bad_header(f, exc)
             return None
@@ -518,6 +519,29 @@ class Loader:
             seg.planned_end = seg.end_offset
         self.report.damaged = damaged + whole
         self.report.lost_messages = sum(s.lost_n for s in self.segments) + whole
+
+
+def _open_mapped(directory: str, base_offset: int) -> tuple[Segment, bytes | mmap.mmap]:
+    """``Segment.open_existing`` with the file's bytes memory-mapped, not read: with a
+    checkpoint, recovery scans only what lies past the checkpointed size (the header
+    and, after a crash, the unsynced tail), so a clean restart touches a few pages of
+    each file instead of copying every segment into memory (1 GiB of backlog took
+    0.13 s and a transient gigabyte of RSS here). The map is private and read-only;
+    recovery cuts a file (``ftruncate``) only after its last look at the bytes there.
+    Raises ``BadSegmentHeader`` (the fd closed) as ``open_existing`` does."""
+    path = os.path.join(directory, segment_name(base_offset))
+    fd = os.open(path, os.O_RDWR)
+    try:
+        size = os.fstat(fd).st_size
+        if size:
+            data: bytes | mmap.mmap = mmap.mmap(fd, size, mmap.MAP_PRIVATE, mmap.PROT_READ)
+        else:
+            data = b""  # (an empty file cannot be mapped)
+        salt, version = parse_segment_header(data, base_offset, path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return Segment(directory, base_offset, fd=fd, salt=salt, version=version), data
 
 
 def _unacked_in(start: int, end: int, ack_ranges: np.ndarray | None) -> int:

@@ -1,0 +1,467 @@
+"""Pipelined single sends: ``Queue.send(body, wait=False)`` returns a ``SendFuture`` at
+once; the messages gather into batches shipped over the send channel without waiting.
+
+Why: a waiting ``send`` costs a round trip and a group commit per message; a thread
+that does not wait can have thousands of messages on the way, and they then travel and
+are stored as a few large batches (one write, one fsync each), as Kafka's producer
+batches per-message sends.
+
+How a batch forms (Nagle-like, rather than Kafka's fixed ``linger.ms``): a message joins
+the open batch; the batch ships at once if no batch of this producer is in flight (an
+idle producer adds no delay), else when it reaches ``max_batch_messages`` or
+``max_batch_bytes``, or when the last batch in flight is answered. So batches grow by
+themselves to what arrives during one round trip and group commit, and no timer thread
+is needed. ``flush`` and a waiting ``SendFuture.result`` ship the open batch at once.
+
+Guarantees:
+
+- A future resolves only when the queue answered its batch, which it does only after
+  the batch is durable (fsynced; on replicated queues, on ``min_insync_replicas``).
+- The messages of one producer (one ``Queue`` handle) are stored in the order sent.
+- Backpressure: ``send`` blocks while ``max_in_flight_messages`` messages or
+  ``max_in_flight_bytes`` bytes are unanswered (the open batch included).
+- The channel breaking with batches in flight (the queue actor restarted, the network
+  failed): their outcome is unknown, so they are sent again, in order, through Ray
+  calls (which also follow a replicated queue's new leader): at-least-once, as a
+  waiting ``send`` retried after ``ChannelBroken``. No future is left unresolved.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from raymq.batch import MessageBatch
+from raymq.errors import NotLeader, RayMQError
+from raymq.send_channel import REPLY_PATIENCE_SECONDS, ChannelBroken, SendChannel
+
+log = logging.getLogger("raymq.producer")
+
+#: A batch ships once it holds this many messages (messages).
+MAX_BATCH_MESSAGES = 2048
+#: A batch ships once its bodies and properties reach this size (bytes).
+MAX_BATCH_BYTES = 2**20
+#: ``send(wait=False)`` blocks while this many messages are unanswered (messages).
+MAX_IN_FLIGHT_MESSAGES = 100_000
+#: ``send(wait=False)`` blocks while this many bytes of bodies and properties are
+#: unanswered (bytes; Kafka's ``buffer.memory`` is 32 MiB too).
+MAX_IN_FLIGHT_BYTES = 32 * 2**20
+#: Bytes a message is counted for beyond its body and properties (its two offsets).
+MESSAGE_OVERHEAD_BYTES = 16
+
+
+@dataclass(frozen=True)
+class ProducerStats:
+    """What one producer (one ``Queue`` handle's pipelined sends) did so far."""
+
+    sent: int  # messages accepted by send(wait=False)
+    stored: int  # messages the queue stored (their futures hold an offset)
+    dropped: int  # messages the queue DROPped (their futures resolve None)
+    failed: int  # messages whose futures hold an error
+    batches: int  # batches shipped (over the channel or through Ray)
+    resent_batches: int  # batches sent again through Ray after the channel broke
+    in_flight_messages: int  # messages not answered yet (the open batch included)
+    in_flight_bytes: int  # their bytes, as counted against max_in_flight_bytes
+    blocked_seconds: float  # time send() spent blocked on the in-flight bound
+
+
+class _Batch:
+    """Messages shipped together; every ``SendFuture`` of them points here."""
+
+    __slots__ = (
+        "producer",
+        "bodies",
+        "props",
+        "nbytes",
+        "timeout",
+        "seq",
+        "wire",
+        "on_channel",
+        "done",
+        "first",
+        "count",
+        "error",
+    )
+
+    def __init__(self, producer: Producer, timeout: float | None, seq: int) -> None:
+        self.producer = producer
+        self.bodies: list[bytes] = []
+        self.props: list[bytes] = []
+        self.nbytes = 0
+        self.timeout = timeout
+        self.seq = seq
+        self.wire: MessageBatch | None = None
+        self.on_channel = False
+        self.done = False
+        self.first = 0
+        self.count = 0
+        self.error: BaseException | None = None
+
+    # the SendChannel's reply protocol (called from its reader thread)
+    def set_result(self, value: Any) -> None:
+        self.producer._answered(self, value, None)
+
+    def set_exception(self, error: BaseException) -> None:
+        self.producer._answered(self, None, error)
+
+
+class SendFuture:
+    """The offset a pipelined ``send`` will have: ``result()`` waits for it.
+
+    Light on purpose (two slots, no lock of its own): one is made per message."""
+
+    __slots__ = ("_batch", "_index")
+
+    def __init__(self, batch: _Batch, index: int) -> None:
+        self._batch = batch
+        self._index = index
+
+    def done(self) -> bool:
+        """True once the queue answered this message's batch."""
+        return self._batch.done
+
+    def result(self, timeout: float | None = None) -> int | None:
+        """The message's offset once durable; None if the queue DROPped it. Raises the
+        queue's typed error (``AddressFull``, ``StorageError``, ...), or ``TimeoutError``
+        after ``timeout`` seconds (None: until answered)."""
+        batch = self._batch
+        if not batch.done:
+            batch.producer._wait_for(batch, timeout)
+        if batch.error is not None:
+            raise batch.error
+        return batch.first + self._index if self._index < batch.count else None
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The error this send ended in (None: stored or DROPped); waits as ``result``."""
+        batch = self._batch
+        if not batch.done:
+            batch.producer._wait_for(batch, timeout)
+        return batch.error
+
+    def __repr__(self) -> str:
+        if not self._batch.done:
+            return "SendFuture(pending)"
+        try:
+            return f"SendFuture(offset={self.result()})"
+        except Exception as exc:
+            return f"SendFuture(error={exc!r})"
+
+
+class Producer:
+    """The pipelined sends of one queue handle.
+
+    ``channel_of()`` returns the process's SendChannel to the queue (None: none now);
+    ``ray_send(batch, timeout)`` stores a batch through a Ray call and returns (first
+    offset, count stored). Both are given by ``Queue`` (tests give fakes).
+    """
+
+    def __init__(
+        self,
+        queue: str,
+        channel_of: Callable[[], SendChannel | None],
+        ray_send: Callable[[MessageBatch, float | None], tuple[int, int]],
+        *,
+        max_batch_messages: int = MAX_BATCH_MESSAGES,
+        max_batch_bytes: int = MAX_BATCH_BYTES,
+        max_in_flight_messages: int = MAX_IN_FLIGHT_MESSAGES,
+        max_in_flight_bytes: int = MAX_IN_FLIGHT_BYTES,
+    ) -> None:
+        self.queue = queue
+        self._channel_of = channel_of
+        self._ray_send = ray_send
+        self.max_batch_messages = max_batch_messages
+        self.max_batch_bytes = max_batch_bytes
+        self.max_in_flight_messages = max_in_flight_messages
+        self.max_in_flight_bytes = max_in_flight_bytes
+        # Reentrant: a channel found broken while shipping fails the earlier batches
+        # from within the shipping thread, which already holds it.
+        self._lock = threading.RLock()
+        self._cv = threading.Condition(self._lock)
+        self._channel: SendChannel | None = None
+        self._open: _Batch | None = None
+        self._seq = 0
+        self._in_flight = 0  # batches shipped and not answered
+        self._pending_msgs = 0  # messages not answered (the open batch's included)
+        self._pending_bytes = 0
+        self._answers = 0  # batches answered so far: progress, for the liveness check
+        self._on_channel: set[int] = set()  # seqs of batches in flight on a channel
+        self._lane: list[tuple[int, _Batch]] = []  # batches for Ray calls, by seq
+        self._lane_busy = False  # the Ray worker thread runs
+        self._first_error: BaseException | None = None
+        self._errors = 0  # messages failed since the last flush
+        self._sent = self._stored = self._dropped = self._failed = 0
+        self._batches = self._resent = 0
+        self._blocked = 0.0
+
+    # -- sending --------------------------------------------------------------------
+
+    def send(self, body: bytes, props: bytes, timeout: float | None) -> SendFuture:
+        """Add one checked message (bytes body, msgpack properties) to the open batch;
+        blocks while the in-flight bound is reached. ``timeout`` is the BLOCK policy's
+        wait for room, in seconds, for the batch it goes in."""
+        size = len(body) + len(props) + MESSAGE_OVERHEAD_BYTES
+        with self._lock:  # the Condition's own lock: one Python call fewer per message
+            if (
+                self._pending_msgs >= self.max_in_flight_messages
+                or self._pending_bytes + size > self.max_in_flight_bytes
+            ) and self._pending_msgs:
+                self._wait_for_room(size)
+            batch = self._open
+            if batch is None or batch.timeout != timeout:
+                if batch is not None:
+                    self._ship()  # one timeout per batch: it goes with the batch
+                self._seq += 1
+                batch = self._open = _Batch(self, timeout, self._seq)
+            index = len(batch.bodies)
+            batch.bodies.append(body)
+            batch.props.append(props)
+            batch.nbytes += size
+            self._pending_msgs += 1
+            self._pending_bytes += size
+            self._sent += 1
+            if (
+                not self._in_flight
+                or index + 1 >= self.max_batch_messages
+                or batch.nbytes >= self.max_batch_bytes
+            ):
+                self._ship()
+        return SendFuture(batch, index)
+
+    def busy(self) -> bool:
+        """True while any pipelined send is unanswered."""
+        return self._pending_msgs > 0
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Ship the open batch and wait until every pipelined send so far is answered.
+
+        Raises ``TimeoutError`` naming the queue after ``timeout`` seconds (None: no
+        limit; each batch still ends, within its BLOCK timeout or when the channel is
+        found dead). Then, if sends failed since the last flush, raises the first one's
+        error (the same class, saying how many failed); their futures hold each error.
+        """
+        with self._cv:
+            self.drain(timeout)
+            error, count = self._first_error, self._errors
+            self._first_error, self._errors = None, 0
+        if error is not None:
+            raise _summary(error, count, self.queue)
+
+    def drain(self, timeout: float | None = None) -> None:
+        """``flush`` without raising the errors of failed sends (their futures hold
+        them): what a waiting send of the same handle does to keep the order."""
+        with self._cv:
+            if self._open is not None:
+                self._ship()
+            if not self._wait(lambda: not self._pending_msgs, timeout):
+                raise TimeoutError(
+                    f"queue {self.queue!r}: {self._pending_msgs} pipelined sends unanswered"
+                    f" after {timeout} s"
+                )
+
+    def stats(self) -> ProducerStats:
+        """Counts so far (a snapshot)."""
+        with self._cv:
+            return ProducerStats(
+                sent=self._sent,
+                stored=self._stored,
+                dropped=self._dropped,
+                failed=self._failed,
+                batches=self._batches,
+                resent_batches=self._resent,
+                in_flight_messages=self._pending_msgs,
+                in_flight_bytes=self._pending_bytes,
+                blocked_seconds=self._blocked,
+            )
+
+    # -- shipping (all with the lock held) ------------------------------------------
+
+    def _ship(self) -> None:
+        """Send the open batch: over the channel unless batches wait for Ray calls (they
+        go first: order) or there is no channel."""
+        batch = self._open
+        self._open = None
+        batch.wire = MessageBatch.from_encoded(batch.bodies, batch.props)
+        batch.bodies = batch.props = None  # the packed copy is what is kept for a resend
+        self._in_flight += 1
+        self._batches += 1
+        if not self._lane and not self._lane_busy:
+            channel = self._channel
+            if channel is None or channel.broken is not None:
+                try:
+                    channel = self._channel = self._channel_of()
+                except Exception as exc:  # never lose the batch: Ray carries it
+                    log.warning("queue %r: no send channel: %r", self.queue, exc)
+                    channel = self._channel = None
+            if channel is not None:
+                batch.on_channel = True
+                self._on_channel.add(batch.seq)
+                try:
+                    channel.submit_batch(batch.wire, batch.timeout, batch)
+                    return
+                except ChannelBroken:
+                    batch.on_channel = False
+                    self._on_channel.discard(batch.seq)
+        self._to_lane(batch)
+
+    def _to_lane(self, batch: _Batch) -> None:
+        heapq.heappush(self._lane, (batch.seq, batch))
+        if not self._lane_busy:
+            self._lane_busy = True
+            threading.Thread(
+                target=self._lane_loop, name=f"raymq-producer-{self.queue}", daemon=True
+            ).start()
+        self._cv.notify_all()
+
+    def _lane_loop(self) -> None:
+        """Send the lane's batches through Ray calls, in order: a batch waits while an
+        earlier one is still in flight on a (broken) channel, whose failure brings it
+        here too."""
+        while True:
+            with self._cv:
+                while self._lane and self._on_channel and min(self._on_channel) < self._lane[0][0]:
+                    self._cv.wait(1.0)
+                if not self._lane:
+                    self._lane_busy = False
+                    if self._open is not None and not self._in_flight:
+                        self._ship()  # what gathered meanwhile goes over a channel again
+                    return
+                _, batch = heapq.heappop(self._lane)
+            try:
+                value: Any = self._ray_send(batch.wire, batch.timeout)
+                error = None
+            except Exception as exc:  # the queue's typed error, for each of its futures
+                value, error = None, exc
+            self._finish(batch, value, error)
+
+    # -- answers --------------------------------------------------------------------
+
+    def _answered(self, batch: _Batch, value: Any, error: BaseException | None) -> None:
+        """The channel's answer to ``batch`` (from its reader thread, or the thread that
+        found it broken). An unknown outcome sends it again through Ray."""
+        if isinstance(error, ChannelBroken | NotLeader):
+            with self._cv:
+                if isinstance(error, NotLeader):
+                    self._channel = None  # the handle finds the new leader (Ray): its channel
+                batch.on_channel = False
+                self._on_channel.discard(batch.seq)
+                self._resent += 1
+                log.warning(
+                    "queue %r: batch of %d pipelined sends resent through Ray: %s",
+                    self.queue,
+                    len(batch.wire),
+                    error,
+                )
+                self._to_lane(batch)
+            return
+        self._finish(batch, value, error)
+
+    def _finish(self, batch: _Batch, value: Any, error: BaseException | None) -> None:
+        n = len(batch.wire)
+        with self._cv:
+            if error is None:
+                batch.first, batch.count = value[0], value[1]
+                self._stored += batch.count
+                self._dropped += n - batch.count
+            else:
+                batch.error = error
+                self._failed += n
+                self._errors += n
+                if self._first_error is None:
+                    self._first_error = error
+            batch.done = True
+            if batch.on_channel:
+                batch.on_channel = False
+                self._on_channel.discard(batch.seq)
+            batch.wire = None
+            self._in_flight -= 1
+            self._answers += 1
+            self._pending_msgs -= n
+            self._pending_bytes -= batch.nbytes
+            if self._open is not None and not self._in_flight and not self._lane_busy:
+                self._ship()  # Nagle: what gathered during the round trip goes now
+            self._cv.notify_all()
+
+    # -- waiting (with the lock held) -----------------------------------------------
+
+    def _wait_for(self, batch: _Batch, timeout: float | None) -> None:
+        with self._cv:
+            if batch is self._open:
+                self._ship()  # someone waits for it: do not wait for a round trip
+            if not self._wait(lambda: batch.done, timeout):
+                raise TimeoutError(
+                    f"queue {self.queue!r}: pipelined send unanswered after {timeout} s"
+                )
+
+    def _wait_for_room(self, size: int) -> None:
+        """Block until the message of ``size`` bytes fits the in-flight bound."""
+        if self._open is not None:
+            self._ship()  # the open batch counts against the bound: it must be on its way
+        t0 = time.monotonic()
+        self._wait(
+            lambda: (
+                not self._pending_msgs
+                or (
+                    self._pending_msgs < self.max_in_flight_messages
+                    and self._pending_bytes + size <= self.max_in_flight_bytes
+                )
+            ),
+            None,
+        )
+        self._blocked += time.monotonic() - t0
+
+    def _wait(self, done: Callable[[], bool], timeout: float | None) -> bool:
+        """Wait until ``done()``; False after ``timeout`` seconds (None: no limit). No
+        answer for ``REPLY_PATIENCE_SECONDS`` while batches are on a channel pings it:
+        a dead one breaks, and its batches go through Ray (never a hung wait)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        answers = self._answers
+        while not done():
+            wait = REPLY_PATIENCE_SECONDS
+            if deadline is not None:
+                wait = min(wait, deadline - time.monotonic())
+                if wait <= 0:
+                    return False
+            if self._cv.wait(wait) or self._answers != answers:
+                answers = self._answers
+                continue
+            channel = self._channel
+            if self._on_channel and channel is not None and channel.broken is None:
+                # Released while pinging: answers must reach the batches meanwhile.
+                saved = self._release_all()
+                try:
+                    channel.check_alive()
+                finally:
+                    self._reacquire(saved)
+        return True
+
+    def _release_all(self) -> int:
+        count = 0
+        while True:
+            try:
+                self._cv.release()
+            except RuntimeError:
+                return count
+            count += 1
+
+    def _reacquire(self, count: int) -> None:
+        for _ in range(count):
+            self._cv.acquire()
+
+
+def _summary(error: BaseException, count: int, queue: str) -> BaseException:
+    """``error`` again, saying how many pipelined sends failed (same class when a
+    RayMQ error, which all take one message)."""
+    if count > 1 and isinstance(error, RayMQError):
+        try:
+            return type(error)(
+                f"{count} pipelined sends to queue {queue!r} failed since the last flush;"
+                f" the first: {error}"
+            )
+        except TypeError:
+            pass
+    return error

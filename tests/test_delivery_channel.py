@@ -1,0 +1,248 @@
+"""The DeliveryChannel without Ray: a consumer's receives over a socket to its
+TargetList. Messages come back inline as Arrow; a large answer goes by reference; the
+queue's typed errors cross as themselves; a wrong secret, a dead server or a broken
+answer is ``ChannelBroken`` (the consumer then uses Ray), and rows the server took for
+an answer it could not write are given back, not lost. Also the TargetList pieces the
+server uses: ``bytes_ahead`` and the loader's ``wait``/``take_now``; and the loader's
+small first fetch (a new consumer's first message waits for it), doubling after."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from raymq.batch import EMPTY_DELIVERY
+from raymq.core.target_list import FIRST_FETCH_MESSAGES, DirectEntry, EagerLoader, TargetList
+from raymq.delivery_channel import (
+    BY_REFERENCE,
+    INLINE_BYTES,
+    ChannelBroken,
+    DeliveryChannel,
+    DeliveryChannelServer,
+    frame,
+    from_ipc,
+    to_ipc,
+)
+from raymq.errors import ConsumerClosed, StorageError
+
+#: Bound on a call that must return, in real seconds: only a wedge takes this long.
+ANSWER_SECONDS = 30.0
+
+
+def delivery(first: int, n: int, body: bytes = b"x" * 100) -> pa.RecordBatch:
+    rows = [
+        {
+            "offset": first + i,
+            "timestamp": 1_700_000_000_000_000 + i,
+            "delivery_count": 1,
+            "body": body + str(first + i).encode(),
+            "properties": b"",
+        }
+        for i in range(n)
+    ]
+    return pa.RecordBatch.from_pylist(rows, schema=EMPTY_DELIVERY.schema)
+
+
+class Served:
+    """A DeliveryChannelServer on 127.0.0.1 with scripted answers, and a client channel
+    used from a thread (as a consumer's receive is)."""
+
+    def __init__(self, answers: list):
+        self.answers = list(answers)
+        self.asked: list[tuple[int, float, int]] = []
+        self.given_back: list[pa.RecordBatch] = []
+        self.server = DeliveryChannelServer(self._take, self._give_back, "consumer c of 'q'")
+
+    async def _take(self, max_messages: int, timeout: float, inline_bytes: int):
+        self.asked.append((max_messages, timeout, inline_bytes))
+        answer = self.answers.pop(0)
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    async def _give_back(self, batch: pa.RecordBatch) -> None:
+        self.given_back.append(batch)
+
+    async def client(self, secret: str | None = None) -> DeliveryChannel:
+        host, port, real = await self.server.start("127.0.0.1")
+        return await asyncio.to_thread(DeliveryChannel, host, port, secret or real, "q")
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, ANSWER_SECONDS))
+
+
+def test_ipc_round_trip_keeps_a_slice_s_rows_only():
+    batch = delivery(10, 50).slice(5, 7)
+    back = from_ipc(to_ipc(batch).to_pybytes())
+    assert back.equals(batch)
+    assert back.column("offset").to_pylist() == list(range(15, 22))
+
+
+def test_answers_come_inline_in_order_with_nothing_and_by_reference_between():
+    async def main():
+        served = Served([delivery(0, 3), None, BY_REFERENCE, delivery(3, 2)])
+        channel = await served.client()
+        got = [await asyncio.to_thread(channel.take, 100, 0.5) for _ in range(4)]
+        channel.close()
+        return served, got
+
+    served, got = run(main())
+    assert got[0].equals(delivery(0, 3))
+    assert got[1] is None
+    assert got[2] is BY_REFERENCE
+    assert got[3].column("offset").to_pylist() == [3, 4]
+    assert [a[:2] for a in served.asked] == [(100, 0.5)] * 4
+    assert all(a[2] == INLINE_BYTES for a in served.asked)
+    assert served.server.answers == 2 and served.server.by_reference == 1
+
+
+def test_the_queues_typed_error_is_raised_and_the_channel_stays_usable():
+    async def main():
+        served = Served(
+            [ConsumerClosed("consumer c of queue 'q' is closed"), StorageError("q: disk"), None]
+        )
+        channel = await served.client()
+        errors = []
+        for _ in range(2):
+            try:
+                await asyncio.to_thread(channel.take, 1, 0.1)
+            except (ConsumerClosed, StorageError) as exc:
+                errors.append(exc)
+        last = await asyncio.to_thread(channel.take, 1, 0.1)
+        channel.close()
+        return errors, last
+
+    errors, last = run(main())
+    assert type(errors[0]) is ConsumerClosed and "'q'" in str(errors[0])
+    assert type(errors[1]) is StorageError
+    assert last is None
+
+
+def test_a_wrong_secret_is_refused():
+    async def main():
+        served = Served([])
+        with pytest.raises(ChannelBroken, match="'q'"):
+            await served.client(secret="0" * 32)
+        return served
+
+    served = run(main())
+    assert served.asked == []
+
+
+def test_a_dead_server_breaks_the_channel_for_good():
+    async def main():
+        served = Served([RuntimeError("a bug in the TargetList")])
+        channel = await served.client()
+        with pytest.raises(ChannelBroken):
+            await asyncio.to_thread(channel.take, 1, 0.1)  # the server drops the connection
+        with pytest.raises(ChannelBroken, match="closed"):
+            await asyncio.to_thread(channel.take, 1, 0.1)
+
+    run(main())
+
+
+def test_rows_of_an_answer_that_cannot_be_written_are_given_back():
+    class BrokenWriter:
+        def write(self, data) -> None:
+            pass
+
+        async def drain(self) -> None:
+            raise ConnectionResetError("the consumer went away")
+
+    async def main():
+        served = Served([delivery(7, 4)])
+        with pytest.raises(ConnectionResetError):
+            await served.server._answer(BrokenWriter(), 10, 0.1)
+        return served
+
+    served = run(main())
+    assert len(served.given_back) == 1
+    assert served.given_back[0].column("offset").to_pylist() == [7, 8, 9, 10]
+    assert served.server.given_back == 4 and served.server.answers == 0
+
+
+def test_a_malformed_request_drops_the_connection_without_taking():
+    async def main():
+        served = Served([delivery(0, 1)])
+        channel = await served.client()
+        channel._sock.sendall(frame(["x"]))  # not [max_messages, timeout]
+        with contextlib.suppress(ChannelBroken):
+            await asyncio.to_thread(channel.take, 1, 0.1)
+        return served
+
+    served = run(main())
+    assert served.asked == []
+
+
+# -- the TargetList side ------------------------------------------------------------------
+
+
+def test_bytes_ahead_counts_the_next_messages_across_entries():
+    t = TargetList(high_watermark=100, high_watermark_bytes=10**9, pending_cache_bytes=0)
+    t.loaded(DirectEntry("a", np.arange(0, 10), 1000))  # 100 bytes each
+    t.loaded(DirectEntry("b", np.arange(10, 20), 2000))  # 200 bytes each
+    assert t.bytes_ahead(5) == 500
+    assert t.bytes_ahead(15) == 1000 + 1000
+    assert t.bytes_ahead(1000) == 3000
+    t.take(5)
+    assert t.bytes_ahead(10) == 500 + 1000
+
+
+def test_loader_wait_returns_on_arrival_and_take_now_hands_out():
+    async def main():
+        t = TargetList(high_watermark=10, high_watermark_bytes=10**9, pending_cache_bytes=0)
+        loaded = asyncio.Event()
+
+        async def fetch(room: int):
+            await loaded.wait()
+            loaded.clear()
+            return DirectEntry("r", np.arange(0, 3), 300)
+
+        loader = EagerLoader(t, fetch, queue="q")
+        task = asyncio.create_task(loader.run())
+        waiting = asyncio.create_task(loader.wait(ANSWER_SECONDS))
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        loaded.set()
+        await waiting  # returns on arrival, long before its timeout
+        out = loader.take_now(2)
+        rest = loader.take_now(5)
+        empty = loader.take_now(5)
+        loader.close()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return out, rest, empty
+
+    out, rest, empty = run(main())
+    assert out == [("r", 0, 2)] and rest == [("r", 2, 1)] and empty == []
+
+
+def test_the_loaders_first_fetch_is_small_and_each_one_doubles_up_to_the_room():
+    async def main():
+        t = TargetList(high_watermark=10_000, high_watermark_bytes=10**12, pending_cache_bytes=0)
+        asked: list[int] = []
+        done = asyncio.Event()
+
+        async def fetch(room: int):
+            asked.append(room)
+            if sum(asked) >= 10_000:
+                done.set()
+                await asyncio.Event().wait()  # no more: the loader waits here
+            return DirectEntry("r", np.arange(sum(asked) - room, sum(asked)), room)
+
+        loader = EagerLoader(t, fetch, queue="q")
+        task = asyncio.create_task(loader.run())
+        await done.wait()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return asked
+
+    first = FIRST_FETCH_MESSAGES
+    assert run(main()) == [first, 2 * first, 4 * first, 10_000 - 7 * first]

@@ -1,0 +1,92 @@
+"""The hibernation policy without Ray: which running queues hibernate, and when."""
+
+from __future__ import annotations
+
+import pytest
+
+from raymq.core.hibernation import Activity, HibernationPolicy, HibernationSettings
+from raymq.errors import InvalidSetting
+
+
+class Clock:
+    """A settable monotonic clock (seconds)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def policy(cap: int | None, after: float | None, active: dict[str, str]) -> HibernationPolicy:
+    p = HibernationPolicy(HibernationSettings(cap, after))
+    for name, node in active.items():
+        p.started(name, node)
+    return p
+
+
+def test_activity_counts_idle_time_from_the_last_call_and_none_while_busy():
+    clock = Clock()
+    activity = Activity(clock)
+    clock.now += 7.5
+    assert activity.idle_seconds(busy=False) == 7.5
+    assert activity.idle_seconds(busy=True) is None
+    activity.touch()
+    clock.now += 2.0
+    assert activity.idle_seconds(busy=False) == 2.0
+
+
+def test_idle_past_the_timeout_hibernates_below_the_cap():
+    p = policy(10, 60.0, {"a": "n1", "b": "n1", "c": "n2"})
+    assert p.choose({"a": 60.0, "b": 59.9, "c": 3600.0}) == ["a", "c"]
+
+
+def test_busy_queues_never_hibernate_even_over_the_timeout_or_cap():
+    p = policy(1, 60.0, {"a": "n1", "b": "n1", "c": "n1"})
+    assert p.choose({"a": None, "b": None, "c": None}) == []
+
+
+def test_over_the_cap_the_least_recently_used_idle_queues_go_first():
+    p = policy(2, None, {"a": "n1", "b": "n1", "c": "n1", "d": "n1", "e": "n2"})
+    # n1 has 4 for a cap of 2: the two idle longest (c, a) go; d is busy; n2 is within.
+    assert p.choose({"a": 5.0, "b": 1.0, "c": 9.0, "d": None, "e": 100.0}) == ["a", "c"]
+
+
+def test_making_room_for_one_more_on_a_node_counts_it():
+    p = policy(3, None, {"a": "n1", "b": "n1", "c": "n1", "x": "n2"})
+    assert p.needs_room("n1") and not p.needs_room("n2")
+    assert p.choose({"a": 1.0, "b": 2.0, "c": 0.5, "x": 9.0}, room_on="n1") == ["b"]
+    assert p.choose({"a": 1.0, "b": 2.0, "c": 0.5, "x": 9.0}) == []
+
+
+def test_queues_hibernated_for_the_timeout_count_toward_making_room():
+    p = policy(2, 10.0, {"a": "n1", "b": "n1", "c": "n1"})
+    # a goes for its idle time, which already brings n1 within the cap.
+    assert p.choose({"a": 11.0, "b": 5.0, "c": 1.0}) == ["a"]
+
+
+def test_no_cap_and_no_timeout_hibernates_nothing():
+    p = policy(None, None, {"a": "n1"})
+    assert not p.needs_room("n1")
+    assert p.choose({"a": 1e9}) == []
+
+
+def test_started_and_stopped_track_the_running_queues_per_node():
+    p = policy(2, None, {"a": "n1", "b": "n2"})
+    p.started("c", "n1")
+    p.stopped("b")
+    p.stopped("unknown")
+    assert p.active() == ["a", "c"] and p.active("n1") == ["a", "c"]
+    assert p.active_per_node() == {"n1": 2}
+    assert p.is_active("a") and not p.is_active("b")
+    # Only running queues are chosen, whatever idle times are reported.
+    assert p.choose({"b": 1e9, "a": 1.0, "c": 2.0}, room_on="n1") == ["c"]
+
+
+@pytest.mark.parametrize(
+    ("cap", "after"),
+    [(0, 1.0), (True, 1.0), (1.5, 1.0), (1, 0), (1, -1.0), (1, "5"), (1, True)],
+)
+def test_bad_settings_are_refused_naming_the_setting(cap, after):
+    with pytest.raises(InvalidSetting, match="max_active_queues|hibernate_after_seconds"):
+        HibernationSettings(cap, after)

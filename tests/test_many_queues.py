@@ -1,0 +1,106 @@
+"""Many queues per node on real Ray: hibernation under a small cap, revival through old
+handles, nothing lost (the policy's arithmetic is in test_hibernation.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import ray
+from raymq.actors.queue_actor import queue_actor_name
+
+from raymq.client import _call
+
+
+def _running(broker, name: str) -> bool:
+    try:
+        ray.get_actor(queue_actor_name(name), namespace=broker.namespace)
+    except ValueError:
+        return False
+    return True
+
+
+def _receive_all(queue, n: int) -> list[bytes]:
+    with queue.consumer(prefetch=100) as consumer:
+        got = []
+        while len(got) < n:
+            batch = consumer.receive(n - len(got), timeout=30)
+            assert batch, f"queue {queue.name!r}: {len(got)} of {n} messages"
+            got += batch
+        consumer.ack(got)
+    return [m.body for m in got]
+
+
+def test_five_queues_under_a_cap_of_two_lose_nothing(broker):
+    broker.set_hibernation(max_active_queues=2, hibernate_after_seconds=None)
+    queues = []
+    for i in range(5):
+        q = broker.create_queue(f"q{i}")
+        q.send_batch([f"{i}-{j}".encode() for j in range(3)])
+        queues.append(q)
+    stats = broker.hibernation_stats()
+    assert sum(stats["active_per_node"].values()) <= 2
+    assert len(stats["hibernated"]) >= 3 and stats["over_cap"] == 0
+    assert sum(_running(broker, f"q{i}") for i in range(5)) <= 2
+    states = {n: s["state"] for n, s in broker.stats().items()}
+    assert sorted(n for n, s in states.items() if s == "hibernated") == stats["hibernated"]
+
+    # Old handles of hibernated queues: calls revive them, sends and messages are kept.
+    for i, q in enumerate(queues):
+        assert q.stats()["depth"] == 3
+        q.send_batch([f"{i}-3".encode()])
+        fresh = broker.get_queue(f"q{i}")
+        assert sorted(_receive_all(fresh, 4)) == [f"{i}-{j}".encode() for j in range(4)]
+    stats = broker.hibernation_stats()
+    assert stats["revivals"] >= 3 and sum(stats["active_per_node"].values()) <= 2
+
+
+def test_busy_queues_do_not_hibernate_and_idle_ones_do_after_the_timeout(broker):
+    busy = broker.create_queue("busy")
+    idle = broker.create_queue("idle")
+    busy.send(b"held")
+    consumer = busy.consumer(prefetch=10)
+    try:
+        assert consumer.receive(1, timeout=30)  # delivered, not acknowledged
+        assert not broker.hibernate("busy")
+        # Longer than the governor's housekeeping period (1 s): its rounds of calls to
+        # every queue do not count as use.
+        broker.set_hibernation(max_active_queues=None, hibernate_after_seconds=1.5)
+        idle.send(b"kept")
+        # The sweep (every 0.75 s here) hibernates "idle"; "busy" stays however long.
+        deadline = time.monotonic() + 60
+        stats = broker.hibernation_stats()
+        while "idle" not in stats["hibernated"] and time.monotonic() < deadline:
+            time.sleep(0.05)  # polling a condition, with a deadline
+            stats = broker.hibernation_stats()
+        assert "idle" in stats["hibernated"], stats
+        assert "busy" not in stats["hibernated"] and _running(broker, "busy")
+    finally:
+        consumer.close()
+    broker.set_hibernation(max_active_queues=None, hibernate_after_seconds=None)
+    assert _receive_all(broker.get_queue("idle"), 1) == [b"kept"]
+
+
+def test_a_hibernated_queue_survives_a_killed_broker(broker):
+    q = broker.create_queue("sleeper")
+    q.send_batch([b"a", b"b"])
+    assert broker.hibernate("sleeper") and not _running(broker, "sleeper")
+    pid = _call(broker._actor.pid)
+    os.kill(pid, signal.SIGKILL)
+    while _call(broker._actor.pid) == pid:  # a call may still reach the dying process
+        pass
+    assert q.stats()["depth"] == 2  # the old handle: revived by the restarted broker
+    assert sorted(_receive_all(broker.get_queue("sleeper"), 2)) == [b"a", b"b"]
+
+
+def test_a_queue_left_hibernating_by_a_dead_broker_is_started_anew(broker):
+    q = broker.create_queue("limbo")
+    q.send_batch([b"a", b"b"])
+    assert _call(q._actor.hibernate)  # closed, as by a broker that died before its kill
+    pid = _call(broker._actor.pid)
+    os.kill(pid, signal.SIGKILL)
+    while _call(broker._actor.pid) == pid:  # a call may still reach the dying process
+        pass
+    assert q.stats()["depth"] == 2  # NotLeader from the closed actor: the broker replaces it
+    assert sorted(_receive_all(broker.get_queue("limbo"), 2)) == [b"a", b"b"]
