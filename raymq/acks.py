@@ -72,6 +72,7 @@ class AckPipeline:
         self._singles: list[int] = []  # add_one's offsets, an array once sent
         self._unsent_count = 0
         self._in_flight: list[tuple[_Future, list[np.ndarray]]] = []
+        self._failures: list[Exception] = []  # checked, not raised yet
 
     @property
     def unsent(self) -> int:
@@ -121,26 +122,34 @@ class AckPipeline:
                 raise
             self._in_flight.append((fut, parts))
 
-    def collect(self, block: bool) -> None:
+    def collect(self, block: bool, raise_errors: bool = True) -> None:
         """Check the calls that finished (with ``block``, wait for all but the newest
-        half of a full window first), raising the first failure."""
+        half of a full window first), raising the first failure; with
+        ``raise_errors=False`` a failure is kept for the next call that raises."""
         with self._lock:
-            if not self._in_flight:
-                return
-            if block:
+            if block and self._in_flight:
                 keep = self.max_in_flight // 2 if len(self._in_flight) > self.max_in_flight else 0
                 for fut, _ in self._in_flight[: len(self._in_flight) - keep]:
                     with contextlib.suppress(Exception):  # raised in order, below
                         fut.result()
-            done = [item for item in self._in_flight if item[0].done()]
-            self._in_flight = [item for item in self._in_flight if not item[0].done()]
-            for fut, parts in done:
-                self._check(fut, parts)
+            done, pending = [], []
+            for item in self._in_flight:  # one done() each: a call finishing meanwhile
+                (done if item[0].done() else pending).append(item)  # stays pending
+            self._in_flight = pending
+            for fut, parts in done:  # every finished call is checked, even after a failure
+                try:
+                    self._check(fut, parts)
+                except Exception as exc:  # noqa: BLE001 - kept and raised below, in order
+                    self._failures.append(exc)
+            if raise_errors and self._failures:
+                first, self._failures = self._failures[0], []
+                raise first
 
     def flush(self) -> None:
         """Send what is gathered and wait for every call; raises the first failure."""
         with self._lock:
             self.send()
+            self.collect(block=True)
             while self._in_flight:
                 self.collect(block=True)
 

@@ -1163,8 +1163,12 @@ class Consumer:
         return None
 
     def _send_acks(self) -> None:
-        """Send the gathered pipelined acks as one call (not waiting for it)."""
+        """Send the gathered pipelined acks as one call (not waiting for it), and check
+        the calls that finished (a failure is raised by the next ack, flush or close):
+        the linger thread only sends, so without this they would pile up."""
         self._acks.send()
+        full = self._acks.in_flight > self._acks.max_in_flight
+        self._acks.collect(block=full, raise_errors=False)
 
     def _send_ack_call(self, offsets: np.ndarray) -> concurrent.futures.Future:
         return self._actor.ack.remote(self.consumer_id, offsets, self._subscription).future()

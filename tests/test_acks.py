@@ -112,3 +112,22 @@ def test_discard_returns_what_was_never_sent():
     assert sorted(np.concatenate(p.discard()).tolist()) == [5, 6]
     p.flush()
     assert q.calls == []
+
+
+def test_finished_calls_do_not_pile_up_and_their_failure_is_raised_later():
+    # The linger thread only sends; the consumer's sends check what finished, keeping
+    # a failure for its next flush (it never vanishes, and nothing piles up).
+    q = FakeQueue(answer_at_once=False)
+    p = AckPipeline(q.send, check, batch_messages=1000, linger_seconds=3600)
+    for i in range(100):
+        p.add_one(i)
+        p.send()  # as the linger thread would
+        if i == 3:
+            q.futures[-1].set_exception(InvalidAck(f"offset {i}"))
+        else:
+            q.futures[-1].set_result(1)
+        p.collect(block=False, raise_errors=False)  # as the consumer's next fetch does
+        assert p.in_flight == 0
+    with pytest.raises(InvalidAck, match="offset 3"):
+        p.flush()
+    p.flush()
