@@ -64,16 +64,8 @@ _GONE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 
 
 def _hibernation_settings(config: BrokerConfig) -> HibernationSettings:
-    """The broker's hibernation settings: ``BrokerConfig`` fields if it has them, else
-    its ``extra`` dict, else the defaults."""
-    defaults = HibernationSettings()
-    values = {}
-    for name in ("max_active_queues", "hibernate_after_seconds"):
-        if hasattr(config, name):
-            values[name] = getattr(config, name)
-        else:
-            values[name] = config.extra.get(name, getattr(defaults, name))
-    return HibernationSettings(**values)
+    """The broker's hibernation settings, from its ``BrokerConfig``."""
+    return HibernationSettings(config.max_active_queues, config.hibernate_after_seconds)
 
 
 log = logging.getLogger("raymq.broker")
@@ -235,9 +227,14 @@ class BrokerActor:
         """Names of all addresses, sorted."""
         return sorted(n for n, e in self._queues.items() if e.config.address)
 
-    def list_all(self) -> list[str]:
-        """Names of all queues and addresses, sorted."""
-        return sorted(self._queues)
+    def list_running(self) -> list[str]:
+        """Names of the queues and addresses whose actor runs (replicated ones: always
+        asked), sorted: the MemoryGovernor looks up only these, not hibernated ones."""
+        return sorted(
+            name
+            for name, entry in self._queues.items()
+            if entry.replicas is not None or self._hibernation.is_active(name)
+        )
 
     def queue_nodes(self) -> dict[str, str]:
         """The node each queue was placed on (a replicated queue's leader's), by name."""

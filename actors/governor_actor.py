@@ -114,7 +114,7 @@ class MemoryGovernorActor:
             broker = ray.get_actor(BROKER_ACTOR_NAME, namespace=self.namespace)
         except ValueError:
             return {}
-        names = await broker.list_all.remote()
+        names = await broker.list_running.remote()  # hibernated ones have no actor
         out = {}
         for name in names:
             try:

@@ -32,8 +32,10 @@ from raymq.core.budget import QueueUsage
 from raymq.core.hibernation import Activity
 from raymq.core.queue import QueueCore, QueueStats
 from raymq.core.replication import ReplicationLeader
+from raymq.core.subscription import Delivery
 from raymq.core.target_list import FetchAnswer
 from raymq.errors import NotLeader
+from raymq.fetch_channel import FetchChannelServer
 from raymq.send_channel import SendChannelServer
 from raymq.storage.mirror import read_epochs, write_epochs
 from raymq.storage.subscriptions import SubscriptionSpec
@@ -108,7 +110,7 @@ class QueueActor:
         self._started = False
         self._metrics_task: asyncio.Task | None = None
         self._channel = SendChannelServer(
-            self.core.send_batch, config.name, broker.max_message_size
+            self._channel_send_batch, config.name, broker.max_message_size
         )
         self._endpoint: tuple[str, int, str] | None = None
         #: Its last call, for the broker's hibernation (``idle_seconds``).
@@ -116,6 +118,12 @@ class QueueActor:
         #: Set once ``hibernate`` began: later calls are sent back to the broker.
         self._hibernating = False
         self._closing: asyncio.Task | None = None
+
+    def _channel_send_batch(self, batch, timeout: float | None):
+        """The SendChannel's sends: calls too, for hibernation (a queue only written
+        over its channel is not idle)."""
+        self._activity.touch()
+        return self.core.send_batch(batch, timeout)
 
     async def _ensure_started(self, touch: bool = True) -> None:
         if touch:  # (not the governor's rounds: they would keep every queue awake)
@@ -351,14 +359,111 @@ class QueueActor:
         selector: str | None = None,
         watch=None,
         subscription: str | None = None,
-    ) -> None:
-        """Register a consumer with its prefetch, selector and TargetList actor handle."""
+    ) -> tuple[str, int, str] | None:
+        """Register a consumer with its prefetch, selector and TargetList actor handle.
+        Returns the (host, port, secret) of this queue's FetchChannel, for the
+        TargetList's fetches (``raymq.fetch_channel``), None if it has none."""
         await self._ensure_started()
         self.core.register_consumer(
             consumer_id, prefetch, selector, watch, subscription=subscription
         )
         if watch is not None:
             self._watch_death(consumer_id, watch, subscription)
+        return await self._fetch_endpoint()
+
+    #: The FetchChannel's server, and its start (answering its (host, port, secret)),
+    #: by the first registration: a queue nobody consumes from listens on no second
+    #: socket.
+    _fetch_server: FetchChannelServer | None = None
+    _fetch_starting: asyncio.Future | None = None
+
+    async def fetch_endpoint(self) -> tuple[str, int, str] | None:
+        """(host, port, secret) of this queue's FetchChannel (``raymq.fetch_channel``),
+        None if it has none: a client hands it to a new consumer's TargetList, which
+        then registers and fetches over it without a first Ray call to this actor."""
+        await self._ensure_started()
+        return await self._fetch_endpoint()
+
+    async def _fetch_endpoint(self) -> tuple[str, int, str] | None:
+        if self._fetch_starting is None:  # once; concurrent registrations wait for it
+            self._fetch_starting = asyncio.ensure_future(self._start_fetch_server())
+        return await asyncio.shield(self._fetch_starting)
+
+    async def _start_fetch_server(self) -> tuple[str, int, str] | None:
+        server = FetchChannelServer(
+            self._channel_fetch,
+            self._channel_give_back,
+            self.core.name,
+            register=self._channel_register,
+            lost=self._channel_lost,
+        )
+        try:
+            address = await server.start(ray.util.get_node_ip_address())
+        except OSError as exc:  # fetches then go through Ray calls
+            log.warning("queue %r: no fetch channel: %s", self.core.name, exc)
+            return None
+        self._fetch_server = server
+        return address
+
+    async def _channel_fetch(
+        self,
+        consumer_id: str,
+        max_messages: int,
+        timeout: float,
+        prefetch: int,
+        selector: str | None,
+        subscription: str | None,
+    ) -> Delivery:
+        """``fetch_batch`` for the FetchChannel: the delivery itself."""
+        await self._ensure_started()
+        return await self.core.fetch_delivery(
+            consumer_id, max_messages, timeout, prefetch, selector, subscription=subscription
+        )
+
+    async def _channel_register(
+        self, consumer_id: str, prefetch: int, selector: str | None, subscription: str | None
+    ) -> None:
+        """``register_consumer`` for the FetchChannel, without the death watch (the
+        TargetList sends its handle through Ray next; until then ``_channel_lost``)."""
+        await self._ensure_started()
+        self.core.register_consumer(
+            consumer_id, prefetch, selector, None, subscription=subscription
+        )
+
+    def _channel_lost(self, registered: list[tuple[str, str | None]]) -> None:
+        """A FetchChannel connection ended: consumers it registered that are still not
+        watched (their TargetList died before its Ray registration landed) are closed,
+        and what they held is delivered again."""
+        if not self._started or self._hibernating:
+            return
+        for consumer_id, subscription in registered:
+            sub = self.core.subscriptions.get(subscription) if subscription else self.core._own
+            target = None if sub is None else sub.area.consumers.get(consumer_id)
+            if target is not None and target.watch is None:
+                how = "its fetch channel closed, unwatched"
+                self._consumer_died(consumer_id, how, subscription)
+
+    def _channel_give_back(
+        self, consumer_id: str, offsets: np.ndarray, subscription: str | None
+    ) -> None:
+        """Rows of a FetchChannel answer that could not be written (never received)."""
+        if not self._started or self._hibernating:
+            return
+        try:
+            self.core.give_back(consumer_id, offsets, subscription=subscription)
+        except Exception as exc:  # closed meanwhile: its close released them already
+            log.info("queue %r: giving back to consumer %s: %r", self.core.name, consumer_id, exc)
+
+    async def fetch_parked(self, token: int) -> tuple[FetchAnswer, pa.RecordBatch | None]:
+        """A delivery the FetchChannel parked (too large to send inline), as
+        ``fetch_batch`` answers (called with ``num_returns=2``); an empty answer if it
+        is unknown (dropped after ``raymq.fetch_channel.PARKED_SECONDS``, or a restart)."""
+        await self._ensure_started()
+        delivery = None if self._fetch_server is None else self._fetch_server.take_parked(token)
+        if delivery is None:
+            return FetchAnswer(np.zeros(0, dtype=np.int64), 0, []), None
+        parts = [(p.ref, p.first_row, p.rows) for p in delivery.parts]
+        return FetchAnswer(delivery.offsets, delivery.nbytes, parts), delivery.batch
 
     async def give_back(
         self, consumer_id: str, offsets: np.ndarray, subscription: str | None = None
@@ -389,6 +494,14 @@ class QueueActor:
         """Acknowledge; returns how many were newly acked, once durable."""
         await self._ensure_started()
         return await self.core.ack(consumer_id, offsets, subscription=subscription)
+
+    async def ack_acceptable(
+        self, consumer_id: str, offsets: np.ndarray, subscription: str | None = None
+    ) -> tuple[int, str]:
+        """Acknowledge the offsets the consumer may ack, leaving the others alone (after
+        the queue refused them together); returns (newly acked, the refusal or "")."""
+        await self._ensure_started()
+        return await self.core.ack_acceptable(consumer_id, offsets, subscription=subscription)
 
     async def nack(
         self, consumer_id: str, offsets: np.ndarray, subscription: str | None = None
@@ -525,6 +638,8 @@ class QueueActor:
         if self._metrics_task is not None:
             self._metrics_task.cancel()
         self._channel.close()
+        if self._fetch_server is not None:  # stop listening: this actor ends next
+            self._fetch_server.close()
         if self._started:
             await self.core.close()
         log.info("queue %r: hibernating", self.core.name)
@@ -535,6 +650,8 @@ class QueueActor:
         if self._metrics_task is not None:
             self._metrics_task.cancel()  # a closed core has nothing left to report
         self._channel.close()
+        if self._fetch_server is not None:
+            self._fetch_server.close()
         await self.core.close()
         if delete_files:
             import shutil

@@ -7,7 +7,10 @@ consumers it has not heard from) and delivers what it held again.
 
 Its eager loader (``raymq.core.target_list.EagerLoader``, a supervised task) keeps the
 direct references filled up to the high watermark: from the PendingCache first, else by
-fetching from the queue actor, whose batches it owns. This shell turns Ray's failures of
+fetching from the queue actor over the FetchChannel (``raymq.fetch_channel``: a socket;
+small deliveries come inline and are held in this process, large ones are taken by a
+Ray call as references this actor owns), or through Ray calls (``fetch_batch``) before
+it is connected or after it broke. This shell turns Ray's failures of
 a fetch into typed errors naming the queue; the loader retries them with backoff, and
 one that persists (a ``StorageError`` of the queue, a queue actor that is dead or away
 longer than a restart takes) is raised by ``take``, so the consumer's ``receive()``
@@ -21,6 +24,7 @@ may interleave with the loader at its awaits; ``close`` cancels the loader first
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import re
@@ -43,6 +47,7 @@ from raymq.core.target_list import (
 )
 from raymq.delivery_channel import BY_REFERENCE, DeliveryChannelServer
 from raymq.errors import BrokerUnavailable, NotLeader, RayMQError
+from raymq.fetch_channel import ChannelBroken, FetchChannel, offsets_of
 
 log = logging.getLogger("raymq.consumer")
 
@@ -60,6 +65,10 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 class TargetListActor:
     """The Ray shell of one consumer's TargetList."""
 
+    # (Also class defaults: tests make a bare instance to try one method.)
+    _fetch_channel: FetchChannel | None = None
+    _fetch_task: asyncio.Task | None = None
+
     def __init__(self):
         # Created blank, as a warm spare (``raymq.placement.spares``): starting a
         # worker process takes most of a second, so a consumer takes a spare already
@@ -71,7 +80,7 @@ class TargetListActor:
         self.selector: str | None = None
         self.subscription: str | None = None  # an address's subscription, by name
         self.targets = TargetList(0, 0, 0)
-        self.loader = EagerLoader(self.targets, self._fetch, queue="")
+        self.loader = EagerLoader(self.targets, self._fetch, queue="", give_back=self._return)
         self._loader: asyncio.Task | None = None
         self._metrics: asyncio.Task | None = None
         self._closed = False
@@ -90,10 +99,48 @@ class TargetListActor:
         #: The consumer's receives come over this socket (``raymq.delivery_channel``).
         self._channel: DeliveryChannelServer | None = None
         self.channel_lost_batches = 0  # batches lost with a restarted queue, skipped
+        #: The loader's fetches go over this socket to the queue actor
+        #: (``raymq.fetch_channel``); its (host, port, secret) from our registration.
+        self._fetch_endpoint: tuple[str, int, str] | None = None
+        self._fetch_channel: FetchChannel | None = None
+        #: The loader's channel fetch under way (an asyncio task: a cancelled loader
+        #: leaves it running, for ``close`` to see what it took).
+        self._fetch_task: asyncio.Task | None = None
+        self.fetch_channel_failures = 0  # channels that broke or did not open: Ray then
+        #: Fetches that brought messages: inline over the FetchChannel, parked there
+        #: and taken by Ray, or by a Ray fetch (fetches).
+        self.fetched = {"inline": 0, "parked": 0, "ray": 0}
+        self._in_flight_kind = "ray"  # of ``_in_flight``: "ray" or "parked"
+        #: Our first registration's answer (an ObjectRef), until the loader has it.
+        self._registering = None
+        self._first_fetch = True  # made at start, without waiting for the registration
+        self._fetch_channel_enabled = True  # see use_fetch_channel
+        #: The Ray registration after one over the FetchChannel (``_watched_by_queue``).
+        self._watched: asyncio.Future | None = None
+        self._listening: asyncio.Future | None = None  # see _listen
 
-    def ready(self) -> bool:
-        """True once the process is up (a spare is warm)."""
+    async def ready(self) -> bool:
+        """True once the process is up and its DeliveryChannel listens (a spare is
+        warm: ``start`` then costs a new consumer neither)."""
+        await self._listen()
         return True
+
+    async def _listen(self) -> tuple[str, int, str] | None:
+        """Open the DeliveryChannel's server, once; its (host, port, secret), None if
+        it could not listen (receives then go through Ray calls)."""
+        if self._listening is None:
+            self._listening = asyncio.ensure_future(self._open_channel())
+        return await asyncio.shield(self._listening)
+
+    async def _open_channel(self) -> tuple[str, int, str] | None:
+        server = DeliveryChannelServer(self._channel_take, self._channel_give_back, "a spare")
+        try:
+            endpoint = await server.start(ray.util.get_node_ip_address())
+        except OSError as exc:
+            log.warning("TargetList: no delivery channel: %s", exc)
+            return None
+        self._channel = server
+        return endpoint
 
     async def start(
         self,
@@ -106,11 +153,23 @@ class TargetListActor:
         high_watermark_bytes: int,
         pending_cache_bytes: int,
         subscription: str | None = None,
+        fetch_endpoint: tuple[str, int, str] | None = None,
+        namespace: str | None = None,
     ) -> tuple[str, int, str] | None:
         """Become the TargetList of ``consumer_id``: register with the queue (or with
         ``subscription`` of the address ``queue``; it may check our liveness) and start
         eager loading. Returns the (host, port, secret) of this consumer's
-        DeliveryChannel, None if it could not listen (receives then go through Ray)."""
+        DeliveryChannel, None if it could not listen (receives then go through Ray).
+
+        ``fetch_endpoint``: the queue's FetchChannel (``QueueActor.fetch_endpoint``):
+        given, we register and fetch over it at once, and our actor handle reaches the
+        queue (for its death watch) through Ray in the background; a first Ray call to
+        the queue actor costs a new consumer about 10 ms here.
+
+        ``namespace``: the broker's Ray namespace, where the queue's actor is looked up
+        again after it fails (None: asked of Ray while the queue actor lives)."""
+        if namespace is not None:
+            self._namespace = namespace
         self.queue_actor = queue_actor
         self.subscription = subscription
         self.queue = queue
@@ -118,24 +177,31 @@ class TargetListActor:
         self.prefetch = prefetch
         self.selector = selector
         self.targets = TargetList(high_watermark, high_watermark_bytes, pending_cache_bytes)
-        self.loader = EagerLoader(self.targets, self._fetch, queue=queue)
+        self.loader = EagerLoader(self.targets, self._fetch, queue=queue, give_back=self._return)
         # The loader's first fetch does not wait for the registration's answer: a fetch
         # registers an unknown consumer too (registering is idempotent), which saves a
         # new consumer's first message a round trip. Its errors are start's.
-        registered = self._register()
+        registered = self._registering = self._register()
+        if fetch_endpoint is not None:
+            try:
+                over_channel = await self._register_over_channel(fetch_endpoint)
+            except BaseException:  # a bad setting: the Ray registration fails alike
+                with contextlib.suppress(Exception):
+                    await registered
+                raise
+            if over_channel:
+                self._first_fetch, self._registering = False, None
+                self._watched = asyncio.ensure_future(self._watched_by_queue(registered))
+                registered = None
         self._tasks = Supervisor(f"consumer {consumer_id} of queue {queue!r}", log)
         self._loader = self._tasks.spawn("eager loader", self.loader.run)
         self._metrics = self._tasks.spawn("metrics", self._export_metrics)
-        what = f"consumer {consumer_id} of queue {queue!r}"
-        self._channel = DeliveryChannelServer(self._channel_take, self._channel_give_back, what)
-        endpoint = None
+        endpoint = await self._listen()  # (a warm spare listens already)
+        if self._channel is not None:
+            self._channel.what = f"consumer {consumer_id} of queue {queue!r}"
         try:
-            endpoint = await self._channel.start(ray.util.get_node_ip_address())
-        except OSError as exc:  # receives then go through Ray calls
-            log.warning("%s: no delivery channel: %s", what, exc)
-            self._channel = None
-        try:
-            await registered
+            if registered is not None:
+                self._set_fetch_endpoint(await registered)
         except BaseException:
             # Not a consumer after all (a malformed selector, a deleted subscription...).
             self.loader.close()
@@ -159,7 +225,11 @@ class TargetListActor:
         if not entries:
             return None
         lost = (ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError)
-        got = await asyncio.gather(*(ref for ref, _, _ in entries), return_exceptions=True)
+        # Deliveries that came over the FetchChannel are here already; others are read
+        # from the object store.
+        refs = [ref for ref, _, _ in entries if not isinstance(ref, pa.RecordBatch)]
+        read = iter(await asyncio.gather(*refs, return_exceptions=True) if refs else ())
+        got = [ref if isinstance(ref, pa.RecordBatch) else next(read) for ref, _, _ in entries]
         parts = []
         for (_ref, start, n), batch in zip(entries, got, strict=True):
             if isinstance(batch, lost):  # lost with a restarted queue (comes again)
@@ -175,9 +245,18 @@ class TargetListActor:
             return None
         return parts[0] if len(parts) == 1 else pa.concat_batches(parts)
 
+    async def channel_broke(self, answers_read: int) -> int:
+        """The consumer's DeliveryChannel broke with a request under way, after it had
+        read ``answers_read`` answers with messages whole: the rows of any answer the
+        server wrote beyond those go back to the queue, never received (uncounted);
+        returns how many messages."""
+        if self._channel is None:
+            return 0
+        return await self._channel.give_back_unread(answers_read)
+
     async def _channel_give_back(self, batch: pa.RecordBatch) -> None:
         """Rows taken for a DeliveryChannel answer that could not be written."""
-        await self._give_back(batch.column("offset").to_numpy().astype(np.int64))
+        await self.loader.give_back_taken(offsets_of(batch))
 
     def _register(self):
         """Register with the queue actor, handing it this actor's handle: it watches
@@ -200,6 +279,9 @@ class TargetListActor:
     async def _export_metrics(self) -> None:
         """Every ``metrics.EXPORT_PERIOD_SECONDS`` until closed, set this consumer's
         levels (``raymq.metrics``); its lag is exported by the queue actor."""
+        # Not while a new consumer waits for its first message: finding the broker's
+        # namespace takes GCS calls (milliseconds of this process's time here).
+        await asyncio.sleep(metrics.EXPORT_PERIOD_SECONDS)
         node_id = ray.get_runtime_context().get_node_id()
         broker = ray.get_runtime_context().namespace
         with metrics.guard(f"consumer {self.consumer_id}"):
@@ -216,7 +298,7 @@ class TargetListActor:
         typed errors pass as they are, ``ConsumerClosed`` included."""
         try:
             return await self._fetch_once(room)
-        except ray.exceptions.RayTaskError as exc:
+        except ray.exceptions.RayTaskError as exc:  # (first: it is an instance of its cause)
             self._in_flight, self._register_again = None, True
             if isinstance(exc.cause, NotLeader):  # a replicated queue's leader moved
                 self._queue_dead, self._death = True, str(exc.cause)
@@ -241,23 +323,79 @@ class TargetListActor:
             self._in_flight, self._register_again = None, True
             error = BrokerUnavailable(f"queue {self.queue!r}: fetch failed: {_reason(exc)}")
             raise FetchFailed(error) from None
+        except NotLeader as exc:  # over the FetchChannel: a replicated queue's leader moved
+            self._register_again, self._queue_dead, self._death = True, True, str(exc)
+            raise FetchFailed(exc, restarting=True) from None
+        except RayMQError:  # over the FetchChannel: as the Ray path's typed errors above
+            self._register_again = True
+            raise
 
     async def _fetch_once(self, room: int) -> DirectEntry | None:
-        if self._in_flight is None:
+        if self._in_flight is None and self._fetch_task is None:
+            first, self._first_fetch = self._first_fetch, False
+            if self._registering is not None and not first:
+                # The first fetch went without waiting for it; the next ones need the
+                # FetchChannel's address it brings.
+                registering, self._registering = self._registering, None
+                with contextlib.suppress(Exception):  # start raises its errors
+                    self._set_fetch_endpoint(await registering)
             if self._queue_dead:
                 self.queue_actor = await self._find_queue()
                 self._queue_dead = False
             if self._register_again:
-                await self._register()  # the queue actor watches us again
+                # The queue actor watches us again; it may be a new one (a new channel).
+                self._set_fetch_endpoint(await self._register())
                 self._register_again = False
-            self._in_flight = self.queue_actor.fetch_batch.options(num_returns=2).remote(
+            if self._fetch_channel is not None and not self._fetch_channel_enabled:
+                self._fetch_channel.close()
+                self._fetch_channel = None
+            if self._fetch_channel_enabled and not self._fetch_channel and self._fetch_endpoint:
+                try:
+                    self._fetch_channel = await FetchChannel.connect(
+                        *self._fetch_endpoint, self.queue
+                    )
+                except ChannelBroken as exc:
+                    self._fetch_channel_broke(exc)
+            args = (
                 self.consumer_id,
                 room,
-                LOADER_POLL_SECONDS,
+                # The first fetch, made before the FetchChannel is known, only takes
+                # what is there: a wait belongs on the channel.
+                0.0 if first else LOADER_POLL_SECONDS,
                 self.prefetch,
                 self.selector,
                 self.subscription,
             )
+            if self._fetch_channel is not None:
+                self._fetch_task = asyncio.ensure_future(self._fetch_channel.fetch(*args))
+            else:
+                self._in_flight = self.queue_actor.fetch_batch.options(num_returns=2).remote(*args)
+                self._in_flight_kind = "ray"
+        if self._fetch_task is not None:
+            task = self._fetch_task
+            try:
+                got = await asyncio.shield(task)  # a cancelled loader leaves it to close
+            except asyncio.CancelledError:
+                if task.done():
+                    self._fetch_task = None
+                raise
+            except ChannelBroken as exc:
+                self._fetch_task = None
+                self._fetch_channel_broke(exc)
+                return None  # the next fetch goes through Ray
+            except BaseException:
+                self._fetch_task = None
+                raise
+            self._fetch_task = None
+            if got is None:
+                return None
+            if isinstance(got, pa.RecordBatch):  # inline: held in this process
+                offsets = offsets_of(got)
+                self.fetched["inline"] += 1
+                return DirectEntry(got, offsets, got.nbytes)
+            # Parked in the queue actor (large): take it through Ray, by reference.
+            self._in_flight = self.queue_actor.fetch_parked.options(num_returns=2).remote(got)
+            self._in_flight_kind = "parked"
         meta_ref, batch_ref = self._in_flight
         try:
             answer: FetchAnswer = await asyncio.wait_for(meta_ref, FETCH_ANSWER_SECONDS)
@@ -268,11 +406,67 @@ class TargetListActor:
             )
             raise FetchFailed(error, restarting=True) from None
         self._in_flight = None
+        if len(answer.offsets):
+            self.fetched[self._in_flight_kind] += 1
         parts = answer.parts
         if parts:  # shared rows, then those of the batch made for this delivery
             rest = len(answer.offsets) - sum(rows for _, _, rows in parts)
             parts = [*parts, (batch_ref, 0, rest)] if rest else parts
         return DirectEntry(batch_ref, answer.offsets, answer.nbytes, parts=parts or None)
+
+    async def _register_over_channel(self, endpoint: tuple[str, int, str]) -> bool:
+        """Connect the FetchChannel and register over it; False if the channel failed
+        (counted, logged: the Ray registration then stands). Raises the queue's typed
+        error (a malformed selector...)."""
+        try:
+            channel = await FetchChannel.connect(*endpoint, self.queue)
+        except ChannelBroken as exc:
+            self._fetch_channel_broke(exc)
+            return False
+        self._fetch_channel, self._fetch_endpoint = channel, tuple(endpoint)
+        try:
+            args = (self.consumer_id, self.prefetch, self.selector, self.subscription)
+            await channel.register(*args)
+        except ChannelBroken as exc:
+            self._fetch_channel_broke(exc)
+            return False
+        except BaseException:
+            channel.close()
+            self._fetch_channel = None
+            raise
+        return True
+
+    async def _watched_by_queue(self, registered) -> None:
+        """Wait for the Ray registration that hands the queue our handle (its death
+        watch); if it failed, the loader registers again before its next fetch."""
+        try:
+            await registered
+        except Exception as exc:  # the channel's registration succeeded: not a bad setting
+            log.info("consumer %s: registering again: %s", self.consumer_id, _reason(exc))
+            self._register_again = True
+
+    def use_fetch_channel(self, enabled: bool) -> None:
+        """Fetch over the FetchChannel (``enabled``, the default) or through Ray calls
+        only: the path before it, a baseline for ``bench/latency.py`` and the fallback
+        tested. Takes effect from the next fetch."""
+        self._fetch_channel_enabled = enabled
+
+    def _set_fetch_endpoint(self, endpoint: tuple[str, int, str] | None) -> None:
+        """Our registration's answer: the queue's FetchChannel (None: fetch by Ray)."""
+        endpoint = None if endpoint is None else tuple(endpoint)
+        if endpoint != self._fetch_endpoint and self._fetch_channel is not None:
+            self._fetch_channel.close()  # a channel to a queue actor that was replaced
+            self._fetch_channel = None
+        self._fetch_endpoint = endpoint
+
+    def _fetch_channel_broke(self, exc: ChannelBroken) -> None:
+        """The FetchChannel failed: fetch through Ray until we register again (after a
+        failure of the queue actor, which may be a new one then) (counted, logged)."""
+        self.fetch_channel_failures += 1
+        if self._fetch_channel is not None:
+            self._fetch_channel.close()
+        self._fetch_channel, self._fetch_endpoint = None, None
+        log.warning("consumer %s: fetching through Ray calls: %s", self.consumer_id, exc)
 
     async def _find_queue(self):
         """The queue's actor, looked up by name: started again (by the broker, on the
@@ -292,7 +486,15 @@ class TargetListActor:
         ``timeout`` seconds for the first. With nothing to hand out, raises
         ``ConsumerClosed`` if the queue closed us, or the loader's persistent error (a
         ``RayMQError`` naming the queue: ``StorageError``, ``BrokerUnavailable``...)."""
-        return await self.loader.take(max_messages, timeout)
+        entries = await self.loader.take(max_messages, timeout)
+        # Rows that came inline over the FetchChannel are in this process: put them in
+        # the object store for the client (this path is the DeliveryChannel's fallback).
+        out = []
+        for ref, start, n in entries:
+            if isinstance(ref, pa.RecordBatch):
+                ref, start = ray.put(ref.slice(start, n)), 0
+            out.append((ref, start, n))
+        return out
 
     async def set_high_watermark(self, messages: int, max_bytes: int) -> int:
         """Change the high watermark; returns how many messages went back to the queue."""
@@ -304,10 +506,21 @@ class TargetListActor:
         return await self._give_back(self.targets.set_budget(direct_bytes, pending_bytes))
 
     async def _give_back(self, released: np.ndarray) -> int:
-        if len(released):
-            await self.queue_actor.give_back.remote(self.consumer_id, released, self.subscription)
-        self.loader.wake()
-        return len(released)
+        return await self.loader.give_back(released)
+
+    async def _return(self, released: np.ndarray) -> None:
+        """The loader's give-back: ``released`` go back to the queue, for delivery
+        again (not counted as deliveries). Bounded: the loader fetches nothing while
+        one is under way. Unanswered (``BrokerUnavailable``), they stay held by this
+        consumer in the queue until it closes or dies, then are delivered again."""
+        call = self.queue_actor.give_back.remote(self.consumer_id, released, self.subscription)
+        try:
+            await asyncio.wait_for(call, FETCH_ANSWER_SECONDS)
+        except asyncio.TimeoutError:
+            raise BrokerUnavailable(
+                f"queue {self.queue!r} did not take {len(released)} messages back"
+                f" in {FETCH_ANSWER_SECONDS:.0f} s"
+            ) from None
 
     def usage(self) -> ConsumerUsage:
         """Bytes held and wanted, for the MemoryGovernor."""
@@ -326,7 +539,7 @@ class TargetListActor:
                 self.queue_actor = await self._find_queue()
             except FetchFailed as failed:  # not started again yet
                 raise failed.error from None
-            await self._register()
+            self._set_fetch_endpoint(await self._register())
             queue_side = await self._queue_side()
         failures = self.loader.failures.stats()
         return {
@@ -346,6 +559,12 @@ class TargetListActor:
                 0 if self._channel is None else self._channel.by_reference
             ),
             "delivery_channel_given_back": 0 if self._channel is None else self._channel.given_back,
+            "fetch_channel": self._fetch_channel is not None,
+            "fetch_channel_failures": self.fetch_channel_failures,
+            "fetches_inline": self.fetched["inline"],
+            "fetches_parked": self.fetched["parked"],
+            "fetches_by_ray": self.fetched["ray"],
+            "stale_fetches_given_back": self.loader.stale_fetches,
         }
 
     async def _queue_side(self) -> dict:
@@ -363,6 +582,9 @@ class TargetListActor:
             self._channel.close()
         if self._tasks is not None:  # the loader and the metrics: none left pending at kill
             await self._tasks.cancel_all()
+        if self._watched is not None:  # before close_consumer, lest it register us again
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._watched, CLOSE_RETRY_SECONDS)
         rest = self.targets.drain()
         fetched = await self._unreceived_fetch()
         if len(fetched):  # taken for us by the queue, never seen by the application
@@ -388,6 +610,21 @@ class TargetListActor:
         """Offsets of the fetch the loader had under way when it was cancelled: the queue
         counts them as held by us, so they are given back as not received (else their
         delivery count would rise without any application having seen them)."""
+        task, self._fetch_task = self._fetch_task, None
+        if task is not None:  # over the FetchChannel
+            if self._fetch_channel is not None:
+                self._fetch_channel.finish()  # a waiting fetch ends at once, empty
+            try:
+                got = await asyncio.wait_for(task, LOADER_POLL_SECONDS + 5.0)
+            except Exception:  # broken, or the queue is slow: it forgot or counts them
+                got = None
+            if isinstance(got, pa.RecordBatch):
+                return offsets_of(got)
+            if isinstance(got, int) and self._in_flight is None:  # parked: take it
+                self._in_flight = self.queue_actor.fetch_parked.options(num_returns=2).remote(got)
+        if self._fetch_channel is not None:
+            self._fetch_channel.close()
+            self._fetch_channel = None
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is None:
             return np.zeros(0, dtype=np.int64)

@@ -1,23 +1,31 @@
 """Latency: ``send()`` until durable, send -> receive at fixed rates, first message.
 
-1 KiB durable messages. For each rate, producer threads send single messages on a fixed
-schedule (several threads where one waiting ``send()`` cannot reach the rate; a thread
-that falls behind sends at once), each body carrying its send time; one consumer thread
-receives them. Printed: p50/p99/p99.9/max of ``send()`` (until durable: it returns after
-the fsync) and of send -> receive, for the default consumer (``queue.consumer()``,
-``receive()``) and the tuned one (``prefetch=10_000``, ``receive_batch(1000)``).
-Baselines measured in the same run: ``send()`` (a message cannot be received before
-it is durable, so the delivery path's own cost is about the difference), a plain Ray
-actor call's round trip, and the default consumer receiving through Ray calls only
-("Ray path": the TargetList's ``take`` then ``ray.get``, as before the
+1 KiB durable messages. For each rate, producers send single messages on a fixed
+schedule (a thread that falls behind sends at once), each body carrying its send time;
+one consumer thread receives them. Up to ``THREADED_MAX_RATE`` msg/s, producer threads
+each wait on ``send()`` (several where one cannot reach the rate); above it, one thread
+sends with ``send(wait=False)`` (pipelined: many threads waiting in one process fight
+for its GIL, which the consumer thread needs too), and its "send()" figure is the time
+until the future is done, seen at that thread's next send (at most one interval late).
+Printed: p50/p99/p99.9/max of ``send()`` (until durable: it returns after the fsync)
+and of send -> receive, for the default consumer (``queue.consumer()``, ``receive()``)
+and the tuned one (``prefetch=10_000``, ``receive_batch(1000)``). Baselines measured in
+the same run: ``send()`` (a message cannot be received before it is durable, so the
+delivery path's own cost is about the difference), a plain Ray actor call's round trip,
+the default consumer with its TargetList fetching through Ray calls ("Ray fetch": the
+queue's ``fetch_batch``, as before the FetchChannel), and receiving through Ray calls
+too ("Ray path": also the TargetList's ``take`` then ``ray.get``, as before the
 DeliveryChannel), whose send -> receive p99 the others are printed against.
+
+``--repeats N`` runs every path N times per rate, interleaved, and pools the figures.
 
 Then the first message for a new consumer on a deep backlog: from ``queue.consumer()``
 to its first ``receive()`` returning, for several new consumers in turn (each closed
 before the next; the spare TargetList process waited for, as a process starting is not
 what is measured). A full ``ray.get`` round trip to an actor is printed beside it.
 
-    python bench/latency.py [--rates 100,1000,10000] [--seconds 4] [--backlog 1000000]
+    python -m bench.latency [--rates 100,1000,10000] [--seconds 4] [--backlog 1000000]
+        [--tries 5] [--repeats 1]
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import argparse
 import struct
 import threading
 import time
+from collections import deque
 
 import numpy as np
 import ray
@@ -38,6 +47,11 @@ BODY = b"x" * 1024
 #: ``send()`` calls one thread keeps up with at a steady rate (it waits ~1 ms each).
 PER_THREAD_RATE = 400
 MAX_THREADS = 32
+#: Highest rate sent by threads each waiting on ``send()``; above it, pipelined (msg/s).
+THREADED_MAX_RATE = 2000
+#: Longest a running fetch of the TargetList's loader waits (it polls this long): after
+#: switching its FetchChannel off, the next fetch goes through Ray (seconds).
+LOADER_POLL_SECONDS = 1.0
 _STAMP = struct.Struct("<d")
 
 
@@ -50,13 +64,16 @@ def percentiles(ms: list[float]) -> list[str]:
 
 
 def run_rate(
-    q, rate: int, seconds: float, tuned: bool, channel: bool = True
+    q, rate: int, seconds: float, tuned: bool, channel: bool = True, fetch_channel: bool = True
 ) -> tuple[list, list, float]:
     """Send ``rate`` msg/s for ``seconds`` and receive them; returns (send ms,
     send -> receive ms, achieved send rate). ``channel=False``: the consumer receives
-    through Ray calls only (the path before the DeliveryChannel, as a baseline)."""
+    through Ray calls only (the path before the DeliveryChannel, as a baseline);
+    ``fetch_channel=False``: its TargetList fetches through Ray calls (before the
+    FetchChannel)."""
     total = int(rate * seconds)
-    threads = min(MAX_THREADS, max(1, -(-rate // PER_THREAD_RATE)))
+    pipelined = rate > THREADED_MAX_RATE
+    threads = 1 if pipelined else min(MAX_THREADS, max(1, -(-rate // PER_THREAD_RATE)))
     send_ms: list[float] = []
     e2e_ms: list[float] = []
     received = threading.Event()
@@ -67,6 +84,9 @@ def run_rate(
     finally:
         delivery_channel.USE_CHANNEL = True
     spares.wait_warm(timeout=30)  # the next spare's process: not what is measured
+    if not fetch_channel:
+        ray.get(consumer.target_list.use_fetch_channel.remote(False))
+        time.sleep(LOADER_POLL_SECONDS + 0.2)  # the fetch under way ends; Ray from then on
 
     def receive() -> None:
         got = 0
@@ -97,6 +117,7 @@ def run_rate(
     def produce(index: int, count: int, start: float) -> None:
         interval = threads / rate
         mine = []
+        unanswered: deque = deque()  # pipelined: (send time, future), answered in order
         try:
             for i in range(count):
                 due = start + (index / rate) + i * interval
@@ -104,7 +125,17 @@ def run_rate(
                 if wait > 0:
                     time.sleep(wait)
                 t0 = time.perf_counter()
-                q.send(_STAMP.pack(t0) + BODY[_STAMP.size :])
+                body = _STAMP.pack(t0) + BODY[_STAMP.size :]
+                if pipelined:
+                    unanswered.append((t0, q.send(body, wait=False)))
+                    now = time.perf_counter()
+                    while unanswered and unanswered[0][1].done():
+                        mine.append((now - unanswered.popleft()[0]) * 1e3)
+                else:
+                    q.send(body)
+                    mine.append((time.perf_counter() - t0) * 1e3)
+            for t0, future in unanswered:
+                future.result(timeout=30)  # raises the queue's error, if any
                 mine.append((time.perf_counter() - t0) * 1e3)
         except BaseException as exc:
             errors.append(exc)
@@ -178,6 +209,13 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--backlog", type=int, default=1_000_000)
     parser.add_argument("--tries", type=int, default=5)
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs of each path per rate, interleaved (A B C D A B C D ...) and pooled:"
+        " a machine busy with other work then weighs on every path alike",
+    )
     args = parser.parse_args()
     broker = start_broker("raymq-bench-latency")
     try:
@@ -186,13 +224,26 @@ def main() -> None:
         q = broker.create_queue("bench-latency", durable=True)
         for rate in (int(r) for r in args.rates.split(",") if r):
             base_p99 = None
-            for tuned, channel in ((False, False), (False, True), (True, True)):
-                label = "tuned" if tuned else "default" if channel else "Ray path"
-                send_ms, e2e_ms, achieved = run_rate(q, rate, args.seconds, tuned, channel)
+            runs = (
+                ("Ray path", False, False, False),
+                ("Ray fetch", False, True, False),
+                ("default", False, True, True),
+                ("tuned", True, True, True),
+            )
+            pooled: dict[str, tuple[list, list, list]] = {r[0]: ([], [], []) for r in runs}
+            for _ in range(args.repeats):
+                for label, tuned, channel, fetch in runs:
+                    got = run_rate(q, rate, args.seconds, tuned, channel, fetch)
+                    for into, part in zip(pooled[label], (*got[:2], [got[2]]), strict=True):
+                        into.extend(part)
+            for label, *_ in runs:
+                send_ms, e2e_ms, rates = pooled[label]
+                achieved = sum(rates) / len(rates)
                 p99 = float(np.percentile(e2e_ms, 99))
                 base_p99 = base_p99 or p99  # the Ray path, measured first at this rate
                 got = f"{achieved:,.0f}"
-                rows.append([f"send(), {label} run", str(rate), got, *percentiles(send_ms), "-"])
+                how = "send(wait=False)" if rate > THREADED_MAX_RATE else "send()"
+                rows.append([f"{how}, {label} run", str(rate), got, *percentiles(send_ms), "-"])
                 rows.append(
                     [
                         f"send->receive, {label}",
@@ -202,7 +253,8 @@ def main() -> None:
                         f"{p99 / base_p99:.2f}x",
                     ]
                 )
-                console.print(rows[-2], rows[-1])
+                e2e = rows[-1]
+                console.print(f"{label} at {rate}/s: send->receive p50 {e2e[3]}, p99 {e2e[4]} ms")
         broker.delete_queue("bench-latency")
         if args.backlog:
             made, first = first_message(broker, args.backlog, args.tries)
@@ -211,7 +263,8 @@ def main() -> None:
             rows.append([f"first message, {depth}", "-", "-", *percentiles(first), "-"])
         console.width = max(console.width, 120)  # one line per row
         print_table(
-            "latency (ms), 1 KiB durable messages; Ray path: receives through Ray calls only",
+            "latency (ms), 1 KiB durable messages; Ray fetch: the TargetList fetches by Ray"
+            " calls; Ray path: the consumer receives by them too",
             ["measure", "rate/s", "achieved/s", "p50", "p99", "p99.9", "max", "p99 vs Ray path"],
             rows,
         )

@@ -8,6 +8,7 @@ ray.util.queue doing the same work in memory, and durable figures also as a frac
 of this disk's sequential fdatasync bandwidth, measured first.
 
     python bench/throughput.py [--messages 200000] [--single 16000]
+    python bench/throughput.py --consume-only [--repeat 3]   # the consume ratios only
 """
 
 from __future__ import annotations
@@ -98,48 +99,124 @@ def raymq_rates(broker, durable: bool, messages: int, single: int) -> dict[str, 
     return rates
 
 
+def tuned(c, n: int) -> int:
+    """The tuned consume loop: ``receive_batch(1000)`` + ``ack(batch, wait=False)``."""
+    got = 0
+    while got < n:
+        batch = c.receive_batch(BATCH, timeout=10)
+        if batch.num_rows == 0:
+            raise RuntimeError(f"consumer stalled after {got} messages")
+        c.ack(batch, wait=False)  # pipelined: the next receive overlaps its fsync
+        got += batch.num_rows
+    return got
+
+
+def receive_and_ack(c, n: int) -> int:
+    """The default loop: ``receive(max_messages=1000)`` + a plain ``ack(msgs)``."""
+    got = 0
+    while got < n:
+        msgs = c.receive(max_messages=BATCH, timeout=10)
+        if not msgs:
+            raise RuntimeError(f"consumer stalled after {got} messages")
+        c.ack(msgs)
+        got += len(msgs)
+    return got
+
+
+def receive_read_and_ack(c, n: int) -> int:
+    """``receive_and_ack`` reading each message's body and offset first, as an
+    application does (each ``Message`` is made when it is reached)."""
+    got = 0
+    while got < n:
+        msgs = c.receive(max_messages=BATCH, timeout=10)
+        if not msgs:
+            raise RuntimeError(f"consumer stalled after {got} messages")
+        for m in msgs:
+            _ = m.body, m.offset
+        c.ack(msgs)
+        got += len(msgs)
+    return got
+
+
+def iterate(c, n: int) -> int:
+    """The default loop: ``for message in consumer`` acking each."""
+    got = 0
+    for message in c:
+        c.ack(message)
+        got += 1
+        if got == n:
+            break
+    return got
+
+
+DEFAULT_PATHS = {
+    "default consume: receive(1000) + ack": receive_and_ack,
+    "default consume: for message in consumer": iterate,
+}
+
+
+def consume_rate(q, consume, messages: int, **settings) -> tuple[float, float]:
+    """Drain ``messages`` sent beforehand (untimed) with ``consume`` on a new consumer
+    (``settings``; none: the defaults), every ack durable before the clock stops.
+    Returns (messages/s, this process's CPU µs per message)."""
+    bodies = [BODY] * BATCH
+    for _ in range(messages // BATCH):
+        q.send_batch(bodies)
+    with q.consumer(**settings) as c:
+        spares.wait_warm(timeout=30)
+
+        def drain() -> int:
+            got = consume(c, messages)
+            c.flush()
+            return got
+
+        cpu = time.process_time()
+        _, rate = timed(drain)
+        return rate, (time.process_time() - cpu) / messages * 1e6
+
+
 def default_consume_rates(q, messages: int) -> dict[str, float]:
     """The consume paths most users write first, with default settings:
     ``receive(max_messages=1000)`` and a plain ``ack(msgs)``, then ``for message in
     consumer`` acking each. Each drains ``messages`` sent beforehand (untimed)."""
-    bodies = [BODY] * BATCH
-    out = {}
+    return {label: consume_rate(q, path, messages)[0] for label, path in DEFAULT_PATHS.items()}
 
-    def receive_and_ack(c, n: int) -> int:
-        got = 0
-        while got < n:
-            msgs = c.receive(max_messages=BATCH, timeout=10)
-            if not msgs:
-                raise RuntimeError(f"consumer stalled after {got} messages")
-            c.ack(msgs)
-            got += len(msgs)
-        return got
 
-    def iterate(c, n: int) -> int:
-        got = 0
-        for message in c:
-            c.ack(message)
-            got += 1
-            if got == n:
-                break
-        return got
-
-    for label, consume in (
-        ("default consume: receive(1000) + ack", receive_and_ack),
-        ("default consume: for message in consumer", iterate),
-    ):
-        for _ in range(messages // BATCH):
-            q.send_batch(bodies)
-        with q.consumer() as c:
-            spares.wait_warm(timeout=30)
-
-            def drain(c=c, consume=consume) -> int:
-                got = consume(c, messages)
-                c.flush()  # every ack durable before the clock stops
-                return got
-
-            _, out[label] = timed(drain)
-    return out
+def consume_only(broker, messages: int, repeat: int) -> None:
+    """The consume paths only, tuned and default interleaved ``repeat`` times on each
+    kind of queue: a ratio per round against the tuned rate of the same round, and
+    this (client) process's CPU per message, which a busy machine disturbs less."""
+    paths = {
+        "tuned: receive_batch + ack(wait=False)": tuned,
+        **DEFAULT_PATHS,
+        "default consume: receive(1000), read each, ack": receive_read_and_ack,
+    }
+    rows = []
+    for durable in (True, False):
+        kind = "durable" if durable else "memory"
+        name = f"bench-consume-{kind}"
+        q = broker.create_queue(name, durable=durable)
+        for r in range(repeat):
+            console.print(f"{kind} round {r + 1} ...")
+            base = None
+            for label, path in paths.items():
+                settings = {"prefetch": 10 * BATCH} if path is tuned else {}
+                rate, cpu = consume_rate(q, path, messages, **settings)
+                base = base or rate
+                rows.append(
+                    [
+                        f"{kind} #{r + 1} {label}",
+                        f"{rate:,.0f}",
+                        f"{rate / base:.2f}x",
+                        f"{cpu:.2f}",
+                    ]
+                )
+        broker.delete_queue(name)
+    print_table(
+        f"default consume paths beside the tuned one, {messages:,} x 1 KiB per run",
+        ["workload", "msg/s", "of tuned (same round)", "client CPU µs/msg"],
+        rows,
+    )
 
 
 def ray_queue_rates(messages: int, single: int) -> dict[str, float]:
@@ -161,7 +238,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--messages", type=int, default=200_000, help="messages per batched run")
     parser.add_argument("--single", type=int, default=16_000, help="messages per single-send run")
+    parser.add_argument(
+        "--consume-only",
+        action="store_true",
+        help="only the default consume paths beside the tuned one, --repeat rounds",
+    )
+    parser.add_argument("--repeat", type=int, default=3, help="rounds of --consume-only")
     args = parser.parse_args()
+    if args.consume_only:
+        broker = start_broker(namespace="raymq-bench")
+        try:
+            consume_only(broker, args.messages, args.repeat)
+        finally:
+            stop_broker(broker)
+        return
 
     console.print("measuring sequential fdatasync bandwidth ...")
     disk = fdatasync_bandwidth()

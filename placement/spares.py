@@ -5,17 +5,30 @@ second on these machines, which a consumer would otherwise pay before its first
 message. Each process keeps one blank TargetList actor started ahead per node it uses;
 a new consumer takes it (and a new spare starts in the background). The spare is owned
 by this process, like the consumers it becomes, so it dies with it.
+
+Submitting an actor's creation itself costs the caller 2-4 ms here (measured): ``warm``
+does it in a background thread, so that a new consumer's first message does not wait
+for the next consumer's spare; ``take`` waits for a creation under way rather than
+start a second one.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import ray
 
+log = logging.getLogger("raymq.placement")
+
 _lock = threading.Lock()
 _spares: dict[tuple[str, str], object] = {}
 _ready: dict[tuple[str, str], object] = {}  # each spare's first call (an ObjectRef)
+#: Creations under way in a background thread, each set when it is over.
+_making: dict[tuple[str, str], threading.Event] = {}
+#: Longest ``take`` waits for a spare's creation under way (seconds); a creation is a
+#: submission, not the process start, so only a wedged Ray takes this long.
+CREATION_WAIT_SECONDS = 10.0
 
 
 def _key(node_id: str) -> tuple[str, str]:
@@ -29,15 +42,33 @@ def _new(node_id: str) -> tuple[object, object]:
 
     actor = TargetListActor.options(scheduling_strategy=near(node_id)).remote()
     # A first call to a new actor pays for finding it and connecting (~0.1-0.5 s here,
-    # measured): make it now, unawaited, so the consumer's first call is a warm one.
+    # measured), and its DeliveryChannel opens (``TargetListActor.ready``): make it
+    # now, unawaited, so the consumer's first call is a warm one.
     return actor, actor.ready.remote()
 
 
 def warm(node_id: str) -> None:
-    """Start a spare on ``node_id`` unless one is there already (returns at once)."""
+    """Start a spare on ``node_id`` unless one is there or on its way (returns at once;
+    the creation is submitted from a background thread)."""
+    key = _key(node_id)
     with _lock:
-        if _key(node_id) not in _spares:
-            _spares[_key(node_id)], _ready[_key(node_id)] = _new(node_id)
+        if key in _spares or key in _making:
+            return
+        done = _making[key] = threading.Event()
+
+    def make() -> None:
+        try:
+            actor, ready = _new(node_id)
+            with _lock:
+                _spares[key], _ready[key] = actor, ready
+        except Exception as exc:  # Ray shutting down, say: take() then makes one itself
+            log.warning("no spare TargetList on node %s: %r", node_id, exc)
+        finally:
+            with _lock:
+                _making.pop(key, None)
+            done.set()
+
+    threading.Thread(target=make, name="raymq-spare", daemon=True).start()
 
 
 def wait_warm(timeout: float | None = None) -> bool:
@@ -49,6 +80,10 @@ def wait_warm(timeout: float | None = None) -> bool:
     """
     job = ray.get_runtime_context().get_job_id()
     with _lock:
+        making = [done for (job_id, _node), done in _making.items() if job_id == job]
+    for done in making:  # submitted in a moment: a submission is milliseconds
+        done.wait(timeout)
+    with _lock:
         refs = [ref for (job_id, _node), ref in _ready.items() if job_id == job]
     if not refs:
         return True
@@ -57,11 +92,15 @@ def wait_warm(timeout: float | None = None) -> bool:
 
 
 def take(node_id: str):
-    """A TargetList actor on ``node_id``: the warm spare if there is one, else a new
-    one. The caller starts the next spare with ``warm`` once its consumer is up:
-    submitting an actor's creation costs the caller milliseconds, which a new
-    consumer's first message need not wait for."""
+    """A TargetList actor on ``node_id``: the warm spare if there is one (or is being
+    submitted), else a new one. The caller starts the next spare with ``warm`` once its
+    consumer is up."""
+    key = _key(node_id)
     with _lock:
-        actor = _spares.pop(_key(node_id), None)
-        _ready.pop(_key(node_id), None)
+        making = _making.get(key)
+    if making is not None:
+        making.wait(CREATION_WAIT_SECONDS)
+    with _lock:
+        actor = _spares.pop(key, None)
+        _ready.pop(key, None)
     return actor if actor is not None else _new(node_id)[0]

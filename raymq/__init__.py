@@ -7,13 +7,23 @@ from typing import TYPE_CHECKING, Any
 from raymq import errors
 
 if TYPE_CHECKING:
-    from raymq.client import Address, Broker, Consumer, Message, Queue, Subscription, connect
+    from raymq.client import (
+        Address,
+        Broker,
+        Consumer,
+        Message,
+        Messages,
+        Queue,
+        Subscription,
+        connect,
+    )
 
 __all__ = [
     "Address",
     "Broker",
     "Consumer",
     "Message",
+    "Messages",
     "Queue",
     "Subscription",
     "connect",
@@ -21,7 +31,7 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-_CLIENT = {"Address", "Broker", "Consumer", "Message", "Queue", "Subscription", "connect"}
+_CLIENT = set(__all__) - {"errors"}
 
 
 def __getattr__(name: str) -> Any:

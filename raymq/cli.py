@@ -155,7 +155,9 @@ def cli(ctx: click.Context, address: str, namespace: str, verbose: bool) -> None
 
 #: ``raymq start`` options that are byte sizes and seconds (for showing differences).
 _BYTE_SETTINGS = frozenset({"max_message_size", "head_cache_bytes", "flow_to_disk_threshold"})
-_SECOND_SETTINGS = frozenset({"checkpoint_interval", "housekeeping_period"})
+_SECOND_SETTINGS = frozenset(
+    {"checkpoint_interval", "housekeeping_period", "hibernate_after_seconds"}
+)
 
 
 def _setting_text(name: str, value: Any) -> str:
@@ -236,6 +238,16 @@ def _refuse_changes(ctx: click.Context, broker, asked: dict[str, Any]) -> None:
     "--housekeeping-period",
     type=click.FloatRange(min=0, min_open=True),
     help="Seconds between MemoryGovernor rounds.",
+)
+@click.option(
+    "--max-active-queues",
+    type=click.IntRange(min=1),
+    help="Running queue actors per node; idle ones over it hibernate (default: no cap).",
+)
+@click.option(
+    "--hibernate-after-seconds",
+    type=click.FloatRange(min=0, min_open=True),
+    help="Seconds a queue may stay idle before it hibernates (default: never).",
 )
 @click.pass_context
 def start(ctx: click.Context, **settings: Any) -> None:

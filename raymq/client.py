@@ -9,20 +9,21 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
 import uuid
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from itertools import repeat
 from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
 import ray
 
-from raymq import delivery_channel
+from raymq import acks, delivery_channel
 from raymq.acks import AckPipeline
 from raymq.batch import (
     EMPTY_DELIVERY,
@@ -50,7 +51,7 @@ from raymq.errors import (
     SelectorError,
     SubscriptionNotFound,
 )
-from raymq.producer import Producer, ProducerStats
+from raymq.producer import MAX_BATCH_BYTES, Producer, ProducerStats
 from raymq.properties import decode_properties, encode_properties, validate_properties
 from raymq.selector import Selector
 from raymq.send_channel import ChannelBroken, SendChannel
@@ -60,8 +61,9 @@ _log = logging.getLogger("raymq.client")
 #: Pipelined acks (``ack(wait=False)``) a consumer lets run before it waits for some.
 #: How long a call keeps retrying while an actor restarts (seconds).
 RESTART_GRACE_SECONDS = 60.0
-#: Messages ``for message in consumer`` takes from the buffer at a time.
-ITER_CHUNK_MESSAGES = 256
+#: Messages ``for message in consumer`` takes from the buffer at a time: each chunk has
+#: a fixed cost (Arrow column conversions) worth about 50-100 ns a message at 256.
+ITER_CHUNK_MESSAGES = 1024
 #: Fewest messages a receive asks the DeliveryChannel for: one round trip brings a
 #: few receive()s' worth, and a deep queue's first message does not wait for a
 #: prefetch's worth to be read into this process (messages).
@@ -110,15 +112,6 @@ def _call(
                 delay = min(delay, 0.2)
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
-
-
-async def _call_async(method, *args, **kwargs) -> Any:
-    try:
-        return await method.remote(*args, **kwargs)
-    except ray.exceptions.RayTaskError as exc:
-        raise _unwrap(exc) from None
-    except _RETRYABLE as exc:
-        raise BrokerUnavailable(f"actor unavailable: {exc}") from exc
 
 
 def connect(
@@ -361,71 +354,6 @@ class Broker:
             ray.kill(self._actor, no_restart=True)
 
 
-@dataclass
-class _PendingSend:
-    """One single-message send waiting in the coalescer."""
-
-    body: bytes
-    properties: bytes
-    offset: int | None = None
-    error: BaseException | None = None
-    done: bool = False
-
-
-class _Coalescer:
-    """Coalesces concurrent single-message sends of one process into one actor call.
-
-    The first caller in becomes the leader and sends what has gathered; callers arriving
-    meanwhile wait and go out together in the next call (client-side group commit).
-    """
-
-    def __init__(self, queue: Queue, timeout: float | None):
-        self._queue = queue
-        self._timeout = timeout
-        self._cv = threading.Condition()
-        self._waiting: list[_PendingSend] = []
-        self._leader = False
-
-    def send(self, body: bytes, props: bytes) -> int | None:
-        item = _PendingSend(body, props)
-        with self._cv:
-            self._waiting.append(item)
-            while self._leader and not item.done:
-                self._cv.wait()
-            lead = not item.done
-            if lead:
-                self._leader = True
-        if lead:
-            try:
-                self._flush_until(item)
-            finally:
-                with self._cv:
-                    self._leader = False
-                    self._cv.notify_all()
-        if item.error is not None:
-            raise item.error
-        return item.offset
-
-    def _flush_until(self, mine: _PendingSend) -> None:
-        while not mine.done:
-            with self._cv:
-                items, self._waiting = self._waiting, []
-            batch = MessageBatch.from_encoded(
-                [i.body for i in items], [i.properties for i in items]
-            )
-            try:
-                first, count = self._queue._invoke("send_batch", batch, self._timeout)
-                for k, it in enumerate(items[:count]):  # the rest were DROPped
-                    it.offset = first + k
-            except Exception as exc:  # every waiter of this call gets the error
-                for it in items:
-                    it.error = exc
-            with self._cv:
-                for it in items:
-                    it.done = True
-                self._cv.notify_all()
-
-
 #: Seconds before a process tries again to open a queue's SendChannel after it failed
 #: to connect (a channel that broke after working is opened again at once).
 CHANNEL_RETRY_SECONDS = 30.0
@@ -477,8 +405,7 @@ class Queue:
         #: Open consumers made through this handle: ``stats`` and ``browse`` send their
         #: pipelined acks first, so a handle reads its own acks.
         self._consumers: weakref.WeakSet[Consumer] = weakref.WeakSet()
-        self._coalescers: dict[float | None, _Coalescer] = {}
-        self._coalescers_lock = threading.Lock()
+        self._producer_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"Queue({self.name!r})"
@@ -490,6 +417,21 @@ class Queue:
             )
         check_size(len(body), self.broker.config.max_message_size, self.name)
         return bytes(body)
+
+    def _encode_one(
+        self, body: object, properties: Mapping[str, Any] | None
+    ) -> tuple[bytes, bytes]:
+        """One message checked and encoded: (body, msgpack properties or ``b""``).
+        ``TypeError``, ``MessageTooLarge`` (body and properties count toward
+        ``max_message_size``, as the queue counts them) or ``InvalidProperties``."""
+        body = self._check_body(body)
+        if properties is None:
+            return body, b""
+        props = encode_properties(
+            validate_properties(properties, where=f"message for queue {self.name!r}")
+        )
+        check_size(len(body) + len(props), self.broker.config.max_message_size, self.name)
+        return body, props
 
     #: This handle's pipelined sends (``send(wait=False)``), made on first use.
     _producer: Producer | None = None
@@ -505,47 +447,30 @@ class Queue:
         """Send one message; returns its offset once it is durable (``wait=False``: a
         ``SendFuture`` of it at once).
 
-        It goes over this process's SendChannel to the queue actor (a socket, see
-        ``raymq.send_channel``), else through a Ray call; concurrent sends from threads
-        of one process share one write and one fsync. At
-        the queue's ``max_size_bytes``: PAGE stores it anyway, DROP drops it (returns
-        None), FAIL raises ``AddressFull``, BLOCK waits for room up to ``timeout``
-        seconds (None: for ever), then raises ``AddressFull``.
+        Both modes go through this handle's producer (``raymq.producer``): the message
+        joins its open batch, which travels over this process's SendChannel to the queue
+        actor (a socket, see ``raymq.send_channel``), else through a Ray call. A batch
+        leaves at once when none is in flight, else when the one in flight is answered:
+        sends from many threads of one process then share one frame, one write and one
+        fsync. At the queue's ``max_size_bytes``: PAGE stores it anyway, DROP drops it
+        (returns None), FAIL raises ``AddressFull``, BLOCK waits for room up to
+        ``timeout`` seconds (None: for ever), then raises ``AddressFull``. A broken
+        channel or a moved leader does not reach the caller: the send goes again
+        through Ray (at-least-once).
 
-        ``wait=False`` pipelines (``raymq.producer``): the message joins this handle's
-        open batch, shipped without waiting; ``SendFuture.result()`` gives the offset
-        (None: DROPped) or raises the error once the queue has the batch durable.
-        ``send`` then blocks only while ``MAX_IN_FLIGHT_MESSAGES`` messages or
-        ``MAX_IN_FLIGHT_BYTES`` bytes are unanswered; ``flush()`` waits for all. A
-        handle's messages are stored in the order sent, waiting or not. Bad input
-        (type, size, properties) raises here, at once, in both modes.
+        ``wait=False`` pipelines: ``SendFuture.result()`` gives the offset (None:
+        DROPped) or raises the error once the queue has the batch durable. ``send``
+        then blocks only while ``MAX_IN_FLIGHT_MESSAGES`` messages or
+        ``MAX_IN_FLIGHT_BYTES`` bytes are unanswered; ``flush()`` waits for all and
+        raises the first failure (a waiting send raises its own instead). A handle's
+        messages are stored in the order sent, waiting or not. Bad input (type, size,
+        properties) raises here, at once, in both modes.
         """
-        body = self._check_body(body)
-        props = (
-            b""
-            if properties is None
-            else encode_properties(
-                validate_properties(properties, where=f"message for queue {self.name!r}")
-            )
-        )
-        if props:  # the queue counts properties toward max_message_size too
-            check_size(len(body) + len(props), self.broker.config.max_message_size, self.name)
-        producer = self._producer
+        body, props = self._encode_one(body, properties)
+        producer = self._producer or self._make_producer()
         if not wait:
-            return (producer or self._make_producer()).send(body, props, timeout)
-        if producer is not None and producer.busy():  # behind pipelined sends: order
-            return producer.send(body, props, timeout).result()
-        channel = _send_channel(self)
-        if channel is not None:
-            try:
-                return channel.send(body, props, timeout)
-            except (ChannelBroken, NotLeader):
-                pass  # the actor restarted, moved or the network failed: Ray calls follow
-        with self._coalescers_lock:
-            coalescer = self._coalescers.get(timeout)
-            if coalescer is None:
-                coalescer = self._coalescers[timeout] = _Coalescer(self, timeout)
-        return coalescer.send(body, props)
+            return producer.send(body, props, timeout)
+        return producer.send(body, props, timeout, waited=True).result()
 
     def _pack(self, bodies, properties) -> MessageBatch:
         limit = self.broker.config.max_message_size
@@ -578,7 +503,7 @@ class Queue:
         """
         batch = self._pack(bodies, properties)
         if self._producer is not None and self._producer.busy():
-            self._producer.drain()  # pipelined sends of this handle go first: order
+            self._producer.drain()  # earlier sends of this handle go first: order
         channel = (
             _send_channel(self) if batch.nbytes <= self.broker.config.max_message_size else None
         )
@@ -600,17 +525,15 @@ class Queue:
     ) -> int | None:
         """``send`` for asyncio code: over the send channel (concurrent tasks' sends
         share the queue's group commits), awaiting the answer without blocking the event
-        loop; through a Ray call when the queue has no channel or it broke."""
-        body = self._check_body(body)
-        props = (
-            b""
-            if properties is None
-            else encode_properties(
-                validate_properties(properties, where=f"message for queue {self.name!r}")
+        loop; through a Ray call when the queue has no channel or it broke. Behind this
+        handle's unanswered ``send``s it joins them instead (from a worker thread): a
+        handle's messages are stored in the order sent."""
+        body, props = self._encode_one(body, properties)
+        producer = self._producer
+        if producer is not None and producer.busy():
+            return await asyncio.to_thread(
+                lambda: producer.send(body, props, timeout, waited=True).result()
             )
-        )
-        if props:  # the queue counts properties toward max_message_size too
-            check_size(len(body) + len(props), self.broker.config.max_message_size, self.name)
         channel = await self._send_channel_async()
         if channel is not None:
             try:
@@ -618,15 +541,19 @@ class Queue:
             except (ChannelBroken, NotLeader):
                 pass  # as in ``send``: a Ray call follows a restart or a new leader
         batch = MessageBatch.from_encoded([body], [props])
-        first, count = await _call_async(self._actor.send_batch, batch, timeout)
+        first, count = await self._send_batch_by_ray(batch, timeout)
         return first if count else None
 
     async def send_batch_async(
         self, bodies, properties=None, *, timeout: float | None = None
     ) -> list[int]:
         """``send_batch`` for asyncio code: over the send channel as ``send_batch``,
-        awaiting without blocking the event loop; else through a Ray call."""
+        awaiting without blocking the event loop; else through a Ray call. This handle's
+        unanswered ``send``s are waited for first (in a worker thread): the order."""
         batch = self._pack(bodies, properties)
+        producer = self._producer
+        if producer is not None and producer.busy():
+            await asyncio.to_thread(producer.drain)
         if batch.nbytes <= self.broker.config.max_message_size:
             channel = await self._send_channel_async()
             if channel is not None:
@@ -635,8 +562,13 @@ class Queue:
                     return list(range(first, first + count))
                 except (ChannelBroken, NotLeader):
                     pass  # as in ``send_batch``
-        first, count = await _call_async(self._actor.send_batch, batch, timeout)
+        first, count = await self._send_batch_by_ray(batch, timeout)
         return list(range(first, first + count))
+
+    async def _send_batch_by_ray(self, batch: MessageBatch, timeout: float | None):
+        """The async sends' Ray path, as the blocking sends' (``_invoke``: it follows a
+        revived or moved queue and waits out a restart), in a worker thread."""
+        return await asyncio.to_thread(self._invoke, "send_batch", batch, timeout)
 
     async def _send_channel_async(self) -> SendChannel | None:
         """``_send_channel`` without blocking the event loop: opening one (a Ray call
@@ -663,12 +595,14 @@ class Queue:
         return None if self._producer is None else self._producer.stats()
 
     def _make_producer(self) -> Producer:
-        with self._coalescers_lock:  # one per handle, even when threads race here
+        with self._producer_lock:  # one per handle, even when threads race here
             if self._producer is None:
                 self._producer = Producer(
                     self.name,
                     lambda: _send_channel(self),
                     lambda batch, timeout: self._invoke("send_batch", batch, timeout),
+                    # The channel refuses frames over max_message_size (and framing).
+                    max_batch_bytes=min(MAX_BATCH_BYTES, self.broker.config.max_message_size),
                 )
             return self._producer
 
@@ -716,9 +650,7 @@ class Queue:
         self._flush_acks()
         pos = 0
         while True:
-            batch, pos = _call(
-                self._actor.browse, pos, batch_size, selector, self.subscription_name
-            )
+            batch, pos = self._invoke("browse", pos, batch_size, selector, self.subscription_name)
             yield from _messages(batch)
             if batch.num_rows < batch_size:  # the queue walks to its end before stopping short
                 return
@@ -728,10 +660,24 @@ class Queue:
         self._flush_acks()
         return self._invoke("stats", self.subscription_name).to_dict()
 
+    def _fetch_endpoint(self) -> tuple[str, int, str] | None:
+        """The queue actor's FetchChannel (host, port, secret) for a new consumer's
+        TargetList, asked through ``_invoke`` so that this handle follows the queue to
+        its current actor first; None if it has none or could not be asked (the
+        TargetList then registers through Ray, which raises the typed error)."""
+        try:
+            return self._invoke("fetch_endpoint")
+        except RayMQError as exc:
+            _log.info("queue %r: no fetch channel endpoint: %s", self.name, exc)
+            return None
+
     def _flush_acks(self) -> None:
-        """Make the pipelined acks of this handle's open consumers durable first."""
+        """Make the pipelined acks of this handle's open consumers durable first
+        (waiting at most ``raymq.acks.ACK_ANSWER_SECONDS``). An ack's error is left for
+        the consumer's own next ``flush``/``ack``/``close``, which raises it: stats() and
+        browse() neither raise nor swallow another consumer's error."""
         for consumer in list(self._consumers):
-            consumer.flush()
+            consumer._acks.flush(raise_errors=False)
 
     def _invoke(self, method: str, *args) -> Any:
         """Call the queue actor's ``method`` (``_call``), following a replicated
@@ -797,7 +743,7 @@ class Address(Queue):
 
     def subscriptions(self) -> list[str]:
         """Names of the address's subscriptions, in the order they were created."""
-        return [spec.name for spec in _call(self._actor.list_subscriptions)]
+        return [spec.name for spec in self._invoke("list_subscriptions")]
 
     def delete_subscription(self, name: str) -> None:
         """Unbind a subscription: its consumers are closed, its hold on every stored
@@ -822,8 +768,8 @@ class Address(Queue):
         """The address's statistics (its depth counts what any subscription still
         needs) and each subscription's lag (messages it has not acknowledged)."""
         self._flush_acks()
-        out = _call(self._actor.stats).to_dict()
-        out["subscriptions"] = _call(self._actor.subscription_depths)
+        out = self._invoke("stats").to_dict()
+        out["subscriptions"] = self._invoke("subscription_depths")
         return out
 
 
@@ -877,9 +823,110 @@ class Message(NamedTuple):
         return decode_properties(self.raw_properties)
 
 
+class Messages(Sequence):
+    """What ``receive`` returns: a sequence of ``Message`` (``len``, index, slice,
+    iterate, ``==`` and ``+`` with lists; ``list(messages)`` for a list) over the
+    received rows.
+
+    Each ``Message`` is made when it is reached (iterating, indexing), not all up front,
+    and is not kept: a message the application drops is freed at once. A list of 1,000
+    live tuples cost more than making them (Python's garbage collector walked them and,
+    as they outlived its youngest generation, the whole heap every few thousand
+    messages). ``consumer.ack(messages)`` of the sequence (or a slice of it) takes the
+    offsets column as one array, with no work per message."""
+
+    __slots__ = ("_batch", "_columns_cache")
+
+    def __init__(self, batch: pa.RecordBatch | None = None):
+        self._batch = batch if batch is not None and batch.num_rows else None
+        self._columns_cache: tuple[list, ...] | None = None
+
+    @property
+    def offsets(self) -> np.ndarray:
+        """The messages' offsets, in order (int64; a view of the received rows)."""
+        if self._batch is None:
+            return np.zeros(0, dtype=np.int64)
+        return np.asarray(self._batch.column("offset").to_numpy(), dtype=np.int64)
+
+    def _columns(self) -> tuple[list, ...]:
+        """The rows as Python values, column by column: made once, on first use.
+
+        Column by column: ``RecordBatch.to_pydict`` made a ``datetime`` of every
+        timestamp, 4 ms per 1,000 messages, more than receiving them."""
+        cols = self._columns_cache
+        if cols is None:
+            b = self._batch
+            if b is None:
+                cols = ([], [], [], [], [])
+            else:
+                # Microseconds as int64 without a compute kernel (a fixed cost per call).
+                micros = b.column("timestamp").to_numpy().view(np.int64)
+                cols = (
+                    b.column("offset").to_numpy().tolist(),
+                    b.column("body").to_pylist(),
+                    b.column("delivery_count").to_numpy().tolist(),
+                    (micros / 1e6).tolist(),
+                    # Arrow's C++ conversion: mostly b"" each, made faster than to_pylist.
+                    b.column("properties").to_numpy(zero_copy_only=False).tolist(),
+                )
+            self._columns_cache = cols
+        return cols
+
+    def __len__(self) -> int:
+        return 0 if self._batch is None else self._batch.num_rows
+
+    def __iter__(self) -> Iterator[Message]:
+        # map and zip run in C: no Python code per message.
+        return map(_new_tuple, repeat(Message), zip(*self._columns(), strict=True))
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step == 1:
+                n = max(stop - start, 0)
+                return Messages(None if self._batch is None else self._batch.slice(start, n))
+            return [self[i] for i in range(start, stop, step)]
+        offsets, bodies, counts, seconds, props = self._columns()
+        return _new_tuple(
+            Message, (offsets[index], bodies[index], counts[index], seconds[index], props[index])
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Messages | list | tuple):
+            return len(self) == len(other) and list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # compared by value, as a list
+
+    def __add__(self, other: Iterable[Message]) -> list[Message]:
+        """A list of both (``got += consumer.receive(...)`` rebinds to a list)."""
+        return [*self, *other]
+
+    def __radd__(self, other: Iterable[Message]) -> list[Message]:
+        return [*other, *self]
+
+    def __repr__(self) -> str:
+        return f"Messages({list(self)!r})"
+
+    def __reduce__(self):
+        return Messages, (self._batch,)
+
+
+_new_tuple = tuple.__new__  # makes a Message from a row tuple without NamedTuple's checks
+
+#: Longest ``Consumer.close`` waits for its TargetList to give back what it held
+#: (seconds); past it the TargetList is killed, and the queue, watching it, delivers
+#: again what it held.
+CLOSE_TIMEOUT_SECONDS = 60.0
+
+
 class Consumer:
     """Receives messages of one queue through its TargetList actor; usable as a context
-    manager (closes on exit). Acks go straight to the queue actor."""
+    manager (closes on exit). Acks go straight to the queue actor.
+
+    Thread-safe: ``close`` from another thread ends a receive waiting there
+    (``ConsumerClosed``) and a ``for message in consumer`` loop.
+    """
 
     def __init__(
         self,
@@ -900,23 +947,38 @@ class Consumer:
         self.consumer_id = uuid.uuid4().hex
         self._subscription = queue.subscription_name
         self._buffer: pa.RecordBatch | None = None  # taken from the TargetList, not yet handed out
+        #: Guards ``_buffer`` (receives in several threads, receive_async's thread, close).
+        self._buffer_lock = threading.Lock()
         self._closed = False
         # ack(wait=False): gathered, one call per half prefetch (at most 1,000 offsets).
         self._acks = AckPipeline(
-            self._send_ack_call, self._check_ack_call, min(max(prefetch // 2, 1), 1000)
+            self._send_ack_call,
+            self._check_ack_call,
+            min(max(prefetch // 2, 1), 1000),
+            what=f"queue {queue.name!r}",
         )
+        self._ack_singles = self._acks._singles  # ack(message) appends here (never replaced)
         queue._consumers.add(self)  # its stats() and browse() see our acks
-        #: Pipelined acks whose call failed with the queue's actor (see ``ack``).
+        #: Pipelined acks whose call failed with the queue's actor, or that the queue
+        #: had not answered when the consumer closed (see ``ack``).
         self.acks_lost = 0
+        #: Failures of ``close`` giving back what the TargetList held (logged; the
+        #: TargetList is killed anyway, and the queue delivers its messages again).
+        self.close_failures = 0
+        # Asked first: it also follows an old handle to its queue's current actor (a
+        # revived hibernated queue), and the TargetList then needs no first Ray call.
+        fetch_endpoint = queue._fetch_endpoint()
         node = near(node_id).node_id
         self.target_list = spares.take(node)
         warm_arrow_conversions()  # a process that did not connect() (once per process)
         self._channel: DeliveryChannel | None = None  # receives over a socket, if it opens
         self.delivery_channel_failures = 0  # channels that broke or did not open: Ray then
+        #: Channel breaks whose unread answer could not be given back (``_channel_broke``).
+        self.delivery_channel_unread = 0
         #: receive_async's thread: one per consumer, so a receive waiting for messages
         #: holds no thread of the loop's default pool; it runs the takes in order.
         self._receiver: concurrent.futures.ThreadPoolExecutor | None = None
-        self._async_takes = 0  # takes under way in that thread
+        self._async_takes = 0  # takes under way in that thread (or not settled yet)
         try:
             endpoint = _call(
                 self.target_list.start,
@@ -929,9 +991,13 @@ class Consumer:
                 high_watermark_bytes,
                 pending_cache_bytes,
                 queue.subscription_name,
+                fetch_endpoint,
+                namespace=queue.broker.namespace,
                 retry=False,
             )
         except BaseException:
+            with contextlib.suppress(Exception):  # never a consumer's: not a spare again
+                ray.kill(self.target_list, no_restart=True)
             spares.warm(node)
             raise
         if endpoint is not None and delivery_channel.USE_CHANNEL:
@@ -941,11 +1007,34 @@ class Consumer:
                 self._channel_broke(exc)
         spares.warm(node)  # the next consumer's: once this one is up, not before
 
-    def _channel_broke(self, exc: DeliveryBroken) -> None:
-        """The DeliveryChannel failed: receive through Ray from now on (counted, logged)."""
-        self.delivery_channel_failures += 1
+    def _channel_broke(self, exc: DeliveryBroken, channel: DeliveryChannel | None = None) -> None:
+        """The DeliveryChannel failed: receive through Ray from now on (counted, logged).
+
+        If it broke with a request under way, the TargetList may have written rows this
+        client never read: it is asked to give back the rows of any answer it wrote
+        beyond the ``answers_read`` this client read whole (``channel_broke``), so the
+        queue delivers them again rather than holding them (and this consumer's
+        prefetch credit) until the consumer closes. Counted in
+        ``delivery_channel_unread`` when that fails (logged; close gives them back)."""
         self._channel = None
+        if self._closed:  # close() shut it: not a failure
+            return
+        self.delivery_channel_failures += 1
         _log.warning("consumer %s: receiving through Ray calls: %s", self.consumer_id, exc)
+        if not exc.answer_pending or channel is None:
+            return
+        try:
+            ref = self.target_list.channel_broke.remote(channel.answers_read)
+            ray.get(ref, timeout=CLOSE_TIMEOUT_SECONDS)
+        except Exception as exc2:  # noqa: BLE001 - held until close, which gives them back
+            self.delivery_channel_unread += 1
+            _log.warning(
+                "queue %r: consumer %s: an answer of its broken delivery channel may stay"
+                " held until the consumer closes: %r",
+                self.queue.name,
+                self.consumer_id,
+                exc2,
+            )
 
     def __enter__(self) -> Consumer:
         return self
@@ -961,31 +1050,37 @@ class Consumer:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise ConsumerClosed(
-                f"consumer {self.consumer_id} of queue {self.queue.name!r} is closed"
-            )
+            raise self._closed_error()
 
-    def _fill(self, timeout: float | None, want: int = 1) -> None:
-        """Fill the empty buffer for a receive of ``want`` messages, waiting up to
-        ``timeout`` seconds (None: until some come)."""
+    def _closed_error(self) -> ConsumerClosed:
+        return ConsumerClosed(f"consumer {self.consumer_id} of queue {self.queue.name!r} is closed")
+
+    def _fill(self, timeout: float | None, want: int = 1) -> pa.RecordBatch | None:
+        """Messages from the TargetList for a receive of ``want``, waiting up to
+        ``timeout`` seconds (None: until some come, or the consumer is closed: then
+        ``ConsumerClosed``)."""
         self._send_acks()  # the credit they return lets the TargetList load more
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
+            if self._closed:  # by another thread: its receive ends here
+                raise self._closed_error()
             wait = 1.0 if deadline is None else max(0.0, deadline - time.monotonic())
-            batch = self._take_batch(wait, want)
+            try:
+                batch = self._take_batch(wait, want)
+            except RayMQError as exc:
+                if self._closed:  # the TargetList went with the close
+                    raise self._closed_error() from exc
+                raise
             if batch is not None or (deadline is not None and time.monotonic() >= deadline):
-                self._buffer = batch
-                return
+                return batch
 
-    async def receive_async(
-        self, max_messages: int = 1, timeout: float | None = None
-    ) -> list[Message]:
+    async def receive_async(self, max_messages: int = 1, timeout: float | None = None) -> Messages:
         """``receive`` for asyncio code (Ray Serve deployments, async actors): up to
         ``max_messages`` messages, waiting up to ``timeout`` seconds (None: until some
         arrive) without blocking the event loop. Cancelled while waiting, what it took
         meanwhile stays in this consumer's buffer for the next receive (not lost)."""
         batch = await self._take_async(max_messages, timeout)
-        return [] if batch is None else _messages(batch)
+        return Messages() if batch is None else _messages(batch)
 
     async def receive_batch_async(
         self, max_messages: int, timeout: float | None = None
@@ -1012,9 +1107,18 @@ class Consumer:
 
     async def _take_async(self, max_messages: int, timeout: float | None) -> pa.RecordBatch | None:
         """``_take`` off the event loop: from the buffer at once when it holds messages
-        (slicing it does not block), else in this consumer's receive thread."""
+        (slicing it does not block), else in this consumer's receive thread.
+
+        Rows of a take whose caller was cancelled go back to the front of the buffer
+        before any later receive slices it: in the receive thread if the cancel came
+        first, else on the loop's thread (``_settle``), and ``_async_takes`` stays
+        raised until then, which keeps later receives off the buffer's fast path."""
         if self._buffer is not None and not self._async_takes:
-            return self._take(max_messages, 0.0)
+            # Never _take here: emptied by another thread meanwhile, it would fetch on
+            # the event loop's thread.
+            batch = self._take_buffered(max_messages)
+            if batch is not None:
+                return batch
         self._check_open()
         if self._receiver is None:
             self._receiver = concurrent.futures.ThreadPoolExecutor(
@@ -1029,25 +1133,31 @@ class Consumer:
                 return None
             return batch
 
-        def finished(_done: asyncio.Future) -> None:
-            self._async_takes -= 1  # on the loop's thread, as the increment
-
         self._async_takes += 1
         fut = asyncio.get_running_loop().run_in_executor(self._receiver, take)
-        fut.add_done_callback(finished)
         try:
-            return await asyncio.shield(fut)
+            batch = await asyncio.shield(fut)
         except asyncio.CancelledError:
             abandoned.set()
-
-            def keep(done: asyncio.Future) -> None:
-                # Finished between the cancel and the flag: put its rows back.
-                ok = not done.cancelled() and done.exception() is None
-                if ok and done.result() is not None and not self._closed:
-                    self._receiver.submit(self._unget, done.result())
-
-            fut.add_done_callback(keep)
+            if fut.done():  # finished before the cancel reached us: its rows come back
+                self._settle(fut)
+            else:
+                fut.add_done_callback(self._settle)  # on the loop's thread
             raise
+        except BaseException:
+            self._async_takes -= 1
+            raise
+        self._async_takes -= 1
+        return batch
+
+    def _settle(self, fut: asyncio.Future) -> None:
+        """An abandoned async take finished: its rows (if it kept any) go back to the
+        front of the buffer; then later receives may slice the buffer directly."""
+        try:
+            if not fut.cancelled() and fut.exception() is None and fut.result() is not None:
+                self._unget(fut.result())
+        finally:
+            self._async_takes -= 1
 
     def _take_batch(self, wait: float, want: int = 1) -> pa.RecordBatch | None:
         """Messages from the TargetList for a receive of ``want``, waiting up to
@@ -1056,11 +1166,14 @@ class Consumer:
         inline), unless it is broken or more than it sends inline is ready for the
         receive: then a prefetch's worth through Ray (references read without a copy
         from the object store)."""
-        if self._channel is not None:
+        channel = self._channel
+        if channel is not None:
             try:
-                got = self._channel.take(min(max(want, CHANNEL_TAKE_MESSAGES), self.prefetch), wait)
+                got = channel.take(min(max(want, CHANNEL_TAKE_MESSAGES), self.prefetch), wait)
             except DeliveryBroken as exc:
-                self._channel_broke(exc)  # the Ray call below raises the typed error
+                self._channel_broke(exc, channel)  # the Ray call below raises the typed error
+                if self._closed:
+                    raise self._closed_error() from None
             else:
                 if got is not BY_REFERENCE:
                     return got if got is not None and got.num_rows else None
@@ -1074,27 +1187,53 @@ class Consumer:
                 parts.append(batch.slice(start, n))
         return None if not parts else parts[0] if len(parts) == 1 else pa.concat_batches(parts)
 
-    def _take(self, max_messages: int, timeout: float | None) -> pa.RecordBatch | None:
-        self._check_open()
+    def _take_buffered(self, max_messages: int) -> pa.RecordBatch | None:
+        """Up to ``max_messages`` from the buffer, never waiting (None: it is empty)."""
+        if self._closed:
+            raise self._closed_error()
         if isinstance(max_messages, bool) or not isinstance(max_messages, int) or max_messages < 1:
             raise InvalidSetting(f"max_messages={max_messages!r} must be an int >= 1")
-        if self._buffer is None:
-            self._fill(timeout, max_messages)
-            if self._buffer is None:
-                return None
-        out = self._buffer.slice(0, max_messages)
-        rest = self._buffer.slice(max_messages)
-        self._buffer = rest if rest.num_rows else None
-        return out
+        with self._buffer_lock:
+            buffer = self._buffer
+            return None if buffer is None else self._slice(buffer, max_messages)
 
-    def receive(self, max_messages: int = 1, timeout: float | None = None) -> list[Message]:
-        """Up to ``max_messages`` messages, waiting up to ``timeout`` seconds (None: forever)."""
+    def _take(self, max_messages: int, timeout: float | None) -> pa.RecordBatch | None:
+        batch = self._take_buffered(max_messages)
+        if batch is not None:
+            return batch
+        batch = self._fill(timeout, max_messages)  # waits: not under the lock
+        if batch is None:
+            return None
+        with self._buffer_lock:
+            if self._closed:  # the queue redelivers them: close released what we hold
+                raise self._closed_error()
+            if self._buffer is not None:  # another receive (or a give-back) filled it
+                batch = pa.concat_batches([self._buffer, batch])
+            return self._slice(batch, max_messages)
+
+    def _slice(self, buffer: pa.RecordBatch, max_messages: int) -> pa.RecordBatch:
+        """The first ``max_messages`` of ``buffer``; the rest stays buffered (under
+        ``_buffer_lock``)."""
+        if buffer.num_rows <= max_messages:
+            self._buffer = None
+            return buffer
+        self._buffer = buffer.slice(max_messages)
+        return buffer.slice(0, max_messages)
+
+    def receive(self, max_messages: int = 1, timeout: float | None = None) -> Messages:
+        """Up to ``max_messages`` messages, waiting up to ``timeout`` seconds (None:
+        until some come; ``ConsumerClosed`` if the consumer is closed meanwhile).
+
+        Returns a ``Messages`` sequence (a list's reading operations; each
+        ``Message`` made as it is reached); ``ack`` of it costs no work per message.
+        """
         batch = self._take(max_messages, timeout)
-        return [] if batch is None else _messages(batch)
+        return Messages() if batch is None else _messages(batch)
 
     def __iter__(self) -> Iterator[Message]:
-        """Messages one at a time as they arrive, until the consumer is closed; ack each
-        (``consumer.ack(message)``, pipelined) or they are delivered again.
+        """Messages one at a time as they arrive, until the consumer is closed (from
+        another thread too); ack each (``consumer.ack(message)``, pipelined) or they are
+        delivered again.
 
         Taken from the TargetList in chunks; leaving the loop early hands the rest of a
         chunk back to this consumer's buffer, not received.
@@ -1106,19 +1245,25 @@ class Consumer:
                 return
             if batch is None:
                 continue
-            messages = _messages(batch)
-            for i, message in enumerate(messages):
+            messages = iter(Messages(batch))
+            for message in messages:
+                if self._closed:
+                    return
                 try:
                     yield message
-                except GeneratorExit:
-                    self._unget(batch.slice(i + 1))
+                except GeneratorExit:  # the loop was left: the rest stays ours, in order
+                    rest = sum(1 for _ in messages)
+                    self._unget(batch.slice(batch.num_rows - rest))
                     raise
 
     def _unget(self, rows: pa.RecordBatch) -> None:
         """Put rows taken but not handed out back in front of the buffer."""
-        if self._closed or not rows.num_rows:
+        if not rows.num_rows:
             return
-        self._buffer = rows if self._buffer is None else pa.concat_batches([rows, self._buffer])
+        with self._buffer_lock:
+            if self._closed:
+                return
+            self._buffer = rows if self._buffer is None else pa.concat_batches([rows, self._buffer])
 
     def receive_batch(self, max_messages: int, timeout: float | None = None) -> pa.RecordBatch:
         """Up to ``max_messages`` as one Arrow RecordBatch read from the object store.
@@ -1147,17 +1292,29 @@ class Consumer:
         died, or when the queue's actor died or moved, is delivered again (those are
         counted in ``acks_lost`` and logged).
 
+        A pipelined offset the queue refuses (``InvalidAck``: never delivered, or held by
+        another consumer) is reported alone: the other offsets gathered into the same
+        call are acknowledged.
+
         ``wait=True`` sends it (with any gathered before it) and returns how many
-        messages were newly acknowledged, once that is durable.
+        messages were newly acknowledged, once that is durable; refused, it raises
+        ``InvalidAck`` and acknowledges none of ``messages``.
         """
-        self._check_open()
-        if not wait and type(messages) is Message:  # the per-message loop: no array each
-            self._acks.add_one(messages.offset)
+        if type(messages) is Message and not wait and not self._closed:
+            # The per-message loop: AckPipeline.add_one inlined (a call less per
+            # message); no lock (list.append is atomic), no array.
+            singles = self._ack_singles
+            singles.append(messages[0])
+            acks = self._acks
+            if len(singles) + acks._unsent_count >= acks.batch_messages or not acks.lingering:
+                acks._gathered()
             return None
+        self._check_open()
         offsets = _offsets_of(messages)
         if wait:
             self._acks.send()
             self._acks.collect(block=False)
+            # Refused, it changes nothing (as every typed error): the caller decides.
             return self.queue._invoke("ack", self.consumer_id, offsets, self._subscription)
         self._acks.add(offsets)
         return None
@@ -1173,17 +1330,15 @@ class Consumer:
     def _send_ack_call(self, offsets: np.ndarray) -> concurrent.futures.Future:
         return self._actor.ack.remote(self.consumer_id, offsets, self._subscription).future()
 
-    def flush(self) -> None:
-        """Wait until every pipelined ack is durable; raises the first error."""
-        self._acks.flush()
-
-    def _check_acks(self, block: bool) -> None:
-        """Collect finished pipelined acks (all of them when ``block``), raising the
-        first failure as its typed error."""
-        if block:
-            self._acks.flush()
-        else:
-            self._acks.collect(block=False)
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every pipelined ack is durable, at most ``timeout`` seconds (None:
+        ``raymq.acks.ACK_ANSWER_SECONDS``); raises the first error of an ack, then
+        ``BrokerUnavailable`` naming the queue if the queue has not answered them all
+        (those stay in flight: a later ``flush`` waits for them again)."""
+        unanswered = self._acks.flush(timeout)
+        if unanswered:
+            seconds = acks.ACK_ANSWER_SECONDS if timeout is None else timeout
+            raise acks.unanswered_error(f"queue {self.queue.name!r}", unanswered, seconds)
 
     def _check_ack_call(self, fut: concurrent.futures.Future, parts: list[np.ndarray]) -> None:
         """Raise the typed error of one finished ack call.
@@ -1195,10 +1350,12 @@ class Consumer:
             fut.result()
         except ray.exceptions.RayTaskError as exc:
             error = _unwrap(exc)
-            if isinstance(error, InvalidAck) and len(parts) > 1:
-                # The queue refused the whole gathered call for one ack() whose
-                # offsets it does not know: apply the others, report that one.
-                error = self._ack_one_by_one(parts) or error
+            if isinstance(error, InvalidAck):
+                # The queue refused the whole gathered call for some offsets it does not
+                # let us ack: apply the others, report the first refused one.
+                offsets = parts[0] if len(parts) == 1 else np.concatenate(parts)
+                if len(offsets) > 1:
+                    error = self._ack_apart(offsets) or error
             if isinstance(error, NotLeader):
                 self._ack_lost(parts, error)
                 return
@@ -1206,11 +1363,14 @@ class Consumer:
         except _RETRYABLE as exc:
             self._ack_lost(parts, exc)
 
-    def _ack_lost(self, parts: list[np.ndarray], why: BaseException) -> None:
-        """A pipelined ack call failed with the queue's actor (it died, restarts or a
-        replica took over): whether it was applied is unknown, and a message it did not
-        reach is delivered again, as at-least-once allows. Counted and logged."""
+    def _ack_lost(self, parts: list[np.ndarray], why: object) -> None:
+        """Pipelined acks whose outcome is unknown (the queue's actor died, restarts, a
+        replica took over, or it did not answer before the consumer closed): a message
+        they did not reach is delivered again, as at-least-once allows. Counted and
+        logged."""
         lost = sum(len(p) for p in parts)
+        if not lost:
+            return
         self.acks_lost += lost
         _log.warning(
             "queue %r: %d pipelined acks of consumer %s may be lost with the queue's actor"
@@ -1221,15 +1381,27 @@ class Consumer:
             why,
         )
 
-    def _ack_one_by_one(self, parts: list[np.ndarray]) -> InvalidAck | None:
-        """Send each ``ack()``'s offsets alone; returns the first refusal."""
-        first: InvalidAck | None = None
-        for offsets in parts:
-            try:
-                _call(self._actor.ack, self.consumer_id, offsets, self._subscription)
-            except InvalidAck as exc:
-                first = first or exc
-        return first
+    def _ack_apart(self, offsets: np.ndarray) -> InvalidAck | None:
+        """Ack ``offsets`` after the queue refused them together (changing nothing): one
+        call acks those it accepts; returns its refusal of the others, if any. A call
+        that fails otherwise is counted in ``acks_lost``."""
+        ref = self._actor.ack_acceptable.remote(self.consumer_id, offsets, self._subscription)
+        try:
+            _fresh, refusal = ray.get(ref, timeout=acks.ACK_ANSWER_SECONDS)
+        except ray.exceptions.GetTimeoutError:
+            ray.cancel(ref)
+            self._ack_lost([offsets], f"unanswered in {acks.ACK_ANSWER_SECONDS} s")
+            return None
+        except ray.exceptions.RayTaskError as exc:
+            error = _unwrap(exc)
+            if isinstance(error, InvalidAck):
+                return error
+            self._ack_lost([offsets], error)
+            return None
+        except _RETRYABLE as exc:
+            self._ack_lost([offsets], exc)
+            return None
+        return InvalidAck(refusal) if refusal else None
 
     def nack(self, messages: Message | int | Iterable | pa.RecordBatch | pa.Table) -> int:
         """Give messages back: they are delivered again with ``delivery_count`` + 1."""
@@ -1264,42 +1436,102 @@ class Consumer:
         self._check_open()
         s = self.stats()
         loading = s.get("delivered", 0) - s.get("handed_out", 0) - s.get("given_back", 0)
-        buffered = 0 if self._buffer is None else self._buffer.num_rows
         return (
-            max(loading, 0) + s.get("cache_references", 0) + s.get("scan_remaining", 0) + buffered
+            max(loading, 0)
+            + s.get("cache_references", 0)
+            + s.get("scan_remaining", 0)
+            + s["client_buffered"]
         )
 
     def stats(self) -> dict[str, Any]:
         """The TargetList: watermark, high watermark, direct and CacheReference counts and
-        bytes, PendingCache bytes, hits and misses, and what the consumer holds."""
-        return _call(self.target_list.stats, retry=False)
+        bytes, PendingCache bytes, hits and misses, and what the consumer holds; and
+        ``client_buffered``: messages this client took from the TargetList (counted in
+        its ``handed_out``) that no receive has returned yet (a receive over the
+        DeliveryChannel takes up to ``CHANNEL_TAKE_MESSAGES`` at once)."""
+        s = _call(self.target_list.stats, retry=False)
+        buffer = self._buffer
+        s["client_buffered"] = 0 if buffer is None else buffer.num_rows
+        return s
 
     def close(self) -> None:
-        """Close; unacknowledged messages are delivered again (to any consumer)."""
+        """Close; unacknowledged messages are delivered again (to any consumer).
+
+        From another thread too: a receive waiting there ends with ``ConsumerClosed`` and
+        ``for message in consumer`` stops. Gathered acks are sent first and waited for
+        at most ``raymq.acks.ACK_ANSWER_SECONDS``; those the queue has not answered by
+        then are counted in ``acks_lost`` and logged (their messages are delivered
+        again unless the queue stored them). Raises the first refused ack (such as
+        ``InvalidAck``), after closing. The TargetList actor is always released: if
+        giving back what it held fails (logged, counted in ``close_failures``) it is
+        killed, and the queue, watching it, delivers its messages again.
+        """
         if self._closed:
             return
+        self._closed = True  # first: receives in other threads stop at their next check
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            channel.close()  # ends a take waiting on it in another thread, at once
         ack_error: RayMQError | None = None
         try:
-            self._send_acks()
-            self._check_acks(block=True)
+            unanswered = self._acks.flush()
         except RayMQError as exc:  # close anyway; then report the failed ack
-            ack_error = exc
-        self._closed = True
-        not_received = None if self._buffer is None else self._buffer.column("offset").to_numpy()
-        self._buffer = None
-        if self._channel is not None:
-            self._channel.close()
-            self._channel = None
+            ack_error, unanswered = exc, self._acks.in_flight
+        except Exception as exc:  # noqa: BLE001 - sending failed: counted below
+            _log.warning("queue %r: sending acks on close failed: %r", self.queue.name, exc)
+            unanswered = self._acks.in_flight
+        left = self._acks.abandon()  # unanswered in flight, or unsent after a failure
+        if left:
+            why = f"{unanswered} ack calls not answered within {acks.ACK_ANSWER_SECONDS:g} s"
+            self._ack_lost(left, why if unanswered else "not sent")
+        with self._buffer_lock:
+            buffer, self._buffer = self._buffer, None
+        not_received = None if buffer is None else buffer.column("offset").to_numpy()
         if self._receiver is not None:
             self._receiver.shutdown(wait=False)
         try:
-            _call(self.target_list.close, not_received, retry=False)
-        except BrokerUnavailable:  # the TargetList died: the queue releases what it held
-            _call(self._actor.close_consumer, self.consumer_id, not_received, self._subscription)
+            self._release_target_list(not_received)
         finally:
-            ray.kill(self.target_list, no_restart=True)
+            try:
+                ray.kill(self.target_list, no_restart=True)
+            except Exception as exc:  # noqa: BLE001 - a dead one: nothing left to release
+                _log.warning("consumer %s: killing its TargetList: %r", self.consumer_id, exc)
         if ack_error is not None:
             raise ack_error
+
+    def _release_target_list(self, not_received: np.ndarray | None) -> None:
+        """Have the TargetList give back what it held (``not_received`` uncounted), else
+        the queue directly; failures are logged and counted, never raised: the caller
+        kills the TargetList, which the queue sees."""
+        try:
+            ray.get(self.target_list.close.remote(not_received), timeout=CLOSE_TIMEOUT_SECONDS)
+            return
+        except ray.exceptions.RayTaskError as exc:
+            error: BaseException = _unwrap(exc)
+        except Exception as exc:  # noqa: BLE001 - dead, timed out, or a bug: released below
+            error = exc
+        self.close_failures += 1
+        _log.warning(
+            "queue %r: consumer %s: its TargetList could not give back what it held (%r);"
+            " asking the queue",
+            self.queue.name,
+            self.consumer_id,
+            error,
+        )
+        try:
+            close = self._actor.close_consumer
+            ray.get(
+                close.remote(self.consumer_id, not_received, self._subscription),
+                timeout=CLOSE_TIMEOUT_SECONDS,
+            )
+        except Exception as exc:  # noqa: BLE001 - the kill that follows releases them
+            _log.warning(
+                "queue %r: consumer %s: closing at the queue failed (%r); it delivers the"
+                " messages again when it sees the TargetList die",
+                self.queue.name,
+                self.consumer_id,
+                exc,
+            )
 
 
 def _get_batches(refs: list) -> list[pa.RecordBatch | None]:
@@ -1318,19 +1550,9 @@ def _get_batches(refs: list) -> list[pa.RecordBatch | None]:
     return out
 
 
-def _messages(batch: pa.RecordBatch) -> list[Message]:
-    """The rows of a delivery batch as ``Message`` tuples.
-
-    Column by column: ``RecordBatch.to_pydict`` made a ``datetime`` of every timestamp,
-    4 ms per 1,000 messages, more than receiving them."""
-    offsets = batch.column("offset").to_numpy().tolist()
-    bodies = batch.column("body").to_pylist()
-    counts = batch.column("delivery_count").to_numpy().tolist()
-    micros = batch.column("timestamp").cast(pa.int64()).to_numpy()
-    seconds = (micros / 1e6).tolist()
-    props = batch.column("properties").to_pylist()
-    new = tuple.__new__  # skips NamedTuple's argument handling, per message
-    return [new(Message, row) for row in zip(offsets, bodies, counts, seconds, props, strict=True)]
+def _messages(batch: pa.RecordBatch) -> Messages:
+    """The rows of a delivery batch as ``Message`` tuples (made as they are reached)."""
+    return Messages(batch)
 
 
 def _check_count(name: str, value: object, minimum: int = 1) -> None:
@@ -1339,6 +1561,8 @@ def _check_count(name: str, value: object, minimum: int = 1) -> None:
 
 
 def _offsets_of(messages: Any) -> np.ndarray:
+    if isinstance(messages, Messages):  # as received: the column, no work per message
+        return messages.offsets
     if isinstance(messages, Message):
         return np.array([messages.offset], dtype=np.int64)
     if isinstance(messages, pa.RecordBatch | pa.Table):

@@ -212,6 +212,11 @@ class BrokerConfig:
     #: Bytes per second each durable queue re-reads to verify its stored records' CRCs,
     #: so that rot is found before a consumer needs the data; 0 turns the scrub off.
     scrub_bytes_per_second: int = 4 * 2**20
+    #: Running unreplicated queue actors per node; over it the least recently used idle
+    #: queues hibernate (their files stay; the next call revives them). None: no cap.
+    max_active_queues: int | None = None
+    #: Seconds a queue may stay idle before it hibernates. None: never for idleness.
+    hibernate_after_seconds: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -227,6 +232,9 @@ class BrokerConfig:
         check_int("scrub_bytes_per_second", self.scrub_bytes_per_second, minimum=0)
         if self.flow_to_disk_threshold is not None:
             check_int("flow_to_disk_threshold", self.flow_to_disk_threshold, minimum=1)
+        from raymq.core.hibernation import HibernationSettings  # checks both (no cycle)
+
+        HibernationSettings(self.max_active_queues, self.hibernate_after_seconds)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> BrokerConfig:

@@ -17,8 +17,12 @@ references, its watermark and PendingCache, and the queue its prefetch accountin
 Failures: a client that cannot connect, or whose connection breaks, goes back to the
 Ray path for good (``ChannelBroken``; counted and logged by the consumer). Rows the
 server took for an answer it could not write are given back to the queue (never
-received). An answer lost after it was written (the client gave up waiting) stays
-held by the consumer until it closes or dies, when the queue delivers it again.
+received). A client whose connection broke with a request under way tells the
+TargetList how many answers with messages it read whole
+(``TargetListActor.channel_broke``): the rows of any answer written beyond those, or
+written on that connection from then on, are given back too. Without that call (the
+client died, say) an answer lost after it was written stays held by the consumer until
+it closes or dies, when the queue delivers it again.
 
 Security: as the SendChannel, the server answers only a client that first presents
 its secret (got through an authenticated Ray call), within ``HELLO_TIMEOUT_SECONDS``;
@@ -38,6 +42,7 @@ seconds), one at a time per connection, answered with one of
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import secrets
@@ -85,6 +90,10 @@ USE_CHANNEL = True
 class ChannelBroken(ConnectionError):
     """The connection failed or answered nonsense; use the Ray path."""
 
+    #: The break came after a request was sent: the server may have taken (and
+    #: written) an answer's rows that the client never read.
+    answer_pending: bool = False
+
 
 def frame(obj: object) -> bytes:
     """``obj`` as one frame: length, then msgpack."""
@@ -105,29 +114,18 @@ def from_ipc(data: bytes | bytearray | memoryview) -> pa.RecordBatch:
     return pa.ipc.open_stream(pa.py_buffer(data)).read_next_batch()
 
 
-# -- the TargetList actor's side -----------------------------------------------------------
+class SecretServer:
+    """A listening socket whose clients must show its ``secret`` first, at most
+    ``max_connections`` at a time: the DeliveryChannel's and the FetchChannel's servers.
+    A subclass's ``_serve`` admits a connection with ``_admit`` and, if it did, greets
+    it with ``_greet`` and ends with ``_leave``."""
 
-#: ``take(max_messages, timeout, inline_bytes)``: a RecordBatch of up to
-#: ``max_messages`` (None if nothing came in ``timeout`` seconds), or ``BY_REFERENCE``
-#: when more than ``inline_bytes`` are ready; raises the typed error ``receive`` raises.
-Take = Callable[[int, float, int], Awaitable["pa.RecordBatch | str | None"]]
-#: ``give_back(batch)``: rows taken for an answer that could not be written.
-GiveBack = Callable[[pa.RecordBatch], Awaitable[None]]
+    max_connections = MAX_CONNECTIONS
 
-
-class DeliveryChannelServer:
-    """Serves one consumer's receives from its TargetList actor's event loop."""
-
-    def __init__(self, take: Take, give_back: GiveBack, what: str):
-        self._take = take
-        self._give_back = give_back
-        self._what = what  # "consumer <id> of queue <name>", for logs
+    def __init__(self) -> None:
         self.secret = secrets.token_hex(16)
         self._server: asyncio.AbstractServer | None = None
         self.connections = 0
-        self.answers = 0  # answered with messages inline
-        self.by_reference = 0  # answered "take them through Ray"
-        self.given_back = 0  # messages of answers that could not be written
 
     async def start(self, host: str) -> tuple[str, int, str]:
         """Listen on ``host`` (a free port); returns (host, port, secret)."""
@@ -141,35 +139,137 @@ class DeliveryChannelServer:
             self._server.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self.connections >= MAX_CONNECTIONS:
+        raise NotImplementedError
+
+    def _admit(self, writer: asyncio.StreamWriter) -> bool:
+        """Count a new connection in, or close it if ``max_connections`` are open."""
+        if self.connections >= self.max_connections:
             writer.close()
-            return
+            return False
         self.connections += 1
+        return True
+
+    async def _greet(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        """Read the client's hello (within ``HELLO_TIMEOUT_SECONDS``): True, answered,
+        if it shows the secret; False (say nothing, drop it) if not."""
+        hello = await asyncio.wait_for(_read_frame(reader, HELLO_LIMIT), HELLO_TIMEOUT_SECONDS)
+        if not (
+            isinstance(hello, list)
+            and len(hello) == 1
+            and isinstance(hello[0], str)
+            and hmac.compare_digest(hello[0].encode(), self.secret.encode())
+        ):
+            return False
+        nodelay(writer)
+        writer.write(frame([True]))
+        return True
+
+    def _leave(self, writer: asyncio.StreamWriter) -> None:
+        """An admitted connection ends."""
+        self.connections -= 1
+        writer.close()
+
+
+def nodelay(writer: asyncio.StreamWriter) -> None:
+    """Small answers leave at once (no Nagle delay) on a TCP connection."""
+    sock = writer.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+# -- the TargetList actor's side -----------------------------------------------------------
+
+#: ``take(max_messages, timeout, inline_bytes)``: a RecordBatch of up to
+#: ``max_messages`` (None if nothing came in ``timeout`` seconds), or ``BY_REFERENCE``
+#: when more than ``inline_bytes`` are ready; raises the typed error ``receive`` raises.
+Take = Callable[[int, float, int], Awaitable["pa.RecordBatch | str | None"]]
+#: ``give_back(batch)``: rows taken for an answer that could not be written.
+GiveBack = Callable[[pa.RecordBatch], Awaitable[None]]
+
+
+class _Connection:
+    """One client connection: answers with messages written on it (counted), the last
+    one kept until the client's next request shows it was read, and what the client
+    said it read once the connection broke (``give_back_unread``)."""
+
+    __slots__ = ("written", "unconfirmed", "abandoned", "read")
+
+    def __init__(self) -> None:
+        self.written = 0
+        self.unconfirmed: list[tuple[int, pa.RecordBatch]] = []
+        self.abandoned = False
+        self.read = 0  # answers the client read whole, as it said after the break
+
+    def unread(self) -> list[pa.RecordBatch]:
+        """Answers written beyond those read, forgotten here (given back by the caller)."""
+        out = [batch for index, batch in self.unconfirmed if index > self.read]
+        self.unconfirmed = [(i, b) for i, b in self.unconfirmed if i <= self.read]
+        return out
+
+
+class DeliveryChannelServer(SecretServer):
+    """Serves one consumer's receives from its TargetList actor's event loop."""
+
+    def __init__(self, take: Take, give_back: GiveBack, what: str):
+        super().__init__()
+        self._take = take
+        self._give_back = give_back
+        self.what = what  # "consumer <id> of queue <name>", for logs
+        self.answers = 0  # answered with messages inline
+        self.by_reference = 0  # answered "take them through Ray"
+        self.given_back = 0  # messages of answers that could not be written, or unread
+        self._latest: _Connection | None = None  # the client's connection (it has one)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if not self._admit(writer):
+            return
         try:
-            hello = await asyncio.wait_for(_read_frame(reader, HELLO_LIMIT), HELLO_TIMEOUT_SECONDS)
-            if not (
-                isinstance(hello, list)
-                and len(hello) == 1
-                and isinstance(hello[0], str)
-                and hmac.compare_digest(hello[0].encode(), self.secret.encode())
-            ):
+            if not await self._greet(reader, writer):
                 return
-            writer.write(frame([True]))
+            conn = self._latest = _Connection()
             while True:
                 req = await _read_frame(reader, REQUEST_LIMIT)
                 if not _valid(req):
                     return  # not our client: drop the connection
-                await self._answer(writer, int(req[0]), float(req[1]))
+                conn.unconfirmed.clear()  # a request comes only after the answer was read
+                await self._answer(writer, int(req[0]), float(req[1]), conn=conn)
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError, ValueError):
             pass  # the client went away, or never showed the secret
         except Exception:  # msgpack garbage and the like: drop that connection only
-            log.exception("%s: delivery channel connection failed", self._what)
+            log.exception("%s: delivery channel connection failed", self.what)
         finally:
-            self.connections -= 1
-            writer.close()
+            self._leave(writer)
+
+    async def give_back_unread(self, answers_read: int) -> int:
+        """The client's connection broke with a request under way, after it read
+        ``answers_read`` answers with messages whole: give back the rows of any answer
+        written beyond those (never received), and of any written from now on; returns
+        how many messages."""
+        conn = self._latest
+        if conn is None:
+            return 0
+        conn.abandoned, conn.read = True, answers_read
+        return await self._give_back_unread(conn)
+
+    async def _give_back_unread(self, conn: _Connection) -> int:
+        batches = conn.unread()
+        n = sum(batch.num_rows for batch in batches)
+        if n:
+            self.given_back += n
+            log.warning(
+                "%s: delivery channel broke; %d messages it wrote unread given back", self.what, n
+            )
+        for batch in batches:
+            await self._give_back(batch)
+        return n
 
     async def _answer(
-        self, writer: asyncio.StreamWriter, max_messages: int, timeout: float
+        self,
+        writer: asyncio.StreamWriter,
+        max_messages: int,
+        timeout: float,
+        *,
+        conn: _Connection | None = None,
     ) -> None:
         try:
             got = await self._take(max_messages, min(timeout, MAX_WAIT_SECONDS), INLINE_BYTES)
@@ -193,12 +293,17 @@ class DeliveryChannelServer:
                 self.given_back += got.num_rows
                 log.warning(
                     "%s: delivery channel broke; %d messages given back",
-                    self._what,
+                    self.what,
                     got.num_rows,
                 )
                 await self._give_back(got)
                 raise
             self.answers += 1
+            if conn is not None:
+                conn.written += 1
+                conn.unconfirmed.append((conn.written, got))
+                if conn.abandoned:  # broken meanwhile: the client never reads this one
+                    await self._give_back_unread(conn)
             return
         await writer.drain()
 
@@ -236,6 +341,9 @@ class DeliveryChannel:
         self.queue = queue
         self._lock = threading.Lock()
         self._closed = False
+        #: Answers with messages read whole: after a break the TargetList gives back the
+        #: rows of any answer it wrote beyond these (``TargetListActor.channel_broke``).
+        self.answers_read = 0
         try:
             self._sock = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_SECONDS)
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -252,15 +360,19 @@ class DeliveryChannel:
         Ray). Raises the queue's typed error, or ``ChannelBroken``."""
         timeout = min(max(timeout, 0.0), MAX_WAIT_SECONDS)
         with self._lock:
-            if self._closed:
+            if self._closed:  # checked under the lock: close() shuts the socket first
                 raise ChannelBroken(f"queue {self.queue!r}: the delivery channel is closed")
+            sent = False
             try:
                 self._sock.settimeout(timeout + ANSWER_MARGIN_SECONDS)
                 self._sock.sendall(frame([max_messages, timeout]))
+                sent = True
                 head = self._read_frame(HEADER_LIMIT)
                 kind = head[0] if isinstance(head, list) and head else None
                 if kind == "batch":
-                    return from_ipc(self._read_exactly(int(head[1])))
+                    got = from_ipc(self._read_exactly(int(head[1])))
+                    self.answers_read += 1
+                    return got
                 if kind == "none":
                     return None
                 if kind == BY_REFERENCE:
@@ -271,11 +383,20 @@ class DeliveryChannel:
                     raise ValueError(f"unexpected answer {head!r:.200}")
             except (OSError, ValueError, IndexError, TypeError, msgpack.UnpackException) as exc:
                 self._close_locked()
-                raise ChannelBroken(f"queue {self.queue!r}: delivery channel: {exc!r}") from exc
+                broken = ChannelBroken(f"queue {self.queue!r}: delivery channel: {exc!r}")
+                broken.answer_pending = sent
+                raise broken from exc
         raise error
 
     def close(self) -> None:
-        """Close the connection (the server sees the end of it)."""
+        """Close the connection (the server sees the end of it). From another thread
+        too: a ``take`` waiting for its answer there ends at once (``ChannelBroken``),
+        as the socket is shut down before the lock the take holds is waited for."""
+        self._closed = True
+        sock = getattr(self, "_sock", None)
+        if sock is not None:
+            with contextlib.suppress(OSError):  # not connected (any more): nothing to wake
+                sock.shutdown(socket.SHUT_RDWR)
         with self._lock:
             self._close_locked()
 

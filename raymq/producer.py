@@ -11,19 +11,30 @@ the open batch; the batch ships at once if no batch of this producer is in fligh
 idle producer adds no delay), else when it reaches ``max_batch_messages`` or
 ``max_batch_bytes``, or when the last batch in flight is answered. So batches grow by
 themselves to what arrives during one round trip and group commit, and no timer thread
-is needed. ``flush`` and a waiting ``SendFuture.result`` ship the open batch at once.
+is needed. ``flush`` ships the open batch at once.
+
+Waiting sends (``Queue.send(body)``, ``wait=True``) go the same way, each thread waiting
+on its message's future: the sends of a process's threads that arrive while a batch is
+in flight leave together as the next batch (one frame, one group commit), which is what
+lets 8 waiting threads share round trips and fsyncs. A batch of one message travels as
+the channel's single-message frame (no packing: an idle producer is as quick as a bare
+channel send).
 
 Guarantees:
 
 - A future resolves only when the queue answered its batch, which it does only after
   the batch is durable (fsynced; on replicated queues, on ``min_insync_replicas``).
-- The messages of one producer (one ``Queue`` handle) are stored in the order sent.
+- The messages of one producer (one ``Queue`` handle) are stored in the order sent:
+  batches go over one channel at a time; a batch is sent over a (new) channel only once
+  no earlier batch is unanswered on another, else through Ray calls after those.
 - Backpressure: ``send`` blocks while ``max_in_flight_messages`` messages or
   ``max_in_flight_bytes`` bytes are unanswered (the open batch included).
 - The channel breaking with batches in flight (the queue actor restarted, the network
   failed): their outcome is unknown, so they are sent again, in order, through Ray
   calls (which also follow a replicated queue's new leader): at-least-once, as a
   waiting ``send`` retried after ``ChannelBroken``. No future is left unresolved.
+- A batch's bytes stay within ``max_batch_bytes`` (but for a single larger message), so
+  a producer made with the channel's limit never sends a frame the channel refuses.
 """
 
 from __future__ import annotations
@@ -42,6 +53,10 @@ from raymq.send_channel import REPLY_PATIENCE_SECONDS, ChannelBroken, SendChanne
 
 log = logging.getLogger("raymq.producer")
 
+#: Errors after which a batch's outcome is unknown or it went to the wrong actor: it is
+#: sent again through Ray.
+_RESENT = (ChannelBroken, NotLeader)
+
 #: A batch ships once it holds this many messages (messages).
 MAX_BATCH_MESSAGES = 2048
 #: A batch ships once its bodies and properties reach this size (bytes).
@@ -52,6 +67,10 @@ MAX_IN_FLIGHT_MESSAGES = 100_000
 #: unanswered (bytes; Kafka's ``buffer.memory`` is 32 MiB too).
 MAX_IN_FLIGHT_BYTES = 32 * 2**20
 #: Bytes a message is counted for beyond its body and properties (its two offsets).
+#: Longest a waiting send holds its batch for the other waiting senders woken by the last
+#: answer, when nothing is in flight (seconds): threads that wait on each send then keep
+#: sharing one batch, one frame and one commit, instead of splitting into cohorts.
+WAIT_LINGER_SECONDS = 0.001
 MESSAGE_OVERHEAD_BYTES = 16
 
 
@@ -59,7 +78,7 @@ MESSAGE_OVERHEAD_BYTES = 16
 class ProducerStats:
     """What one producer (one ``Queue`` handle's pipelined sends) did so far."""
 
-    sent: int  # messages accepted by send(wait=False)
+    sent: int  # messages accepted by send (waiting sends included)
     stored: int  # messages the queue stored (their futures hold an offset)
     dropped: int  # messages the queue DROPped (their futures resolve None)
     failed: int  # messages whose futures hold an error
@@ -86,6 +105,9 @@ class _Batch:
         "first",
         "count",
         "error",
+        "n",
+        "waited",
+        "waiters",
     )
 
     def __init__(self, producer: Producer, timeout: float | None, seq: int) -> None:
@@ -101,9 +123,14 @@ class _Batch:
         self.first = 0
         self.count = 0
         self.error: BaseException | None = None
+        self.n = 0  # messages, once shipped
+        self.waited = 0  # of them, from waiting sends (their errors are raised, not kept)
+        self.waiters: list[threading.Lock] | None = None  # threads in result(), each its lock
 
     # the SendChannel's reply protocol (called from its reader thread)
     def set_result(self, value: Any) -> None:
+        if value is None or type(value) is int:  # a single-message frame's answer: its offset
+            value = (0, 0) if value is None else (value, 1)  # None: DROPped
         self.producer._answered(self, value, None)
 
     def set_exception(self, error: BaseException) -> None:
@@ -170,6 +197,7 @@ class Producer:
         max_batch_bytes: int = MAX_BATCH_BYTES,
         max_in_flight_messages: int = MAX_IN_FLIGHT_MESSAGES,
         max_in_flight_bytes: int = MAX_IN_FLIGHT_BYTES,
+        wait_linger: float = WAIT_LINGER_SECONDS,
     ) -> None:
         self.queue = queue
         self._channel_of = channel_of
@@ -178,20 +206,31 @@ class Producer:
         self.max_batch_bytes = max_batch_bytes
         self.max_in_flight_messages = max_in_flight_messages
         self.max_in_flight_bytes = max_in_flight_bytes
+        #: Longest a waiting send holds its batch for woken senders (seconds; 0: never).
+        self.wait_linger = wait_linger
         # Reentrant: a channel found broken while shipping fails the earlier batches
         # from within the shipping thread, which already holds it.
         self._lock = threading.RLock()
         self._cv = threading.Condition(self._lock)
         self._channel: SendChannel | None = None
+        #: The channel of the batches in ``_on_channel`` (all on one: the order).
+        self._flight_channel: SendChannel | None = None
+        #: Batches shipped and not answered, by seq (dicts keep the order: oldest first).
+        self._unfinished: dict[int, _Batch] = {}
         self._open: _Batch | None = None
         self._seq = 0
         self._in_flight = 0  # batches shipped and not answered
         self._pending_msgs = 0  # messages not answered (the open batch's included)
         self._pending_bytes = 0
         self._answers = 0  # batches answered so far: progress, for the liveness check
+        #: Waiting senders the last answer woke that have not sent again: while some
+        #: are, a waiting send holds the open batch for them (up to WAIT_LINGER_SECONDS)
+        #: rather than ship it alone, so that the threads go on sharing one batch.
+        self._returning = 0
         self._on_channel: set[int] = set()  # seqs of batches in flight on a channel
         self._lane: list[tuple[int, _Batch]] = []  # batches for Ray calls, by seq
         self._lane_busy = False  # the Ray worker thread runs
+        self._cv_waiting = 0  # threads in self._cv.wait: only then is it notified
         self._first_error: BaseException | None = None
         self._errors = 0  # messages failed since the last flush
         self._sent = self._stored = self._dropped = self._failed = 0
@@ -200,10 +239,13 @@ class Producer:
 
     # -- sending --------------------------------------------------------------------
 
-    def send(self, body: bytes, props: bytes, timeout: float | None) -> SendFuture:
+    def send(
+        self, body: bytes, props: bytes, timeout: float | None, waited: bool = False
+    ) -> SendFuture:
         """Add one checked message (bytes body, msgpack properties) to the open batch;
         blocks while the in-flight bound is reached. ``timeout`` is the BLOCK policy's
-        wait for room, in seconds, for the batch it goes in."""
+        wait for room, in seconds, for the batch it goes in. ``waited``: the caller
+        waits for the result and raises its error (not kept for ``flush``)."""
         size = len(body) + len(props) + MESSAGE_OVERHEAD_BYTES
         with self._lock:  # the Condition's own lock: one Python call fewer per message
             if (
@@ -212,20 +254,32 @@ class Producer:
             ) and self._pending_msgs:
                 self._wait_for_room(size)
             batch = self._open
-            if batch is None or batch.timeout != timeout:
-                if batch is not None:
-                    self._ship()  # one timeout per batch: it goes with the batch
+            if batch is not None and (
+                batch.timeout != timeout or batch.nbytes + size > self.max_batch_bytes
+            ):
+                # One timeout per batch (it goes with the batch), and never more bytes
+                # than max_batch_bytes: the channel's frame limit may be that.
+                self._ship()
+                batch = None
+            if batch is None:
                 self._seq += 1
                 batch = self._open = _Batch(self, timeout, self._seq)
             index = len(batch.bodies)
             batch.bodies.append(body)
             batch.props.append(props)
             batch.nbytes += size
+            hold = False
+            if waited:
+                batch.waited += 1
+                if self._returning:  # one of the threads the last answer woke is back
+                    self._returning -= 1
+                    # The others are coming: they go together.
+                    hold = self._returning > 0 and self.wait_linger > 0
             self._pending_msgs += 1
             self._pending_bytes += size
             self._sent += 1
             if (
-                not self._in_flight
+                (not self._in_flight and not hold)
                 or index + 1 >= self.max_batch_messages
                 or batch.nbytes >= self.max_batch_bytes
             ):
@@ -253,11 +307,18 @@ class Producer:
 
     def drain(self, timeout: float | None = None) -> None:
         """``flush`` without raising the errors of failed sends (their futures hold
-        them): what a waiting send of the same handle does to keep the order."""
+        them): what a batch send of the same handle does to keep the order. Waits for
+        the sends made before it only (others' later sends cannot starve it)."""
         with self._cv:
             if self._open is not None:
                 self._ship()
-            if not self._wait(lambda: not self._pending_msgs, timeout):
+            last = self._seq
+
+            def answered() -> bool:
+                unfinished = self._unfinished
+                return not unfinished or next(iter(unfinished)) > last
+
+            if not self._wait(answered, timeout):
                 raise TimeoutError(
                     f"queue {self.queue!r}: {self._pending_msgs} pipelined sends unanswered"
                     f" after {timeout} s"
@@ -282,31 +343,55 @@ class Producer:
 
     def _ship(self) -> None:
         """Send the open batch: over the channel unless batches wait for Ray calls (they
-        go first: order) or there is no channel."""
+        go first: order), earlier batches are unanswered on another channel (a broken
+        or replaced one: they may yet be sent again through Ray, and go first), or there
+        is no channel."""
         batch = self._open
         self._open = None
-        batch.wire = MessageBatch.from_encoded(batch.bodies, batch.props)
-        batch.bodies = batch.props = None  # the packed copy is what is kept for a resend
+        batch.n = len(batch.bodies)
         self._in_flight += 1
         self._batches += 1
+        self._unfinished[batch.seq] = batch
         if not self._lane and not self._lane_busy:
-            channel = self._channel
-            if channel is None or channel.broken is not None:
-                try:
-                    channel = self._channel = self._channel_of()
-                except Exception as exc:  # never lose the batch: Ray carries it
-                    log.warning("queue %r: no send channel: %r", self.queue, exc)
-                    channel = self._channel = None
+            channel = self._usable_channel()
             if channel is not None:
                 batch.on_channel = True
                 self._on_channel.add(batch.seq)
+                self._flight_channel = channel
                 try:
-                    channel.submit_batch(batch.wire, batch.timeout, batch)
+                    if batch.n == 1:  # the single-message frame: nothing to pack
+                        channel.submit_one(batch.bodies[0], batch.props[0], batch.timeout, batch)
+                    else:
+                        channel.submit_batch(self._wire(batch), batch.timeout, batch)
                     return
                 except ChannelBroken:
                     batch.on_channel = False
                     self._on_channel.discard(batch.seq)
         self._to_lane(batch)
+
+    def _usable_channel(self) -> SendChannel | None:
+        """The channel a batch may go over now, keeping the order (None: Ray calls)."""
+        if self._on_channel:  # only behind its own batches, on a channel still working
+            channel = self._flight_channel
+            if channel is self._channel and channel is not None and channel.broken is None:
+                return channel
+            return None
+        channel = self._channel
+        if channel is None or channel.broken is not None:
+            try:
+                channel = self._channel = self._channel_of()
+            except Exception as exc:  # never lose the batch: Ray carries it
+                log.warning("queue %r: no send channel: %r", self.queue, exc)
+                channel = self._channel = None
+        return channel
+
+    @staticmethod
+    def _wire(batch: _Batch) -> MessageBatch:
+        """The batch packed (once: the packed copy is what is kept for a resend)."""
+        if batch.wire is None:
+            batch.wire = MessageBatch.from_encoded(batch.bodies, batch.props)
+            batch.bodies = batch.props = None
+        return batch.wire
 
     def _to_lane(self, batch: _Batch) -> None:
         heapq.heappush(self._lane, (batch.seq, batch))
@@ -324,15 +409,20 @@ class Producer:
         while True:
             with self._cv:
                 while self._lane and self._on_channel and min(self._on_channel) < self._lane[0][0]:
-                    self._cv.wait(1.0)
+                    self._cv_waiting += 1
+                    try:
+                        self._cv.wait(1.0)
+                    finally:
+                        self._cv_waiting -= 1
                 if not self._lane:
                     self._lane_busy = False
                     if self._open is not None and not self._in_flight:
                         self._ship()  # what gathered meanwhile goes over a channel again
                     return
                 _, batch = heapq.heappop(self._lane)
+                wire = self._wire(batch)
             try:
-                value: Any = self._ray_send(batch.wire, batch.timeout)
+                value: Any = self._ray_send(wire, batch.timeout)
                 error = None
             except Exception as exc:  # the queue's typed error, for each of its futures
                 value, error = None, exc
@@ -343,7 +433,7 @@ class Producer:
     def _answered(self, batch: _Batch, value: Any, error: BaseException | None) -> None:
         """The channel's answer to ``batch`` (from its reader thread, or the thread that
         found it broken). An unknown outcome sends it again through Ray."""
-        if isinstance(error, ChannelBroken | NotLeader):
+        if error is not None and isinstance(error, _RESENT):
             with self._cv:
                 if isinstance(error, NotLeader):
                     self._channel = None  # the handle finds the new leader (Ray): its channel
@@ -353,7 +443,7 @@ class Producer:
                 log.warning(
                     "queue %r: batch of %d pipelined sends resent through Ray: %s",
                     self.queue,
-                    len(batch.wire),
+                    batch.n,
                     error,
                 )
                 self._to_lane(batch)
@@ -361,7 +451,7 @@ class Producer:
         self._finish(batch, value, error)
 
     def _finish(self, batch: _Batch, value: Any, error: BaseException | None) -> None:
-        n = len(batch.wire)
+        n = batch.n
         with self._cv:
             if error is None:
                 batch.first, batch.count = value[0], value[1]
@@ -370,32 +460,99 @@ class Producer:
             else:
                 batch.error = error
                 self._failed += n
-                self._errors += n
-                if self._first_error is None:
-                    self._first_error = error
+                kept = n - batch.waited  # a waiting send raised its error already
+                if kept:
+                    self._errors += kept
+                    if self._first_error is None:
+                        self._first_error = error
             batch.done = True
+            waiters, batch.waiters = batch.waiters, None
+            if waiters:  # first: their wake-up overlaps the bookkeeping below
+                for waiter in waiters:  # only the threads waiting on this batch wake
+                    waiter.release()
+            self._returning = batch.waited
             if batch.on_channel:
                 batch.on_channel = False
                 self._on_channel.discard(batch.seq)
-            batch.wire = None
+            self._unfinished.pop(batch.seq, None)
+            batch.wire = batch.bodies = batch.props = None
             self._in_flight -= 1
             self._answers += 1
             self._pending_msgs -= n
             self._pending_bytes -= batch.nbytes
-            if self._open is not None and not self._in_flight and not self._lane_busy:
-                self._ship()  # Nagle: what gathered during the round trip goes now
-            self._cv.notify_all()
+            held = self._open
+            if held is not None and not self._in_flight and not self._lane_busy:
+                if self._returning and held.waiters and self.wait_linger > 0:
+                    # Held for the waiting senders this answer woke, which join it; one
+                    # of its own waiting threads wakes to keep the linger time.
+                    held.waiters.pop(0).release()
+                else:
+                    self._ship()  # Nagle: what gathered during the round trip goes now
+            if self._cv_waiting:  # flush, drain, the in-flight bound or the lane wait
+                self._cv.notify_all()
 
     # -- waiting (with the lock held) -----------------------------------------------
 
     def _wait_for(self, batch: _Batch, timeout: float | None) -> None:
-        with self._cv:
-            if batch is self._open:
-                self._ship()  # someone waits for it: do not wait for a round trip
-            if not self._wait(lambda: batch.done, timeout):
-                raise TimeoutError(
-                    f"queue {self.queue!r}: pipelined send unanswered after {timeout} s"
-                )
+        """Wait until ``batch`` is answered (``TimeoutError`` after ``timeout`` seconds;
+        None: no limit). Each waiting thread blocks on a lock of its own, released by the
+        answer: no thread waiting on another batch wakes.
+
+        An open batch is not shipped for it while another is in flight: the answer to
+        that one ships it (Nagle), with what else gathers. With nothing in flight it
+        ships at once, unless waiting senders woken by the last answer are still to
+        send again: then it waits for them up to ``WAIT_LINGER_SECONDS`` (the last of
+        them back ships it). No answer for ``REPLY_PATIENCE_SECONDS`` while batches are
+        on a channel pings it (a dead one breaks: never a hung wait)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        waiter: threading.Lock | None = None
+        lingered = False
+        answers = -1
+        while True:
+            with self._lock:
+                if batch.done:
+                    return
+                if answers < 0:
+                    answers = self._answers
+                wait = REPLY_PATIENCE_SECONDS
+                if batch is self._open and not self._in_flight:
+                    if self._returning and not lingered and self.wait_linger > 0:
+                        wait, lingered = self.wait_linger, True
+                    else:  # nobody else is coming (or came in time): it goes now
+                        self._returning = 0
+                        self._ship()
+                        if batch.done:
+                            return
+                if deadline is not None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        if waiter is not None and batch.waiters and waiter in batch.waiters:
+                            batch.waiters.remove(waiter)
+                        raise TimeoutError(
+                            f"queue {self.queue!r}: pipelined send unanswered after {timeout} s"
+                        )
+                    wait = min(wait, left)
+                if waiter is None:
+                    waiter = threading.Lock()
+                    waiter.acquire()
+                    if batch.waiters is None:
+                        batch.waiters = [waiter]
+                    else:
+                        batch.waiters.append(waiter)
+            if waiter.acquire(timeout=wait):
+                if batch.done:
+                    return
+                waiter = None  # woken to keep the linger time of a held batch: look again
+                continue
+            if wait < REPLY_PATIENCE_SECONDS:
+                continue  # a linger or the deadline: looked at above
+            with self._lock:
+                if self._answers != answers:  # progress: the queue is alive
+                    answers = self._answers
+                    continue
+                channel = self._flight_channel if self._on_channel else None
+            if channel is not None and channel.broken is None:
+                channel.check_alive()  # without the lock: answers must get through
 
     def _wait_for_room(self, size: int) -> None:
         """Block until the message of ``size`` bytes fits the in-flight bound."""
@@ -426,10 +583,15 @@ class Producer:
                 wait = min(wait, deadline - time.monotonic())
                 if wait <= 0:
                     return False
-            if self._cv.wait(wait) or self._answers != answers:
+            self._cv_waiting += 1
+            try:
+                woken = self._cv.wait(wait)
+            finally:
+                self._cv_waiting -= 1
+            if woken or self._answers != answers:
                 answers = self._answers
                 continue
-            channel = self._channel
+            channel = self._flight_channel
             if self._on_channel and channel is not None and channel.broken is None:
                 # Released while pinging: answers must reach the batches meanwhile.
                 saved = self._release_all()

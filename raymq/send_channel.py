@@ -31,24 +31,27 @@ Frames: a 4-byte big-endian length, then msgpack. The client's first frame is
   property offsets and property bytes (``MessageBatch.wire_buffers``), answered
   ``[id, [first offset, count stored], nil, nil]``;
 
-or, for either, ``[id, nil, error class name, message]``.
+or, for either, ``[id, nil, error class name, message]``. A server that stopped
+serving (its queue hibernates or stops) answers ``NotLeader`` and then closes.
 
 The server parses frames in the event-loop callback that receives their bytes (an
 asyncio Protocol, not a stream reader: no task is woken per request), and gathers the
 requests that arrive together into one ``MessageBatch`` (one record on disk, one group
-commit), as the client's coalescer does for threads.
+commit), as a client's producer (``raymq.producer``) gathers its threads' sends.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import itertools
 import logging
 import secrets
 import socket
 import struct
+import sys
 import threading
 from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import TimeoutError as FutureTimeout  # not the builtin before 3.11
@@ -76,6 +79,13 @@ MAX_CONNECTIONS = 256
 #: A client waiting this long for an answer pings the server; a ping unanswered as long
 #: again breaks the channel (seconds). A BLOCKed send may wait for ever, a dead peer not.
 REPLY_PATIENCE_SECONDS = 30.0
+#: After ``SendChannelServer.close``, open connections are closed once the stores under
+#: way are answered, or after this long at most (seconds): a client still waiting then
+#: gets ``ChannelBroken`` and sends again.
+CLOSE_GRACE_SECONDS = 5.0
+#: A request whose parts (header and buffers) total at most this is joined and written
+#: in one system call; a larger one is written part by part, without a copy (bytes).
+JOIN_WRITE_BYTES = 64 * 1024
 #: An asyncio send larger than this is written from a worker thread, not the event
 #: loop's (bytes).
 ASYNC_INLINE_WRITE_BYTES = 2**20
@@ -120,24 +130,68 @@ class SendChannelServer:
         self._where = f"a message for queue {queue!r}"
         self.secret = secrets.token_hex(16)
         self._server: asyncio.AbstractServer | None = None
+        self._unix: asyncio.AbstractServer | None = None
         # Requests gathered since the last flush: (body, properties, timeout, id, transport).
         self._gathered: list[tuple[bytes, bytes, float | None, int, asyncio.Transport]] = []
         self._tasks: set[asyncio.Task] = set()
+        self._open: set[asyncio.Transport] = set()  # authenticated or not
+        self._closed = False
+        self._refusal = f"queue {queue!r} is not served here any more: ask the broker again"
         self.connections = 0
         self.refused_connections = 0
         self.pings_answered = 0
 
     async def start(self, host: str) -> tuple[str, int, str]:
-        """Listen on ``host`` (a free port); returns (host, port, secret)."""
+        """Listen on ``host`` (a free port), and on Linux on an abstract Unix socket
+        named after the secret (``unix_address``) for clients on the same machine;
+        returns (host, port, secret)."""
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: _Connection(self), host, 0)
         port = self._server.sockets[0].getsockname()[1]
+        address = unix_address(self.secret)
+        if address is not None:
+            try:
+                self._unix = await loop.create_unix_server(lambda: _Connection(self), address)
+            except (OSError, NotImplementedError) as exc:  # TCP serves them all the same
+                log.info("queue %r: no Unix send channel: %r", self._queue, exc)
         return host, port, self.secret
 
     def close(self) -> None:
-        """Stop listening (open connections end with the actor)."""
-        if self._server is not None:
-            self._server.close()
+        """Stop serving (the queue hibernates or stops): stop listening, answer every
+        request from now on ``NotLeader`` (its client sends it through Ray, which finds
+        the queue's next actor), and close the open connections once the stores under
+        way are answered (they end as the queue flushes its pending sends), at most
+        ``CLOSE_GRACE_SECONDS`` later. Call it on the event loop's thread."""
+        for server in (self._server, self._unix):
+            if server is not None:
+                server.close()
+        if self._closed:
+            return
+        self._closed = True
+        if self._gathered:  # not handed to the queue yet: refused, never half stored
+            gathered, self._gathered = self._gathered, []
+            self._refuse(gathered)
+        if not self._tasks:
+            self._close_connections()
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop runs: nothing can answer the stores either
+            self._close_connections()
+            return
+        loop.call_later(CLOSE_GRACE_SECONDS, self._close_connections)
+
+    def _close_connections(self) -> None:
+        """End every open connection: its client's waiting requests get ChannelBroken."""
+        transports, self._open = self._open, set()
+        for transport in transports:
+            transport.close()
+
+    def _refuse(self, items: list) -> None:
+        error = errors.NotLeader(self._refusal)
+        _write_replies(
+            (transport, [req_id, None, "NotLeader", str(error)]) for *_, req_id, transport in items
+        )
 
     def _authentic(self, hello: object) -> bool:
         """True if ``hello`` is ``[secret]`` (compared in constant time)."""
@@ -185,6 +239,11 @@ class SendChannelServer:
         read meanwhile, and concurrent batches share the queue's group commit)."""
         req_id, timeout, _lengths = req
         reply = _replier(req_id, transport)
+        if self._closed:
+            reply(None, errors.NotLeader(self._refusal))
+            return
+        if self._gathered:  # single sends received before it are stored before it
+            self._flush()
         try:
             batch = MessageBatch.from_wire(buffers, self._queue)
         except ValueError as exc:
@@ -204,7 +263,12 @@ class SendChannelServer:
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)  # a task not referenced may be collected mid-way
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if self._closed and not self._tasks:  # the last store answered: close now
+            self._close_connections()
 
     def _gather(self, req: list, transport: asyncio.Transport) -> None:
         """Check one message where it enters, alone (a bad one gets its error and takes
@@ -223,6 +287,8 @@ class SendChannelServer:
                 f"message 0 for queue {self._queue!r} is {len(body) + len(props)} bytes;"
                 f" max_message_size is {self._max_message_size}"
             )
+        elif self._closed:
+            error = errors.NotLeader(self._refusal)
         else:
             if props:  # b"": no properties, nothing to decode
                 try:
@@ -240,15 +306,21 @@ class SendChannelServer:
 
     def _flush(self) -> None:
         gathered, self._gathered = self._gathered, []
+        if not gathered:  # refused by close() meanwhile
+            return
         timeout = gathered[0][2]
         if all(item[2] == timeout for item in gathered):  # the usual case: one group
             self._spawn(self._store(gathered, timeout))
             return
-        by_timeout: dict[float | None, list] = {}
-        for item in gathered:
-            by_timeout.setdefault(item[2], []).append(item)
-        for timeout, items in by_timeout.items():
-            self._spawn(self._store(items, timeout))
+        # One timeout per stored batch: runs of equal timeouts, in the order received
+        # (the queue stores the tasks' batches in the order they start).
+        run = [gathered[0]]
+        for item in gathered[1:]:
+            if item[2] != run[0][2]:
+                self._spawn(self._store(run, run[0][2]))
+                run = []
+            run.append(item)
+        self._spawn(self._store(run, run[0][2]))
 
     async def _store(self, items: list, timeout: float | None) -> None:
         try:
@@ -294,6 +366,10 @@ class _Connection(asyncio.Protocol):
             return
         server.connections += 1
         self._counted = True
+        if server._closed:
+            transport.close()  # accepted just before the listener closed
+            return
+        server._open.add(transport)  # type: ignore[arg-type]
         # A connection silent for that long is not a client of this queue.
         self._hello_timer = asyncio.get_running_loop().call_later(
             HELLO_TIMEOUT_SECONDS, transport.close
@@ -303,6 +379,7 @@ class _Connection(asyncio.Protocol):
         if self._counted:
             self._counted = False
             self._server.connections -= 1
+        self._server._open.discard(self._transport)  # type: ignore[arg-type]
         if self._hello_timer is not None:
             self._hello_timer.cancel()
         self._buffer = bytearray()
@@ -379,6 +456,32 @@ def _write_replies(replies: Iterable[tuple[asyncio.Transport, list]]) -> None:
     for writer, frames in out.items():
         if not writer.is_closing():
             writer.write(frames[0] if len(frames) == 1 else b"".join(frames))
+
+
+def unix_address(secret: str) -> str | None:
+    """The abstract Unix socket (Linux) a server with ``secret`` also listens on: named
+    after a hash of the secret (names are visible to local users; the secret is not).
+    None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    return "\0raymq-send-" + hashlib.sha256(secret.encode()).hexdigest()[:32]
+
+
+def _connect(host: str, port: int, secret: str) -> socket.socket:
+    """A connection to the server: its Unix socket when it runs on this machine (a round
+    trip costs about half of TCP's over loopback), else TCP to (host, port)."""
+    address = unix_address(secret)
+    if address is not None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(CONNECT_TIMEOUT_SECONDS)
+        try:
+            sock.connect(address)
+            return sock
+        except OSError:  # another machine (or network namespace): TCP
+            sock.close()
+    sock = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_SECONDS)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
 
 
 def _is_id(value: object) -> bool:
@@ -488,9 +591,8 @@ class SendChannel:
 
     def __init__(self, host: str, port: int, secret: str, queue: str):
         self.queue = queue
-        sock = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_SECONDS)
+        sock = _connect(host, port, secret)
         try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.sendall(frame([secret]))
             self._file = sock.makefile("rb")
             if self._read() != [True]:
@@ -521,6 +623,12 @@ class SendChannel:
         ``send``."""
         first, count = self._request(self._batch_parts(batch, timeout))
         return first, count
+
+    def submit_one(self, body: bytes, properties: bytes, timeout: float | None, reply: Any) -> None:
+        """Send one message without waiting: ``reply.set_result(offset)`` (None:
+        DROPped) once durable, or ``reply.set_exception(error)``. ``ChannelBroken`` at
+        once (``reply`` not called) if the channel is broken."""
+        self._submit(lambda req_id: [frame([req_id, body, properties, timeout])], reply)
 
     def submit_batch(self, batch: MessageBatch, timeout: float | None, reply: Any) -> None:
         """Send a batch without waiting: ``reply.set_result([first offset, count
@@ -608,8 +716,14 @@ class SendChannel:
             req_id = next(self._ids)
             self._waiting[req_id] = reply
             try:
-                for part in parts_of(req_id):
-                    self._sock.sendall(part)
+                parts = parts_of(req_id)
+                if len(parts) == 1:
+                    self._sock.sendall(parts[0])
+                elif sum(len(p) for p in parts) <= JOIN_WRITE_BYTES:
+                    self._sock.sendall(b"".join(parts))  # one system call, not five
+                else:
+                    for part in parts:  # large: no copy
+                        self._sock.sendall(part)
                 return
             except OSError as exc:
                 self._waiting.pop(req_id, None)

@@ -65,7 +65,8 @@ def main(paging_dir: str, temp_dir: str) -> dict:
         with queues[remote_name].consumer(prefetch=500, node_id=head) as c:
             got = 0
             while got < 1000:
-                batch = c.receive_batch(500, timeout=10)
+                # The queue may hold more: ask for no more than the 1,000 to read.
+                batch = c.receive_batch(min(500, 1000 - got), timeout=10)
                 if batch.num_rows == 0:
                     break
                 c.ack(batch)

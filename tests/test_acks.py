@@ -1,15 +1,24 @@
-"""AckPipeline (raymq.acks) without Ray: gathering, linger, windows, errors."""
+"""AckPipeline (raymq.acks) without Ray: gathering, linger, windows, errors, bounded
+waits; and the Consumer's client-side logic (its buffer, close from another thread,
+async receives, received lists) with a fake TargetList."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures as cf
+import contextlib
+import pickle
 import threading
+from types import SimpleNamespace
 
 import numpy as np
+import pyarrow as pa
 import pytest
 
 from raymq.acks import AckPipeline
-from raymq.errors import InvalidAck
+from raymq.batch import EMPTY_DELIVERY
+from raymq.client import Consumer, Message, Messages
+from raymq.errors import BrokerUnavailable, ConsumerClosed, InvalidAck
 
 
 class FakeQueue:
@@ -131,3 +140,223 @@ def test_finished_calls_do_not_pile_up_and_their_failure_is_raised_later():
     with pytest.raises(InvalidAck, match="offset 3"):
         p.flush()
     p.flush()
+
+
+class Stalled(cf.Future):
+    """A call the queue never answers (until the test does): ``waiting`` is set once
+    someone waits for its result."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting = threading.Event()
+
+    def result(self, timeout=None):
+        self.waiting.set()
+        return super().result(timeout)
+
+
+def test_a_consumer_whose_queue_does_not_answer_delays_no_other_consumers_acks():
+    stalled = Stalled()
+    stuck = AckPipeline(lambda offsets: stalled, check, batch_messages=1000, linger_seconds=0.01)
+    stuck.add(np.array([1]))
+    stuck.send()
+    # Its consumer waits for that answer, holding its pipeline.
+    flushing = threading.Thread(target=stuck.flush, kwargs={"timeout": 60}, daemon=True)
+    flushing.start()
+    assert stalled.waiting.wait(timeout=30)
+    fine = FakeQueue()
+    other = AckPipeline(fine.send, check, batch_messages=1000, linger_seconds=0.01)
+
+    def ack_both() -> None:
+        stuck.add_one(2)  # lingers first: the linger thread meets the held pipeline
+        other.add_one(7)
+
+    threading.Thread(target=ack_both, daemon=True).start()
+    try:
+        assert fine.sent.wait(timeout=30), "one stuck queue stalled another consumer's acks"
+        assert [c.tolist() for c in fine.calls] == [[7]]
+    finally:
+        stalled.set_result(1)
+        flushing.join(timeout=30)
+    stuck.flush()  # the offset gathered meanwhile is sent once the pipeline is free
+    assert stuck.unsent == 0
+
+
+def test_flush_is_bounded_and_close_can_count_what_stayed_unanswered():
+    q = FakeQueue(answer_at_once=False)
+    p = AckPipeline(q.send, check, batch_messages=2, linger_seconds=3600)
+    p.add(np.array([1, 2]))
+    p.add_one(3)
+    assert p.flush(timeout=0.01) == 2  # neither call answered: reported, not waited out
+    assert p.in_flight == 2 and p.unsent == 0
+    q.futures[0].set_result(2)
+    assert p.flush(timeout=0.01) == 1  # the first checked; the second still in flight
+    assert sorted(np.concatenate(p.abandon()).tolist()) == [3]
+    assert p.in_flight == 0 and p.flush(timeout=0.01) == 0
+
+
+def test_a_full_window_raises_broker_unavailable_naming_the_queue_when_unanswered():
+    q = FakeQueue(answer_at_once=False)
+    p = AckPipeline(
+        q.send, check, 1, linger_seconds=3600, max_in_flight=1, what="queue 'q'", answer_seconds=0
+    )
+    p.add_one(0)
+    with pytest.raises(BrokerUnavailable, match="queue 'q'"):
+        p.add_one(1)  # a second call in flight: waits for the first, which never answers
+    assert p.in_flight == 2  # nothing forgotten: a later flush checks both
+
+
+def test_acks_added_from_many_threads_are_all_sent_once():
+    q = FakeQueue()
+    p = AckPipeline(q.send, check, batch_messages=97, linger_seconds=0.001)
+
+    def add(first: int) -> None:
+        for i in range(first, first + 5000):
+            p.add_one(i)
+
+    threads = [threading.Thread(target=add, args=(k * 5000,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    p.flush()
+    sent = np.concatenate(q.calls)
+    assert len(sent) == 20_000 and sorted(sent.tolist()) == list(range(20_000))
+
+
+# -- the Consumer's client-side logic, without Ray -------------------------------------
+
+
+def delivery(first: int, n: int) -> pa.RecordBatch:
+    rows = [
+        {
+            "offset": first + i,
+            "timestamp": 1_700_000_000_000_000 + i,
+            "delivery_count": 1,
+            "body": b"m%d" % (first + i),
+            "properties": b"",
+        }
+        for i in range(n)
+    ]
+    return pa.RecordBatch.from_pylist(rows, schema=EMPTY_DELIVERY.schema)
+
+
+def fake_consumer(take_batch) -> Consumer:
+    """A Consumer whose TargetList is ``take_batch(wait, want)`` (no Ray)."""
+    c = Consumer.__new__(Consumer)
+    c.queue = SimpleNamespace(name="q", _actor=None)
+    c.consumer_id, c.prefetch, c._subscription = "c1", 1000, None
+    c._buffer, c._buffer_lock, c._closed = None, threading.Lock(), False
+    c._acks = AckPipeline(FakeQueue().send, check, 500, linger_seconds=3600, what="queue 'q'")
+    c._ack_singles = c._acks._singles
+    c.acks_lost = c.close_failures = c.delivery_channel_failures = c.delivery_channel_unread = 0
+    c._channel, c._receiver, c._async_takes = None, None, 0
+    c._take_batch = take_batch
+    return c
+
+
+def test_a_cancelled_async_receive_loses_and_reorders_nothing():
+    entered, release = threading.Event(), threading.Event()
+    batches = [delivery(0, 20)]
+
+    def take_batch(wait: float, want: int = 1):
+        entered.set()
+        assert release.wait(timeout=30)
+        return batches.pop(0) if batches else None
+
+    c = fake_consumer(take_batch)
+
+    async def main() -> list[int]:
+        first = asyncio.ensure_future(c.receive_async(10, timeout=5))
+        await asyncio.to_thread(entered.wait, 30)
+        first.cancel()
+        release.set()  # the take finishes after its caller was cancelled
+        with contextlib.suppress(asyncio.CancelledError):
+            await first
+        got: list[int] = []
+        while len(got) < 20:
+            msgs = await c.receive_async(5, timeout=0.5)
+            assert msgs, f"only {got} came back"
+            got += [m.offset for m in msgs]
+        return got
+
+    got = asyncio.run(asyncio.wait_for(main(), 60))
+    assert got == list(range(20))
+    c._receiver.shutdown(wait=True)
+
+
+def test_a_receive_waiting_in_another_thread_ends_when_the_consumer_closes():
+    def take_batch(wait: float, want: int = 1):
+        return None  # nothing arrives: the receive waits on, a second at a time
+
+    c = fake_consumer(take_batch)
+    outcome: list[BaseException | list] = []
+
+    def receive() -> None:
+        try:
+            outcome.append(c.receive(10, timeout=None))
+        except ConsumerClosed as exc:
+            outcome.append(exc)
+
+    def iterate() -> None:
+        outcome.append(list(c))
+
+    threads = [threading.Thread(target=receive), threading.Thread(target=iterate)]
+    for t in threads:
+        t.start()
+    c._closed = True  # what close() does first (its Ray part is tested on Ray)
+    for t in threads:
+        t.join(timeout=30)
+        assert not t.is_alive(), "a receive went on after close"
+    assert sorted(map(repr, outcome)) == sorted([repr([]), repr(c._closed_error())])
+
+
+def test_received_messages_read_as_a_list_and_ack_as_one_array():
+    sent = FakeQueue()
+    c = fake_consumer(lambda wait, want=1: delivery(0, 10))
+    c._acks = AckPipeline(sent.send, check, 500, linger_seconds=3600)
+    c._ack_singles = c._acks._singles
+    msgs = c.receive(10, timeout=1)
+    as_list = [Message(i, b"m%d" % i, 1, 1_700_000_000 + i / 1e6, b"") for i in range(10)]
+    assert len(msgs) == 10 and msgs == as_list and list(msgs) == as_list
+    assert msgs[3] == as_list[3] and msgs[-1] == as_list[-1] and msgs[::3] == as_list[::3]
+    assert msgs[2:5] == as_list[2:5] and msgs[2:5].offsets.tolist() == [2, 3, 4]
+    assert msgs + as_list[:1] == as_list + as_list[:1]
+    assert as_list[:1] + msgs == as_list[:1] + as_list
+    got: list = []
+    got += msgs
+    assert got == as_list and as_list[4] in msgs
+    assert pickle.loads(pickle.dumps(msgs)) == as_list
+    with pytest.raises(IndexError):
+        msgs[10]
+    c.ack(msgs[:2])  # the column of a slice: one array
+    c.ack(msgs[2:])
+    c._acks.flush()
+    assert [call.tolist() for call in sent.calls] == [list(range(10))]
+    assert Messages() == [] and not Messages() and Messages().offsets.tolist() == []
+
+
+def test_close_always_kills_the_target_list_whatever_giving_back_raised(monkeypatch):
+    import ray
+
+    class Method:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def remote(self, *args):
+            return self.name
+
+    c = fake_consumer(lambda wait, want=1: None)
+    c.target_list = SimpleNamespace(close=Method("target list close"))
+    c.queue._actor = SimpleNamespace(close_consumer=Method("queue close_consumer"))
+    asked, killed = [], []
+
+    def get(ref, timeout=None):
+        asked.append(ref)
+        raise RuntimeError(f"a bug in {ref}")  # not a RayMQError
+
+    monkeypatch.setattr(ray, "get", get)
+    monkeypatch.setattr(ray, "kill", lambda actor, no_restart: killed.append(actor))
+    c.close()
+    assert asked == ["target list close", "queue close_consumer"]
+    assert killed == [c.target_list] and c.close_failures == 1 and c._closed

@@ -59,11 +59,13 @@ def test_a_queue_that_cannot_restart_fails_receive_until_it_is_back(broker, pagi
         broker.get_queue("orders")  # the broker starts the queue again, from its files
         deadline = time.monotonic() + DEADLINE_SECONDS
         again: list[bytes] = []
+        last_error = None
         while not again:  # the loader finds the new queue actor by its name
-            assert time.monotonic() < deadline, "receive() never worked again"
+            assert time.monotonic() < deadline, f"receive() never worked again: {last_error}"
             try:
                 again = [m.body for m in consumer.receive(10, timeout=1)]
-            except BrokerUnavailable:
+            except BrokerUnavailable as exc:
+                last_error = exc
                 time.sleep(0.2)  # until the loader's next fetch succeeds
         # Unacknowledged messages are delivered again, from the files.
         assert set(again) <= {b"m%02d" % i for i in range(5, 20)}

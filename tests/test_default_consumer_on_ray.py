@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
+import pytest
 import ray
+
+from raymq.errors import ConsumerClosed, InvalidAck
 
 
 def fill(q, n: int) -> None:
@@ -107,4 +111,86 @@ def test_iteration_ends_when_the_consumer_closes(broker):
         if len(seen) == 3:
             c.close()  # flushes the acks; the loop then ends
     assert seen == [0, 1, 2]
+    assert q.stats()["depth"] == 0
+
+
+def test_one_refused_offset_in_a_pipelined_call_does_not_lose_the_others(broker):
+    q = broker.create_queue("refused-ack")
+    fill(q, 40)
+    with q.consumer() as c:
+        msgs = c.receive(max_messages=40, timeout=10)
+        while len(msgs) < 40:
+            more = c.receive(max_messages=40, timeout=10)
+            assert more, f"only {len(msgs)} of 40 came"
+            msgs += more
+        for m in msgs[:10]:
+            c.ack(m)  # per message: one gathered call with the bad offset below
+        c.ack(10**9)  # never sent: the queue refuses the whole call for it
+        c.ack(msgs[10:20])
+        stats = q.stats()  # sends and waits, raising nothing of the consumer's
+        assert stats["depth"] == 20  # the 20 good acks were applied
+        with pytest.raises(InvalidAck, match=str(10**9)):
+            c.flush()  # the error stayed for the consumer
+        with pytest.raises(InvalidAck, match=str(10**9)):
+            c.ack([*msgs[20:30], 10**9], wait=True)  # waiting: refused, it changes nothing
+        assert q.stats()["depth"] == 20
+        c.ack(msgs[20:])
+        c.flush()
+    assert q.stats()["depth"] == 0
+
+
+def test_close_from_another_thread_ends_iteration_and_a_waiting_receive(broker):
+    q = broker.create_queue("close-from-thread")
+    fill(q, 5)
+    c = q.consumer()
+    seen, errors = [], []
+
+    def iterate() -> None:
+        for message in c:  # then waits for more, which never come
+            seen.append(message.offset)
+            c.ack(message)
+
+    def receive() -> None:
+        try:
+            c.receive(timeout=None)
+        except ConsumerClosed as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=iterate), threading.Thread(target=receive)]
+    threads[0].start()
+    while len(seen) < 5:  # the iteration got all: both now wait on an empty queue
+        threads[0].join(timeout=0.01)
+        assert threads[0].is_alive()
+    threads[1].start()
+    c.close()
+    for t in threads:
+        t.join(timeout=30)
+        assert not t.is_alive(), "a receive went on after close"
+    assert sorted(seen) == list(range(5)) and len(errors) == 1
+    assert q.stats()["depth"] == 0
+
+
+def test_rows_of_an_answer_lost_mid_read_on_the_delivery_channel_come_back(broker):
+    q = broker.create_queue("unread-answer")
+    with q.consumer() as c:
+        assert c._channel is not None
+        real = c._channel._read_exactly
+
+        def breaks_in_the_body(n: int):
+            if n > 64:  # the answer's rows (an Arrow stream), after its header: "broken"
+                raise ConnectionResetError("cut mid-answer")
+            return real(n)
+
+        c._channel._read_exactly = breaks_in_the_body
+        fill(q, 5)
+        got = {}
+        while len(got) < 5:
+            msgs = c.receive(max_messages=5, timeout=30)  # through Ray after the break
+            assert msgs, f"only {sorted(got)} of 5 came back"
+            got.update((m.offset, m.delivery_count) for m in msgs)
+        assert c._channel is None and c.delivery_channel_failures == 1
+        assert c.delivery_channel_unread == 0
+        assert got == {o: 1 for o in range(5)}  # given back unread: not counted
+        assert c.stats()["delivery_channel_given_back"] >= 1
+        c.ack(list(got), wait=True)
     assert q.stats()["depth"] == 0

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import struct
 
+import msgpack
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -244,5 +246,68 @@ def test_the_loaders_first_fetch_is_small_and_each_one_doubles_up_to_the_room():
             await task
         return asked
 
-    first = FIRST_FETCH_MESSAGES
-    assert run(main()) == [first, 2 * first, 4 * first, 10_000 - 7 * first]
+    doubling = [FIRST_FETCH_MESSAGES]
+    while sum(doubling) + 2 * doubling[-1] < 10_000:
+        doubling.append(2 * doubling[-1])
+    assert run(main()) == [*doubling, 10_000 - sum(doubling)]
+
+
+def test_close_from_another_thread_ends_a_take_waiting_for_its_answer_at_once():
+    # The server never answers (it waits longer than the test): close() must not wait
+    # behind the take's lock for its socket timeout (the wait plus ANSWER_MARGIN).
+    async def main():
+        never = asyncio.Event()
+
+        async def take(max_messages: int, timeout: float, inline_bytes: int):
+            await never.wait()
+
+        async def give_back(batch: pa.RecordBatch) -> None:
+            pass
+
+        server = DeliveryChannelServer(take, give_back, "consumer c of 'q'")
+        host, port, secret = await server.start("127.0.0.1")
+        channel = await asyncio.to_thread(DeliveryChannel, host, port, secret, "q")
+        waiting = asyncio.create_task(asyncio.to_thread(channel.take, 10, 50.0))
+        while not channel._lock.locked():  # the take holds the lock while it waits
+            await asyncio.sleep(0.001)
+        await asyncio.to_thread(channel.close)
+        with pytest.raises(ChannelBroken):
+            await waiting
+        with pytest.raises(ChannelBroken, match="closed"):
+            await asyncio.to_thread(channel.take, 1, 0.1)
+        never.set()
+        server.close()
+
+    run(main())  # within ANSWER_SECONDS (30 s); before, close took 65 s
+
+
+def test_a_break_mid_answer_says_an_answer_was_pending_and_how_many_were_read():
+    # The client's half of giving back an answer it never read (the consumer asks its
+    # TargetList for the rows of answers beyond ``answers_read``).
+    async def main():
+        async def serve(reader, writer):
+            await reader.readexactly(4 + len(msgpack.packb([secret])))
+            writer.write(frame([True]))
+            for answer in range(2):
+                (n,) = struct.unpack(">I", await reader.readexactly(4))
+                await reader.readexactly(n)
+                data = to_ipc(delivery(answer * 10, 3))
+                writer.write(frame(["batch", data.size]))
+                # The second answer breaks off half-way.
+                writer.write(memoryview(data) if answer == 0 else memoryview(data)[:10])
+                await writer.drain()
+            writer.close()
+
+        secret = "s" * 32
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        channel = await asyncio.to_thread(DeliveryChannel, "127.0.0.1", port, secret, "q")
+        first = await asyncio.to_thread(channel.take, 3, 1.0)
+        assert first.column("offset").to_pylist() == [0, 1, 2] and channel.answers_read == 1
+        with pytest.raises(ChannelBroken) as broken:
+            await asyncio.to_thread(channel.take, 3, 1.0)
+        server.close()
+        return broken.value, channel.answers_read
+
+    broken, read = run(main())
+    assert broken.answer_pending and read == 1

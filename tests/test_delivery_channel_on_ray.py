@@ -1,13 +1,21 @@
 """The DeliveryChannel's wiring on a real Ray: single messages come inline over the
 socket, a deep prefetch's worth by reference through Ray, in order either way; a
 consumer whose channel broke (or was never opened) receives through Ray; asyncio
-receives do not block the event loop and a cancelled one loses nothing."""
+receives do not block the event loop and a cancelled one loses nothing. The
+FetchChannel: the TargetList's fetches come inline over it, large ones parked and taken
+by Ray, and through Ray calls when it is off; a TargetList given its address registers
+over it (bad settings still raise) and makes no Ray fetch at all."""
 
 from __future__ import annotations
 
 import asyncio
 
+import pytest
+import ray
+from raymq.actors.target_list_actor import TargetListActor
+
 from raymq import delivery_channel
+from raymq.errors import SelectorError
 
 
 def test_single_messages_come_inline_and_a_deep_batch_by_reference(broker):
@@ -81,3 +89,58 @@ def test_async_receives_leave_the_loop_free_and_a_cancelled_one_loses_nothing(br
         got, ticks, sent, rows, expected = asyncio.run(asyncio.wait_for(main(c), 120))
     assert ticks == 5  # the loop ran while a receive waited
     assert got == sent and rows == expected
+
+
+# -- the FetchChannel: the TargetList's fetches over a socket to the queue actor ---------
+
+
+def test_fetches_come_inline_large_ones_parked_and_by_ray_when_switched_off(broker):
+    q = broker.create_queue("fetch-channel")
+    with q.consumer() as c:
+        sent = [q.send(f"m{i}".encode()) for i in range(3)]
+        got = []
+        while len(got) < 3:
+            got += c.receive(max_messages=10, timeout=30)
+        assert [m.offset for m in got] == sent
+        first = q.send_batch([b"x" * 1024] * 3000)[0]  # 3 MiB: parked, taken by Ray
+        rows = []
+        while len(rows) < 3000:
+            batch = c.receive_batch(1000, timeout=30)
+            assert batch.num_rows
+            rows += batch.column("offset").to_pylist()
+        assert rows == list(range(first, first + 3000))
+        ray.get(c.target_list.use_fetch_channel.remote(False))
+        a = q.send(b"a")  # may still come by the channel's fetch under way
+        assert [m.offset for m in c.receive(timeout=30)] == [a]
+        b = q.send(b"b")  # after it: the loader's next fetch is a Ray call
+        assert [m.offset for m in c.receive(timeout=30)] == [b]
+        c.ack([*got, *rows, a, b], wait=True)
+        stats = c.stats()
+    assert stats["fetch_channel"] is False and stats["fetch_channel_failures"] == 0
+    assert stats["fetches_inline"] >= 1 and stats["fetches_parked"] >= 1
+    assert stats["fetches_by_ray"] >= 1
+    assert q.stats()["depth"] == 0
+
+
+def test_a_target_list_registers_over_the_fetch_channel_and_bad_settings_still_raise(broker):
+    q = broker.create_queue("fetch-register")
+    endpoint = ray.get(q._actor.fetch_endpoint.remote())
+    bad = TargetListActor.remote()
+    with pytest.raises(SelectorError):
+        ray.get(bad.start.remote(q._actor, q.name, "bad", 10, "x =", 10, 2**20, 0, None, endpoint))
+    assert q.stats()["consumers"] == 0
+    tl = TargetListActor.remote()
+    ray.get(tl.start.remote(q._actor, q.name, "c1", 10, None, 10, 2**20, 0, None, endpoint))
+    offset = q.send(b"hello")
+    entries = ray.get(tl.take.remote(10, 30))
+    bodies = [ray.get(ref).slice(start, n).column("body").to_pylist() for ref, start, n in entries]
+    assert bodies == [[b"hello"]]
+    stats = ray.get(tl.stats.remote())
+    assert stats["fetch_channel"] and stats["fetches_inline"] >= 1
+    assert stats["fetches_by_ray"] == 0  # not even the first: no Ray fetch at all
+    assert ray.get(tl.close.remote(None)) == 1  # the message goes back
+    assert q.stats()["consumers"] == 0 and q.stats()["depth"] == 1
+    for actor in (bad, tl):
+        ray.kill(actor)
+    with q.consumer() as c:
+        assert [m.offset for m in c.receive(timeout=30)] == [offset]

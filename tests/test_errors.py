@@ -128,6 +128,8 @@ def test_a_send_to_a_killed_queue_actor_fails_typed_or_is_stored(broker, monkeyp
         stored = None
     bodies = [m.body for m in broker.get_queue("dead").browse()]
     assert bodies == ([b"before"] if stored is None else [b"before", b"after"])
+    # The old handle follows the queue to its new actor for every call, browse too.
+    assert [m.body for m in q.browse()] == bodies
 
 
 def test_error_classes_are_stable():

@@ -90,3 +90,17 @@ def test_started_and_stopped_track_the_running_queues_per_node():
 def test_bad_settings_are_refused_naming_the_setting(cap, after):
     with pytest.raises(InvalidSetting, match="max_active_queues|hibernate_after_seconds"):
         HibernationSettings(cap, after)
+
+
+def test_broker_config_carries_the_hibernation_settings_checked():
+    from raymq.actors.broker_actor import _hibernation_settings
+
+    from raymq.config import BrokerConfig
+
+    cfg = BrokerConfig.from_kwargs(max_active_queues=3, hibernate_after_seconds=2.5)
+    assert _hibernation_settings(cfg) == HibernationSettings(3, 2.5)
+    assert _hibernation_settings(BrokerConfig()) == HibernationSettings(None, None)
+    with pytest.raises(InvalidSetting, match="max_active_queues"):
+        BrokerConfig(max_active_queues=0)
+    with pytest.raises(InvalidSetting, match="hibernate_after_seconds"):
+        BrokerConfig(hibernate_after_seconds=-1)

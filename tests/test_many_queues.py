@@ -3,6 +3,7 @@ handles, nothing lost (the policy's arithmetic is in test_hibernation.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
@@ -28,7 +29,7 @@ def _receive_all(queue, n: int) -> list[bytes]:
             batch = consumer.receive(n - len(got), timeout=30)
             assert batch, f"queue {queue.name!r}: {len(got)} of {n} messages"
             got += batch
-        consumer.ack(got)
+            consumer.ack(batch)  # credit for the next: prefetch bounds what is unacked
     return [m.body for m in got]
 
 
@@ -82,6 +83,48 @@ def test_busy_queues_do_not_hibernate_and_idle_ones_do_after_the_timeout(broker)
     assert _receive_all(broker.get_queue("idle"), 1) == [b"kept"]
 
 
+def test_a_queue_written_only_over_its_send_channel_is_not_idle(broker):
+    """Sends travel over the queue's SendChannel, not Ray calls: they count as use."""
+    fed = broker.create_queue("fed")
+    idle = broker.create_queue("idle")
+    fed.send(b"0")  # the channel is open from here on
+    broker.set_hibernation(max_active_queues=None, hibernate_after_seconds=1.5)
+    idle.send(b"kept")
+    sent, until = 1, time.monotonic() + 4 * 1.5  # four timeouts of sends, none of them idle
+    while time.monotonic() < until:
+        fed.send(str(sent).encode())
+        sent += 1
+        time.sleep(0.05)  # a producer's pace: a send every 50 ms
+    deadline = time.monotonic() + 60
+    stats = broker.hibernation_stats()
+    while "idle" not in stats["hibernated"] and time.monotonic() < deadline:
+        time.sleep(0.05)  # polling a condition, with a deadline
+        stats = broker.hibernation_stats()
+    assert "idle" in stats["hibernated"], stats  # the sweep ran meanwhile
+    assert "fed" not in stats["hibernated"] and stats["revivals"] == 0, stats
+    broker.set_hibernation(max_active_queues=None, hibernate_after_seconds=None)
+    assert _receive_all(fed, sent) == [str(i).encode() for i in range(sent)]
+
+
+def test_async_sends_through_ray_calls_follow_a_hibernated_queue(broker):
+    """``send_async``/``send_batch_async`` without a SendChannel (it could not connect)
+    go through Ray calls that follow the queue to its revived actor, as ``send`` does."""
+    import raymq.client as client
+
+    q = broker.create_queue("asleep")
+    key = (ray.get_runtime_context().get_job_id(), q._actor._actor_id.hex())
+    client._channels[key] = time.monotonic() + 3600  # as after a failed connect
+    q.send(b"0")
+    assert broker.hibernate("asleep")
+
+    async def sends():
+        return await q.send_async(b"1"), await q.send_batch_async([b"2", b"3"])
+
+    assert asyncio.run(sends()) == (1, [2, 3])
+    assert broker.hibernation_stats()["revivals"] == 1
+    assert _receive_all(broker.get_queue("asleep"), 4) == [b"0", b"1", b"2", b"3"]
+
+
 def test_a_hibernated_queue_survives_a_killed_broker(broker):
     q = broker.create_queue("sleeper")
     q.send_batch([b"a", b"b"])
@@ -104,3 +147,14 @@ def test_a_queue_left_hibernating_by_a_dead_broker_is_started_anew(broker):
         pass
     assert q.stats()["depth"] == 2  # NotLeader from the closed actor: the broker replaces it
     assert sorted(_receive_all(broker.get_queue("limbo"), 2)) == [b"a", b"b"]
+
+
+def test_a_consumer_made_through_an_old_handle_of_a_hibernated_queue_receives(broker):
+    q = broker.create_queue("old-handle")
+    q.send(b"kept")
+    assert broker.hibernate("old-handle") and not _running(broker, "old-handle")
+    with q.consumer() as c:  # the handle's actor is gone: it follows the queue first
+        got = c.receive(timeout=30)
+        assert [m.body for m in got] == [b"kept"]
+        c.ack(got, wait=True)
+    assert q.stats()["depth"] == 0

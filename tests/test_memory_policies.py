@@ -109,6 +109,31 @@ def test_block_waits_for_acks_and_shows_why(tmp_path):
     run(scenario, q)
 
 
+def test_block_admits_blocked_sends_first_come_first_served(tmp_path):
+    """A small send that would fit waits behind a blocked larger one (no starvation),
+    and each blocked send is stored in the order it blocked."""
+    q = core(tmp_path, max_size_bytes=50 * KIB, address_full_policy="BLOCK")
+
+    async def scenario():
+        await q.send_batch(batch_of(45))
+        big = asyncio.create_task(q.send_batch(batch_of(10, start=45)))
+        while q.stats().blocked_producers < 1:
+            await asyncio.sleep(0)
+        small = asyncio.create_task(q.send_batch(batch_of(1, start=55)))
+        while q.stats().blocked_producers < 2:
+            assert not small.done(), "a send jumped ahead of a blocked one"
+            await asyncio.sleep(0)
+        assert not big.done() and not small.done()
+        q.register_consumer("c", 100)
+        got = await q.fetch("c", 20, 1.0, 100)
+        await q.ack("c", got.column("offset").to_numpy())
+        assert await asyncio.wait_for(big, 5) == (45, 10)
+        assert await asyncio.wait_for(small, 5) == (55, 1)
+        assert q.stats().blocked_producers == 0
+
+    run(scenario, q)
+
+
 def test_transient_messages_flow_to_disk_above_the_budget(tmp_path):
     q = core(tmp_path, durable=False, page_size_bytes=64 * KIB)
 
@@ -145,7 +170,7 @@ def test_a_transient_queue_starts_empty_without_old_flowed_files(tmp_path):
 
     run(fill, q)
     again = core(tmp_path, durable=False)
-    assert again.stats().depth == 0 and os.listdir(again.directory) == []
+    assert again.stats().depth == 0 and os.listdir(again.directory) == ["LOCK"]
 
 
 def test_durable_budget_bounds_head_cache_and_read_cache(tmp_path):

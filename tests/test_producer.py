@@ -13,10 +13,10 @@ import time
 import pytest
 
 from raymq.batch import MessageBatch
-from raymq.errors import AddressFull
+from raymq.errors import AddressFull, NotLeader
 from raymq.producer import Producer, SendFuture
-from raymq.send_channel import SendChannel
-from tests.test_send_channel import served  # noqa: F401 - the fixture
+from raymq.send_channel import ChannelBroken, SendChannel
+from tests.test_send_channel import MAX_MESSAGE, served  # noqa: F401 - the fixture
 
 # -- Ray-free: a real SendChannel to a server storing into a list ----------------------
 
@@ -255,6 +255,47 @@ def test_async_sends_on_ray_go_over_the_channel(broker):
     assert _send_channel(q, connect=False) is not None  # they opened and used it
 
 
+def bounded(fn, seconds: float = 120.0):
+    """``fn()`` in a thread; its result, or a test failure if it has not returned in
+    ``seconds`` (a hung send fails the test instead of the suite)."""
+    out: list = []
+
+    def run() -> None:
+        try:
+            out.append(("ok", fn()))
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            out.append(("error", exc))
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert out, f"hung for {seconds} s"
+    kind, value = out[0]
+    if kind == "error":
+        raise value
+    return value
+
+
+def test_channel_sends_into_a_queue_that_hibernates_go_to_its_revived_actor(broker):
+    """F11 on Ray: a waiting send, a pipelined one and an async one, over the channel of
+    a queue actor that closed for hibernation (left so by a broker that died before
+    ending it), each reach the queue's next actor; nothing is lost or hangs. (An actor
+    the broker ended breaks the channel: test_many_queues revives through old handles.)"""
+    from raymq.client import _call
+
+    q = broker.create_queue("sleepy")
+    assert q.send(b"0") == 0  # the channel is open
+    assert _call(q._actor.hibernate)  # closed, not ended: as if its broker had died
+    assert bounded(lambda: q.send(b"1")) == 1
+    assert bounded(lambda: q.send(b"2", wait=False).result()) == 2
+    assert bounded(lambda: asyncio.run(q.send_async(b"3"))) == 3
+    with broker.get_queue("sleepy").consumer() as consumer:
+        got = []
+        while len(got) < 4:
+            got += consumer.receive(4 - len(got), timeout=30)
+    assert [m.body for m in got] == [b"%d" % i for i in range(4)]
+
+
 def test_an_async_send_outlives_its_patience_while_the_server_answers_pings(served, monkeypatch):
     from raymq import send_channel
 
@@ -273,4 +314,249 @@ def test_an_async_send_outlives_its_patience_while_the_server_answers_pings(serv
         return await pending
 
     assert asyncio.run(main()) == 0
+    channel.close()
+
+
+# -- review regressions (Ray-free) --------------------------------------------------------
+
+
+class FakeChannel:
+    """A SendChannel stand-in whose answers the test gives: requests wait in
+    ``waiting`` until ``answer_all`` stores them (in order) or ``fail_all`` breaks it."""
+
+    def __init__(self, store: list[bytes]):
+        self.store = store
+        self.broken: BaseException | None = None
+        self.waiting: list[tuple[list[bytes], object]] = []
+
+    def submit_one(self, body, props, timeout, reply) -> None:
+        self._submit([body], reply)
+
+    def submit_batch(self, wire: MessageBatch, timeout, reply) -> None:
+        self._submit([wire.body(i) for i in range(len(wire))], reply)
+
+    def _submit(self, bodies: list[bytes], reply) -> None:
+        if self.broken is not None:
+            raise ChannelBroken("broken")
+        self.waiting.append((bodies, reply))
+
+    def answer_all(self) -> None:
+        waiting, self.waiting = self.waiting, []
+        for bodies, reply in waiting:
+            first = len(self.store)
+            self.store.extend(bodies)
+            reply.set_result([first, len(bodies)])
+
+    def fail_all(self) -> None:
+        waiting, self.waiting = self.waiting, []
+        for _, reply in waiting:
+            reply.set_exception(ChannelBroken("reset"))
+
+    def check_alive(self) -> bool:
+        return self.broken is None
+
+
+def test_a_batch_waits_for_earlier_ones_on_a_broken_channel_to_be_resent_first():
+    """F13: the channel breaks with batch A on it; before its failure reaches the
+    producer, batch B ships. B must not overtake A (over a new channel)."""
+    stored: list[bytes] = []
+    channels = [FakeChannel(stored), FakeChannel(stored)]
+    opened = iter(channels)
+
+    def ray_send(wire: MessageBatch, timeout) -> tuple[int, int]:
+        first = len(stored)
+        stored.extend(wire.body(i) for i in range(len(wire)))
+        return first, len(wire)
+
+    producer = Producer("q", lambda: next(opened), ray_send)
+    a = producer.send(b"A", b"", None)  # nothing in flight: on channel 1 at once
+    channels[0].broken = ConnectionError("reset")  # broken; A's failure not told yet
+    b = producer.send(b"B", b"", None)  # gathers behind A
+    flusher = threading.Thread(target=producer.flush)
+    flusher.start()  # ships B
+    until(lambda: producer._open is None, "B shipped")
+    channels[1].answer_all()  # a new channel would store B now
+    channels[0].fail_all()  # A's outcome unknown: resent through Ray
+    flusher.join(30)
+    assert not flusher.is_alive()
+    assert stored == [b"A", b"B"]
+    assert (a.result(), b.result()) == (0, 1)
+
+
+def test_no_producer_batch_is_over_the_channel_frame_limit(served, monkeypatch):
+    """F2: with max_message_size below 1 MiB, the handle's producer keeps its batches
+    within it: the channel never breaks on a frame over its limit, nothing is resent."""
+    store, _, endpoint, loop = served
+    q, channel = fake_queue(endpoint, store, monkeypatch)
+    store.hold = True  # the first batch stays in flight: the rest gather behind it
+    futures = [q.send(b"%04d" % i + b"x" * 300, wait=False) for i in range(300)]
+    loop.call_soon_threadsafe(store.release.set)
+    q.flush()
+    assert [f.result() for f in futures] == list(range(300))
+    stats = q.producer_stats()
+    assert stats.resent_batches == 0 and channel.broken is None
+    assert stats.batches >= 300 * (304 + 16) // MAX_MESSAGE  # 3 messages a batch at most
+    channel.close()
+
+
+def test_async_sends_come_after_the_handles_pipelined_sends(served, monkeypatch):
+    """F8: send_async and send_batch_async of a handle with unanswered pipelined sends
+    are stored after them (the event loop is not blocked meanwhile)."""
+    store, _, endpoint, loop = served
+    q, channel = fake_queue(endpoint, store, monkeypatch)
+    store.hold = True
+    q.send(b"p1", wait=False)  # in flight, held
+    q.send(b"p2", wait=False)  # open behind it
+
+    async def main() -> tuple[int | None, list[int]]:
+        single = asyncio.ensure_future(q.send_async(b"s"))
+        for _ in range(50):  # the loop turns while the send waits
+            await asyncio.sleep(0)
+        loop.call_soon_threadsafe(store.release.set)
+        offset = await single
+        q.send(b"p3", wait=False)
+        hold_again(store, loop)
+        q.send(b"p4", wait=False)
+        batch = asyncio.ensure_future(q.send_batch_async([b"b1", b"b2"]))
+        await asyncio.sleep(0.01)
+        loop.call_soon_threadsafe(store.release.set)
+        return offset, await batch
+
+    offset, offsets = asyncio.run(main())
+    assert store.bodies == [b"p1", b"p2", b"s", b"p3", b"p4", b"b1", b"b2"]
+    assert (offset, offsets) == (2, [5, 6])
+    channel.close()
+
+
+def test_waiting_sends_from_threads_share_frames_and_raise_their_own_errors(served, monkeypatch):
+    """Waiting sends of many threads leave together behind the batch in flight (one
+    frame, one commit); a refused waiting send raises in its thread and is not kept
+    for flush (it was reported)."""
+    store, _, endpoint, _ = served
+    q, channel = fake_queue(endpoint, store, monkeypatch)
+    got: dict[bytes, int] = {}
+
+    def produce(k: int) -> None:
+        for i in range(40):
+            body = b"%d-%d" % (k, i)
+            got[body] = q.send(body)
+
+    threads = [threading.Thread(target=produce, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(got.values()) == list(range(320))
+    assert all(store.bodies[offset] == body for body, offset in got.items())
+    assert max(store.batches) > 1  # gathered: fewer commits than sends
+    with pytest.raises(AddressFull, match="full"):
+        q.send(b"full")
+    q.flush()  # the waiting send raised it; flush does not raise it again
+    stats = q.producer_stats()
+    assert (stats.sent, stats.failed, stats.in_flight_messages) == (321, 1, 0)
+    channel.close()
+
+
+def test_a_closed_server_answers_its_stores_refuses_new_requests_then_closes(served, monkeypatch):
+    """F11: a queue that hibernates closes its channel server: requests arriving after
+    get NotLeader at once (a producer's go through Ray, after its earlier batches);
+    stores under way are answered, then the connections close."""
+    from raymq import send_channel
+
+    store, server, endpoint, loop = served
+    monkeypatch.setattr(send_channel, "CLOSE_GRACE_SECONDS", 600)  # not what closes them
+    channel = SendChannel(*endpoint, "q")
+    assert channel.send(b"before", b"", None) == 0
+    store.hold = True  # a store under way when the queue closes
+    # One message a batch: each ships at once, the later ones while "held" is in flight.
+    producer, pchannel, ray_send = producer_for(endpoint, store, max_batch_messages=1)
+    held = producer.send(b"held", b"", None)
+    until(lambda: len(server._tasks) == 1, "the store under way")
+    asyncio.run_coroutine_threadsafe(_close(server), loop).result(10)
+    with pytest.raises(NotLeader, match="ask the broker"):
+        channel.send(b"after", b"", None)
+    later = [producer.send(b"later%d" % i, b"", None) for i in range(3)]
+    # later0 leaves on the channel behind "held" and is refused; later1 and later2 are
+    # refused too if they left before that answer, or else join the Ray lane at once.
+    # Either way all three wait in the lane, behind the held one.
+    until(lambda: len(producer._lane) == 3, "refused: to Ray")
+    assert 1 <= producer.stats().resent_batches <= 3
+    assert not held.done() and not any(f.done() for f in later)  # behind the held one
+    loop.call_soon_threadsafe(store.release.set)
+    producer.flush(timeout=30)
+    assert held.result() == 1 and [f.result() for f in later] == [2, 3, 4]
+    assert store.bodies == [b"before", b"held", b"later0", b"later1", b"later2"]
+    until(lambda: channel.broken is not None, "the connection closed")  # no store left
+    channel.close()
+    pchannel.close()
+
+
+def test_a_store_unanswered_after_the_close_grace_fails_with_channel_broken(served, monkeypatch):
+    """F11: a store the closing queue never answers does not hang its sender: the
+    connection closes after CLOSE_GRACE_SECONDS and the send raises ChannelBroken."""
+    from raymq import send_channel
+
+    store, server, endpoint, loop = served
+    monkeypatch.setattr(send_channel, "CLOSE_GRACE_SECONDS", 0.2)
+    channel = SendChannel(*endpoint, "q")
+    store.hold = True  # never released before the close
+    errors: list[BaseException] = []
+
+    def send() -> None:
+        try:
+            channel.send(b"held", b"", None)
+        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+            errors.append(exc)
+
+    t = threading.Thread(target=send)
+    t.start()
+    until(lambda: len(server._tasks) == 1, "the store under way")
+    asyncio.run_coroutine_threadsafe(_close(server), loop).result(10)
+    t.join(30)
+    assert len(errors) == 1 and isinstance(errors[0], ChannelBroken)
+    loop.call_soon_threadsafe(store.release.set)
+
+
+async def _close(server) -> None:
+    server.close()
+
+
+def fake_queue(endpoint, store, monkeypatch):
+    """A ``Queue`` handle without Ray: its channel is a real SendChannel to ``store``'s
+    server; its Ray calls store into ``store`` too (max_message_size ``MAX_MESSAGE``)."""
+    from types import SimpleNamespace
+
+    from raymq import client
+    from raymq.config import BrokerConfig
+
+    channel = SendChannel(*endpoint, "q")
+    monkeypatch.setattr(
+        client, "_send_channel", lambda queue, connect=True: None if channel.broken else channel
+    )
+    broker = SimpleNamespace(config=BrokerConfig(max_message_size=MAX_MESSAGE))
+    q = client.Queue(broker, "q", None)
+    ray_send = RaySend(store)
+    q._invoke = lambda method, batch, timeout: ray_send(batch, timeout)
+    return q, channel
+
+
+def test_a_batch_held_for_woken_senders_ships_without_them_after_the_linger(served, monkeypatch):
+    """Waiting sends hold a batch for the senders the last answer woke (so that
+    threads keep sharing one batch); one that never sends again delays the others by
+    WAIT_LINGER_SECONDS at most, never for ever."""
+    store, _, endpoint, loop = served
+    q, channel = fake_queue(endpoint, store, monkeypatch)
+    store.hold = True
+    offsets: list[int | None] = []
+    first = threading.Thread(target=lambda: offsets.append(q.send(b"1")))
+    first.start()  # in flight, held by the store
+    until(lambda: q._producer is not None and q._producer._in_flight == 1, "first in flight")
+    second = threading.Thread(target=lambda: offsets.append(q.send(b"2")))
+    second.start()  # open behind it; its thread waits
+    until(lambda: q._producer._open is not None and q._producer._open.waiters, "second waits")
+    loop.call_soon_threadsafe(store.release.set)
+    first.join(30)  # woken by the answer, it never sends again
+    second.join(30)
+    assert not second.is_alive() and sorted(offsets) == [0, 1]
+    assert store.bodies == [b"1", b"2"]
     channel.close()

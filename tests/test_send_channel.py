@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import sys
 import threading
 
 import msgpack
@@ -27,20 +28,29 @@ class Store:
         self.batches: list[int] = []
         self.release = asyncio.Event()
         self.hold = False
+        self._tickets = 0  # calls begun
+        self._served = 0  # calls stored (or refused)
 
     async def send_batch(self, batch: MessageBatch, timeout: float | None) -> tuple[int, int]:
+        ticket = self._tickets
+        self._tickets += 1
         if self.hold:
             await self.release.wait()
-        bodies = [batch.body(i) for i in range(len(batch))]
-        if b"full" in bodies:
-            raise AddressFull(f"queue 'q' is full (timeout {timeout})")
-        kept = [b for b in bodies if b != b"drop"]
-        first = len(self.bodies)
-        self.bodies.extend(kept)
-        self.properties.extend(
-            batch.properties_bytes(i) for i, b in enumerate(bodies) if b != b"drop"
-        )
-        self.batches.append(len(bodies))
+        while self._served != ticket:  # stored in the order the calls began, as by a queue
+            await asyncio.sleep(0)
+        try:
+            bodies = [batch.body(i) for i in range(len(batch))]
+            if b"full" in bodies:
+                raise AddressFull(f"queue 'q' is full (timeout {timeout})")
+            kept = [b for b in bodies if b != b"drop"]
+            first = len(self.bodies)
+            self.bodies.extend(kept)
+            self.properties.extend(
+                batch.properties_bytes(i) for i, b in enumerate(bodies) if b != b"drop"
+            )
+            self.batches.append(len(bodies))
+        finally:
+            self._served += 1
         await asyncio.sleep(0.001)  # a group commit takes a while: others gather meanwhile
         return first, len(kept)
 
@@ -377,3 +387,20 @@ def test_frames_split_anywhere_or_run_together_are_each_answered(served):
     assert all(error is None for _, error in answers.values())
     assert sorted(store.bodies) == sorted([b"one", b"b1", b"b2", b"two", b"three"])
     sock.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="abstract Unix sockets")
+def test_a_client_on_the_same_machine_connects_over_the_unix_socket_else_tcp(served, monkeypatch):
+    from raymq import send_channel
+
+    store, _, (host, port, secret), _ = served
+    near = SendChannel(host, port, secret, "q")
+    assert near._sock.family == socket.AF_UNIX
+    assert secret not in send_channel.unix_address(secret)  # local users see the names
+    monkeypatch.setattr(send_channel, "unix_address", lambda secret: None)  # as elsewhere
+    far = SendChannel(host, port, secret, "q")
+    assert far._sock.family == socket.AF_INET
+    assert (near.send(b"a", b"", None), far.send(b"b", b"", None)) == (0, 1)
+    assert store.bodies == [b"a", b"b"]
+    near.close()
+    far.close()

@@ -157,6 +157,34 @@ def test_scrub_finds_rot_at_a_bounded_rate(tmp_path):
     assert sorted(read_all(log)) == [o for o in range(10, 100) if not 60 <= o < 70]
 
 
+def test_the_scrub_keeps_its_rate_over_records_larger_than_a_step(tmp_path):
+    """A step reads a whole record however large: the queue's later steps pay for it,
+    so the scrub reads at ``scrub_bytes_per_second`` on average, not a record a step."""
+    rate = 100_000
+    broker = BrokerConfig(paging_directory=str(tmp_path), scrub_bytes_per_second=rate)
+    q = QueueCore(QueueConfig("q", page_size_bytes=2**20), broker)
+
+    async def scenario():
+        for _ in range(4):  # records of ~200 KB: 40 times a 50 ms step's 5 KB
+            await q.send_batch(MessageBatch.from_encoded([b"s" * 1000] * 200, [b""] * 200))
+        before, steps = q.log.scrubbed_bytes, 200  # ten seconds' worth of 50 ms steps
+        for _ in range(steps):
+            q._scrub(0.05)
+        return q.log.scrubbed_bytes - before
+
+    read = asyncio.run(_started(q, scenario))
+    record = 200 * 1000
+    assert record <= read <= rate * 10 + record  # ten seconds at the rate, one record over
+
+
+async def _started(q: QueueCore, scenario):
+    q.start()
+    try:
+        return await scenario()
+    finally:
+        await q.close()
+
+
 # -- a full disk, I/O errors ----------------------------------------------------------------
 
 

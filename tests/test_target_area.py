@@ -15,7 +15,7 @@ from raymq.batch import MessageBatch
 from raymq.config import BrokerConfig, QueueConfig
 from raymq.core.offset_set import OffsetSet
 from raymq.core.queue import QueueCore
-from raymq.errors import ConsumerClosed, SelectorError
+from raymq.errors import ConsumerClosed, InvalidAck, SelectorError
 
 PAGE = 64 * 1024
 
@@ -236,6 +236,32 @@ def test_a_fetch_after_or_during_a_close_takes_nothing(tmp_path):
         assert core.stats().in_flight == 0 and "gone" not in core.area.consumers
         core.register_consumer("other", 100)
         assert (await core.fetch("other", 10, 0, 100)).num_rows == 3
+        await core.close()
+
+    run(main())
+
+
+def test_ack_acceptable_acks_what_the_consumer_may_and_names_the_rest(tmp_path):
+    """After the queue refused a gathered ack whole: one call acks the offsets the
+    consumer may ack and names the refused ones (another's, never sent)."""
+
+    async def main():
+        core = await open_core(tmp_path)
+        await send_colors(core, ["red"] * 10)
+        core.register_consumer("a", 5, None)
+        core.register_consumer("b", 5, None)
+        mine = (await core.fetch("a", 5, 0, 5)).column("offset").to_pylist()
+        theirs = (await core.fetch("b", 5, 0, 5)).column("offset").to_pylist()
+        offsets = np.array([*mine, theirs[0], 10**9], dtype=np.int64)
+        with pytest.raises(InvalidAck):
+            await core.ack("a", offsets)  # together: refused, nothing changes
+        assert core.stats().depth == 10
+        fresh, refusal = await core.ack_acceptable("a", offsets)
+        assert fresh == 5 and core.stats().depth == 5
+        assert str(10**9) in refusal and "never sent" in refusal
+        fresh, refusal = await core.ack_acceptable("a", np.array(theirs[:2], dtype=np.int64))
+        assert fresh == 0 and "another consumer" in refusal and core.stats().depth == 5
+        assert await core.ack_acceptable("b", np.array(theirs, dtype=np.int64)) == (5, "")
         await core.close()
 
     run(main())

@@ -390,3 +390,138 @@ def test_closing_gives_back_the_fetch_under_way_as_not_received():
         return await actor._unreceived_fetch()
 
     assert asyncio.run(main()).tolist() == [7, 8, 9]
+
+
+class OrderedQueue:
+    """A queue as the loader sees it: a fetch answers messages given back first (lowest
+    offsets), then new ones, ``batch`` at a time; while ``gate`` is set, a fetch's
+    answer, already chosen, waits for it (a fetch under way). With ``fail_waiting``, a
+    fetch waiting at the gate fails instead, and the next one waits for the same answer
+    (as the TargetList actor keeps a Ray fetch that timed out)."""
+
+    def __init__(self, batch: int = 5) -> None:
+        self.batch = batch
+        self.next = 0
+        self.returned: list[int] = []
+        self.gate: asyncio.Event | None = None
+        self.waiting = 0  # fetches answered but held at the gate
+        self.fail_waiting = False
+        self.answered = 0
+        self._kept: DirectEntry | None = None
+
+    async def fetch(self, room: int) -> DirectEntry:
+        if self._kept is None:
+            self._kept = self._choose(room)
+        gate = self.gate
+        if gate is not None:
+            self.waiting += 1
+            if self.fail_waiting:
+                self.fail_waiting = False  # the retry waits at the gate
+                await asyncio.sleep(0)
+                raise FetchFailed(BrokerUnavailable("no answer yet"), restarting=True)
+            await gate.wait()
+        got, self._kept = self._kept, None
+        self.answered += 1
+        return got
+
+    def _choose(self, room: int) -> DirectEntry:
+        n = min(room, self.batch)
+        if self.returned:
+            self.returned.sort()
+            first, n = self.returned[0], min(n, len(self.returned))
+            assert self.returned[:n] == list(range(first, first + n))
+            del self.returned[:n]
+        else:
+            first, self.next = self.next, self.next + n
+        return entry(first, n)
+
+    async def give_back(self, offsets: np.ndarray) -> None:
+        await asyncio.sleep(0)
+        self.returned += offsets.tolist()
+
+
+@pytest.mark.parametrize("how", ["give back", "into the PendingCache", "fetch retried"])
+def test_a_fetch_under_way_when_held_messages_leave_does_not_overtake_them(how):
+    """The governor shrinks a consumer's budget while its next fetch is under way: the
+    messages that leave its direct references, given back to the queue or kept in its
+    PendingCache, are received before those of that fetch (which came after), also when
+    the fetch failed before they left and its retry gets the answer."""
+    queue = OrderedQueue()
+    backoff = asyncio.Event()  # "fetch retried": the loader's backoff lasts until set
+
+    async def sleep(seconds: float) -> None:
+        await backoff.wait()
+
+    async def main():
+        pending = 10**9 if how == "into the PendingCache" else 0
+        targets = TargetList(10, 10**9, pending)
+        loader = EagerLoader(
+            targets, queue.fetch, queue="orders", give_back=queue.give_back, sleep=sleep
+        )
+        task = asyncio.get_running_loop().create_task(loader.run())
+        try:
+            await until(lambda: targets.watermark == 10)  # 0-4 and 5-9 held
+            gate = queue.gate = asyncio.Event()
+            queue.fail_waiting = how == "fetch retried"  # the first attempt fails
+            got = offsets_of(await loader.take(5, timeout=ANSWER_SECONDS))
+            # 10-14 are chosen for the fetch, not arrived (its first attempt failed, the
+            # loader is in its backoff): 5-9 leave direct
+            await until(
+                lambda: queue.waiting == 1 and (how != "fetch retried" or loader.failures.count)
+            )
+            released = targets.set_budget(1, pending)
+            assert await loader.give_back(released) == (0 if pending else 5)
+            queue.gate = None
+            gate.set()
+            backoff.set()
+            await until(lambda: queue.answered >= 3)  # 10-14 landed
+            while len(got) < 15:
+                targets.set_budget(10**9, pending)  # the next round gives room again
+                loader.wake()
+                got += offsets_of(await loader.take(15 - len(got), timeout=ANSWER_SECONDS))
+            return got, loader.stale_fetches
+        finally:
+            loader.close()
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    got, stale = asyncio.run(asyncio.wait_for(main(), ANSWER_SECONDS))
+    assert got == list(range(15))
+    assert stale == (0 if how == "into the PendingCache" else 1)
+
+
+def test_a_fetch_landing_behind_the_pending_cache_over_its_limit_goes_back():
+    """A fetch that lands behind a PendingCache at its limit stays out of it: its
+    messages go back to the queue (the newest held, so the order is kept)."""
+    t = TargetList(high_watermark=10, high_watermark_bytes=10**9, pending_cache_bytes=500)
+    t.loaded(entry(0, 5))  # 500 bytes
+    assert t.set_high_watermark(0, 10**9).tolist() == []  # 0-4 into the PendingCache
+    assert t.loaded(entry(5, 5)).tolist() == [5, 6, 7, 8, 9]
+    assert t.set_high_watermark(10, 10**9).tolist() == []
+    assert t.load_from_pending()
+    assert [o for e in t.direct for o in e.offsets.tolist()] == [0, 1, 2, 3, 4]
+
+
+def test_taken_messages_given_back_come_again_before_those_held_after_them():
+    """A delivery taken for the application that never reached it (a broken delivery
+    channel) goes back with everything held after it: received again in order."""
+    queue = OrderedQueue()
+
+    async def main():
+        targets = TargetList(10, 10**9, 0)
+        loader = EagerLoader(targets, queue.fetch, queue="orders", give_back=queue.give_back)
+        task = asyncio.get_running_loop().create_task(loader.run())
+        try:
+            await until(lambda: targets.watermark == 10)  # 0-4 and 5-9 held
+            lost = offsets_of(await loader.take(3, timeout=ANSWER_SECONDS))  # 0-2
+            assert await loader.give_back_taken(np.array(lost)) == 10
+            got: list[int] = []
+            while len(got) < 15:
+                got += offsets_of(await loader.take(15 - len(got), timeout=ANSWER_SECONDS))
+            return got
+        finally:
+            loader.close()
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    assert asyncio.run(main()) == list(range(15))

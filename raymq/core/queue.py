@@ -62,6 +62,9 @@ log = logging.getLogger("raymq.queue")
 
 #: Group commits up to this many bytes are written in the event loop (bytes).
 INLINE_WRITE_BYTES = 256 * 1024
+#: Period of the background scrub's steps (seconds): each reads
+#: ``scrub_bytes_per_second`` times this on the event loop (200 KiB at 4 MiB/s).
+SCRUB_STEP_SECONDS = 0.05
 
 #: Appends a batch durably to the named dead-letter queue (creating it if needed).
 DeadLetterSink = Callable[[str, MessageBatch], Awaitable[None]]
@@ -220,7 +223,7 @@ class QueueCore:
         self._pending: list[tuple[MessageBatch, asyncio.Future]] = []
         self._reserved = 0  # bytes of admitted sends not yet published
         self._freed: asyncio.Event | None = None
-        self._blocked: dict[int, float] = {}  # id of a blocked send -> monotonic start
+        self._blocked: dict[object, float] = {}  # blocked sends, in order -> monotonic start
         self._dropped = 0
         self._active_counters = (0, 0, 0)
         self._peak_transient = 0  # most bytes of messages held since the governor asked
@@ -234,6 +237,8 @@ class QueueCore:
         self._dirty_since_checkpoint = False
         self._last_checkpoint = time.monotonic()
         self._counters = {"in": 0, "out": 0, "acked": 0, "bytes_in": 0, "bytes_out": 0}
+        #: Bytes the scrub may read now (negative: read ahead of its rate; ``_scrub``).
+        self._scrub_credit = 0.0
         self._samples: list[tuple[float, dict[str, int]]] = [
             (time.monotonic(), dict(self._counters))
         ]
@@ -309,6 +314,7 @@ class QueueCore:
         self._freed = asyncio.Event()
         self._tasks.spawn("writer", self._write_loop)
         self._tasks.spawn("housekeeping", self._tick_loop)
+        self._tasks.spawn("scrub", self._scrub_loop)
         for sub in self.all_subscriptions():
             sub.start()
 
@@ -384,7 +390,9 @@ class QueueCore:
             return batch
         limit, policy = self.config.max_size_bytes, self.config.address_full_policy
         need = _cost(batch)
-        if self._queued_bytes() + need <= limit:
+        # Under BLOCK a send that fits still queues behind blocked ones (FIFO), or a
+        # stream of small sends would starve a blocked larger one.
+        if self._queued_bytes() + need <= limit and not (policy == "BLOCK" and self._blocked):
             return batch
         if policy == "FAIL" or (policy == "BLOCK" and need > limit):
             raise AddressFull(self._full_message(need))
@@ -394,12 +402,13 @@ class QueueCore:
             fits = int(np.searchsorted(np.cumsum(sizes), room, side="right"))
             self._dropped += len(batch) - fits
             return batch.slice(0, fits)
-        # BLOCK: wait for acks to free room; visible in stats while waiting.
-        key, started = id(batch), time.monotonic()
+        # BLOCK: wait for acks to free room, first blocked first admitted; visible in
+        # stats while waiting.
+        key, started = object(), time.monotonic()
         deadline = None if timeout is None else started + max(timeout, 0.0)
-        self._blocked[key] = started
+        self._blocked[key] = started  # dicts keep insertion order: the FIFO
         try:
-            while self._queued_bytes() + need > limit:
+            while next(iter(self._blocked)) is not key or self._queued_bytes() + need > limit:
                 freed = self._freed
                 wait = None if deadline is None else deadline - time.monotonic()
                 if wait is not None and wait <= 0:
@@ -410,6 +419,8 @@ class QueueCore:
                     await asyncio.wait_for(freed.wait(), wait)
         finally:
             del self._blocked[key]
+            if self._blocked:  # the next in line may fit now, or its turn came
+                self.signal_freed()
         return batch
 
     def signal_freed(self) -> None:
@@ -615,7 +626,14 @@ class QueueCore:
             if self._dirty_since_checkpoint or self.log.has_pending_acks:
                 self._kick.set()  # checkpoint an idle queue; retry acks that failed
             self.housekeeping()
-            self._scrub(min(1.0, self.broker.checkpoint_interval))
+
+    async def _scrub_loop(self) -> None:
+        """The background scrub, in steps of ``SCRUB_STEP_SECONDS``' worth of its rate:
+        each step reads on the event loop, so one step a second held sends and fetches
+        for tens of milliseconds (a delivery latency spike every second)."""
+        while True:
+            await asyncio.sleep(SCRUB_STEP_SECONDS)
+            self._scrub(SCRUB_STEP_SECONDS)
 
     def _scrub(self, seconds: float) -> None:
         """Verify the CRCs of about ``scrub_bytes_per_second * seconds`` stored bytes, so
@@ -623,8 +641,16 @@ class QueueCore:
         rate = self.broker.scrub_bytes_per_second
         if not self.config.durable or rate <= 0:
             return
+        # A step reads at least one whole record, which may be far over its share (a
+        # 1 MiB producer batch against 200 KiB): the overshoot is a debt that later
+        # steps pay by reading nothing, so the average stays at the rate. Unused share
+        # does not pile up (an idle queue's next step is no bigger than any other).
+        share = rate * seconds
+        self._scrub_credit = min(self._scrub_credit + share, share)
+        if self._scrub_credit <= 0:
+            return
         try:
-            self.log.scrub_step(max(1, int(rate * seconds)))
+            self._scrub_credit -= self.log.scrub_step(max(1, int(self._scrub_credit)))
         except StorageError as exc:  # unreadable now; counted by the log, tried again
             log.warning("queue %r: scrub: %s", self.name, exc)
         self.forget_damaged()
@@ -887,6 +913,13 @@ class QueueCore:
     ) -> int:
         """Acknowledge offsets; returns once the acks are durable (for a durable queue)."""
         return await self.subscription(subscription).ack(consumer_id, offsets)
+
+    async def ack_acceptable(
+        self, consumer_id: str, offsets: np.ndarray, *, subscription: str | None = None
+    ) -> tuple[int, str]:
+        """``ack`` of the offsets the consumer may ack, the others left alone; returns
+        (how many were newly acked, the refusal of the others: "" if none)."""
+        return await self.subscription(subscription).ack_acceptable(consumer_id, offsets)
 
     def nack(
         self, consumer_id: str, offsets: np.ndarray, *, subscription: str | None = None

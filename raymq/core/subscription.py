@@ -29,7 +29,7 @@ from raymq.batch import EMPTY_DELIVERY, MessageBatch, PropertyGroups
 from raymq.core.dead_letter import MOVE_BATCH_MESSAGES, REASON_REJECTED, dead_letter_batch
 from raymq.core.head_cache import SharedPart
 from raymq.core.target_area import DEAD_LETTER_HOLDER, TargetArea
-from raymq.errors import ConsumerClosed
+from raymq.errors import ConsumerClosed, InvalidAck
 from raymq.selector import Selector
 
 if TYPE_CHECKING:
@@ -368,6 +368,20 @@ class Subscription:
         if self.host.config.durable and fresh:
             await self.host.flush_acks()
         return fresh
+
+    async def ack_acceptable(self, consumer_id: str, offsets: np.ndarray) -> tuple[int, str]:
+        """``ack`` of the offsets ``consumer_id`` may ack, leaving the others alone;
+        returns (how many were newly acked, the refusal of the others: "" if none)."""
+        offsets = self._offsets(offsets)
+        refused = self.area.refused(consumer_id, offsets)
+        refusal = ""
+        if len(refused):
+            try:
+                self.area.check_ack(consumer_id, refused)
+            except InvalidAck as exc:
+                refusal = str(exc)
+            offsets = offsets[~np.isin(offsets, refused)]
+        return (await self.ack(consumer_id, offsets) if len(offsets) else 0), refusal
 
     def nack(self, consumer_id: str, offsets: np.ndarray) -> int:
         """Release offsets for redelivery with their delivery count raised."""

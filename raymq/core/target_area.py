@@ -369,6 +369,20 @@ class TargetArea:
                 f"queue {self.queue!r}: offsets {others[:5]} are held by another consumer"
             )
 
+    def refused(self, consumer_id: str, offsets: np.ndarray) -> np.ndarray:
+        """The offsets of ``offsets`` that ``check_ack`` refuses (never sent, or held by
+        another consumer), in their order."""
+        never = (offsets < 0) | (offsets >= self.log.next_offset)
+        target = self.consumers.get(consumer_id)
+        listed = offsets.tolist()
+        if not never.any() and target is not None and target.held.issuperset(listed):
+            return offsets[:0]
+        holder = self._holder
+        other = np.fromiter(
+            (holder.get(o, consumer_id) != consumer_id for o in listed), bool, len(listed)
+        )
+        return offsets[never | other]
+
     def ack(self, consumer_id: str, offsets: np.ndarray) -> int:
         """Acknowledge offsets (after ``check_ack``); returns how many were newly acked."""
         target = self.consumers.get(consumer_id)

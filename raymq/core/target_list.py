@@ -32,6 +32,10 @@ import numpy as np
 from raymq.core.budget import ConsumerUsage
 from raymq.errors import BrokerUnavailable, ConsumerClosed, RayMQError
 
+#: No offsets (read-only: shared).
+_NOTHING = np.zeros(0, dtype=np.int64)
+_NOTHING.flags.writeable = False
+
 log = logging.getLogger("raymq.consumer")
 
 #: Fetches that fail this many times in a row, for at least the patience of their kind
@@ -48,9 +52,11 @@ RETRY_BACKOFF_SECONDS = 0.25
 RETRY_BACKOFF_MAX_SECONDS = 2.0
 #: Messages the loader's first fetch asks for; each fetch that brings some doubles it,
 #: up to the room below the high watermark. A new consumer's first message waits for
-#: the queue to read and convert that first batch: 10,000 rows of a deep backlog took
-#: tens of milliseconds, 1,000 a few (messages).
-FIRST_FETCH_MESSAGES = 1000
+#: the queue to read and convert that first batch (10,000 rows of a deep backlog took
+#: tens of milliseconds, 1,000 a few), and 128 of 1 KiB come inline over the
+#: FetchChannel (``raymq.fetch_channel.INLINE_BYTES``) rather than by a Ray call
+#: (messages).
+FIRST_FETCH_MESSAGES = 128
 
 
 class FetchAnswer(NamedTuple):
@@ -169,15 +175,23 @@ class TargetList:
         self.pending_hits += 1
         return True
 
-    def loaded(self, entry: DirectEntry) -> None:
-        """A batch came from the queue (a PendingCache miss)."""
-        if len(entry.offsets):
+    def loaded(self, entry: DirectEntry) -> np.ndarray:
+        """A batch came from the queue (a PendingCache miss). It goes behind what the
+        PendingCache holds, if anything (entries a smaller limit moved there while it
+        was fetched come before it); returns offsets to give back to the queue, if that
+        takes the PendingCache over its limit (as ``set_high_watermark``)."""
+        if not len(entry.offsets):
+            return _NOTHING
+        self.pending_misses += 1
+        size = entry.nbytes / len(entry.offsets)
+        self.message_bytes = (
+            size if not self.message_bytes else 0.9 * self.message_bytes + 0.1 * size
+        )
+        if not self.pending:
             self.direct.append(entry)
-            self.pending_misses += 1
-            size = entry.nbytes / len(entry.offsets)
-            self.message_bytes = (
-                size if not self.message_bytes else 0.9 * self.message_bytes + 0.1 * size
-            )
+            return _NOTHING
+        self.pending.append(entry)
+        return self._apply_limits()
 
     # -- handing out -------------------------------------------------------------------
 
@@ -254,14 +268,14 @@ class TargetList:
         while self.pending and self.pending_bytes > self.pending_cache_bytes:
             e = self.pending.pop()
             released.append(e.offsets[e.start :])
-        return np.concatenate(released) if released else np.zeros(0, dtype=np.int64)
+        return np.concatenate(released) if released else _NOTHING
 
     def drain(self) -> np.ndarray:
         """Forget every entry not handed out; returns their offsets (for close)."""
         rest = [e.offsets[e.start :] for e in (*self.direct, *self.pending)]
         self.direct.clear()
         self.pending.clear()
-        return np.concatenate(rest) if rest else np.zeros(0, dtype=np.int64)
+        return np.concatenate(rest) if rest else _NOTHING
 
     def stats(self) -> dict:
         """Levels and PendingCache counters (messages, bytes)."""
@@ -362,6 +376,8 @@ class FailureStreak:
 #: ``fetch(room)``: up to ``room`` messages from the queue as a ``DirectEntry`` (None,
 #: or no offsets, when none came within its poll).
 Fetch = Callable[[int], Awaitable[DirectEntry | None]]
+#: Hands offsets back to the queue for delivery again (not counted as deliveries).
+GiveBack = Callable[[np.ndarray], Awaitable[object]]
 
 
 class EagerLoader:
@@ -375,6 +391,15 @@ class EagerLoader:
     is a bug: it is counted as a failure and raised, for the task's supervisor to log
     and restart ``run``.
 
+    Messages go back to the queue only through ``give_back``, which keeps their order:
+    the queue hands given-back messages out again before later ones, so a fetch must
+    not overtake a give-back. No fetch starts while a give-back is under way, and a
+    fetch that was under way when one started is given back too (it may bring messages
+    after those given back, which would otherwise be received before them). "Under
+    way" counts from the first attempt: a fetch that failed may still be answered to
+    a retry (the owner may wait for the same one again), so the epoch it is checked
+    against is that of the first attempt after the last answer.
+
     Interleaving: ``run`` (one task) and any number of ``take`` calls interleave at their
     awaits; each state change between two awaits is one synchronous step. ``clock`` and
     ``sleep`` (seconds) are injectable for tests.
@@ -386,19 +411,31 @@ class EagerLoader:
         fetch: Fetch,
         *,
         queue: str,
+        give_back: GiveBack | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ):
         self.targets = targets
         self.queue = queue
         self._fetch = fetch
+        self._give_back = give_back
         self._sleep = sleep
+        #: Give-backs started (an epoch: a fetch sent before the last one is stale) and
+        #: under way (no fetch starts until they are done).
+        self.give_backs = 0
+        #: ``give_backs`` when the fetch under way (or retried) was first asked for.
+        self._fetch_epoch: int | None = None
+        self._giving_back = 0
+        self._given_back = asyncio.Event()
+        self._given_back.set()
         self.failures = FailureStreak(clock)
         #: Set when the queue closed this consumer: loading is over.
         self.refused: ConsumerClosed | None = None
         self.closed = False
         self._filled = asyncio.Event()  # something to hand out, or an error to raise
         self.fetch_size = FIRST_FETCH_MESSAGES  # grows: see FIRST_FETCH_MESSAGES
+        #: Fetches given back whole because a give-back started while under way.
+        self.stale_fetches = 0
         self._space = asyncio.Event()  # room below the high watermark again
 
     def error(self) -> RayMQError | None:
@@ -416,6 +453,11 @@ class EagerLoader:
             if self.targets.load_from_pending():
                 self._filled.set()
                 continue
+            if self._giving_back:
+                await self._given_back.wait()
+                continue
+            if self._fetch_epoch is None:
+                self._fetch_epoch = self.give_backs
             try:
                 entry = await self._fetch(min(room, self.fetch_size))
             except ConsumerClosed as exc:
@@ -437,10 +479,20 @@ class EagerLoader:
             if self.failures.count:
                 log.info("queue %r: fetches work again", self.queue)
             self.failures.succeeded()
-            if entry is not None and len(entry.offsets):
-                self.targets.loaded(entry)
-                self._filled.set()
-                self.fetch_size = min(self.fetch_size * 2, 2**31)
+            stale, self._fetch_epoch = self._fetch_epoch != self.give_backs, None
+            if entry is None or not len(entry.offsets):
+                continue
+            if stale:
+                self.stale_fetches += 1
+                with contextlib.suppress(Exception):  # logged: kept, out of order, then
+                    await self._return(entry.offsets[entry.start :])
+                    continue
+            released = self.targets.loaded(entry)
+            self._filled.set()
+            self.fetch_size = min(self.fetch_size * 2, 2**31)
+            if len(released):  # the newest: nothing later is under way
+                with contextlib.suppress(Exception):  # logged: held until close, then
+                    await self._return(released)
 
     def _failed(self, failure: FetchFailed) -> float:
         """Count a failure, wake waiting takes if it now persists; returns the backoff."""
@@ -494,6 +546,44 @@ class EagerLoader:
     def wake(self) -> None:
         """The high watermark or the budget changed: look for room again."""
         self._space.set()
+
+    async def give_back_taken(self, offsets: np.ndarray) -> int:
+        """``offsets`` were taken (handed out) but never reached the application (a
+        delivery that could not be written): they were the oldest held, so everything
+        held after them goes back with them, and the queue hands all out again in
+        order (a receive would otherwise get the later ones first). Returns how many."""
+        return await self.give_back(np.concatenate([offsets, self.targets.drain()]))
+
+    async def _return(self, offsets: np.ndarray) -> None:
+        """``give_back`` for the loader's own task: a failure is logged and raised."""
+        try:
+            await self.give_back(offsets)
+        except Exception as exc:
+            log.warning(
+                "queue %r: %d messages could not go back to the queue: %r",
+                self.queue,
+                len(offsets),
+                exc,
+            )
+            raise
+
+    async def give_back(self, offsets: np.ndarray) -> int:
+        """Hand ``offsets`` (messages never received by the application) back to the
+        queue, in order with fetches (see the class); returns how many."""
+        if len(offsets):
+            if self._give_back is None:
+                raise RuntimeError("this loader has no give_back")
+            self.give_backs += 1
+            self._giving_back += 1
+            self._given_back.clear()
+            try:
+                await self._give_back(offsets)
+            finally:
+                self._giving_back -= 1
+                if not self._giving_back:
+                    self._given_back.set()
+        self.wake()
+        return len(offsets)
 
     def close(self) -> None:
         """Load nothing more (the owner cancels the ``run`` task)."""

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from raymq.selector.ast import (
     ARITHMETIC,
@@ -43,8 +43,22 @@ from raymq.selector.ast import (
 _NULL_NUM = pa.nulls(1, pa.float64())[0]
 _NULL_STR = pa.nulls(1, pa.string())[0]
 _NULL_BOOL = pa.nulls(1, pa.bool_())[0]
-_ORDERING = {"<": pc.less, ">": pc.greater, "<=": pc.less_equal, ">=": pc.greater_equal}
-_ARITH = {"+": pc.add, "-": pc.subtract, "*": pc.multiply}
+_ORDERING = {"<": "less", ">": "greater", "<=": "less_equal", ">=": "greater_equal"}
+_ARITH = {"+": "add", "-": "subtract", "*": "multiply"}
+
+
+class _Compute:
+    """``pyarrow.compute``, imported on first use: importing it costs every queue and
+    TargetList actor about 35 ms of its start, and most never evaluate a selector."""
+
+    def __getattr__(self, name: str):
+        import pyarrow.compute as compute
+
+        globals()["pc"] = compute
+        return getattr(compute, name)
+
+
+pc: Any = _Compute()
 
 
 @dataclass(frozen=True)
@@ -102,7 +116,7 @@ def _compare(op: str, a: Typed, b: Typed):
         fn = pc.equal if op == "=" else pc.not_equal
         result = pc.coalesce(fn(a.num, b.num), fn(a.str, b.str), fn(a.bool, b.bool))
     else:
-        fn = _ORDERING[op]
+        fn = getattr(pc, _ORDERING[op])
         result = pc.coalesce(fn(a.num, b.num), fn(a.str, b.str))
     return _unknown_unless_present(result, a, b)
 
@@ -112,7 +126,7 @@ def _arith(op: str, a: Typed, b: Typed) -> Typed:
         zero = pc.equal(b.num, 0.0)
         quotient = pc.divide(a.num, pc.if_else(zero, _NULL_NUM, b.num))
         return Typed.of_num(quotient)
-    return Typed.of_num(_ARITH[op](a.num, b.num))
+    return Typed.of_num(getattr(pc, _ARITH[op])(a.num, b.num))
 
 
 def evaluate(node: Node, columns: Mapping[str, Typed]) -> Typed:

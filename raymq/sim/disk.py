@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from raymq.storage import files as storage_files
+from raymq.storage.lock import LOCK_NAME
 
 #: Calls that may fail with an injected error, with the errors they may get.
 _FALLIBLE: dict[str, tuple[int, ...]] = {
@@ -183,7 +184,9 @@ class SimDisk:
     # -- wrapped calls ------------------------------------------------------------------
 
     def _open(self, path, flags, mode=0o777, *, dir_fd=None):
-        if dir_fd is not None or not self._mine(path):
+        # The LOCK file is not state (docs/FORMAT.md): left out, so that seeds keep the
+        # trajectories they had before it.
+        if dir_fd is not None or not self._mine(path) or os.path.basename(path) == LOCK_NAME:
             return self._orig["open"](path, flags, mode, dir_fd=dir_fd)
         path = os.path.abspath(path)
         creating = bool(flags & os.O_CREAT) and path not in self._live

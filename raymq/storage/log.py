@@ -31,6 +31,7 @@ from raymq.storage.damage import Quarantine
 from raymq.storage.files import create_queue_directory, storage_error
 from raymq.storage.flow import Flow
 from raymq.storage.loader import Loader, RecoveryReport, remove_transient_files
+from raymq.storage.lock import DirectoryLock
 from raymq.storage.read_cache import ReadCache
 from raymq.storage.reader import Reader
 from raymq.storage.scrub import Scrubber
@@ -82,6 +83,8 @@ class SegmentLog:
         #: An address's ``subscriptions`` file, read before recovery changes anything
         #: (None: there is none, or the queue is not durable).
         self.manifest: Manifest | None = None
+        #: The directory's LOCK, held while open (``open`` takes it, ``close`` drops it).
+        self._lock: DirectoryLock | None = None
 
     # -- opening ---------------------------------------------------------------------
 
@@ -116,6 +119,7 @@ class SegmentLog:
             durable=durable,
             read_cache_bytes=read_cache_bytes,
         )
+        self._lock = DirectoryLock.acquire(directory, queue)  # one writer per directory
         report = RecoveryReport(queue=queue)
         try:
             if durable:
@@ -137,6 +141,9 @@ class SegmentLog:
                 raise
             path = exc.filename if isinstance(exc.filename, str) else directory
             raise storage_error(queue, "recovery", path, exc) from exc
+        except BaseException:  # a bug: raised as it is, the files and LOCK let go first
+            self.close()
+            raise
         self._recovered_lost = report.lost_messages
         report.segments = len(self.segments)
         report.depth = self.depth
@@ -413,3 +420,5 @@ class SegmentLog:
         for seg in self.segments:
             seg.close()
         self._writer.close()
+        if self._lock is not None:  # last: nothing of ours is open any more
+            self._lock.release()

@@ -1,0 +1,261 @@
+"""The FetchChannel without Ray: a TargetList's fetches over a socket to its queue actor.
+A small delivery comes back inline as Arrow; a large one is parked for a Ray call and
+taken once; registration works over it, and the end of a connection reports the
+consumers it registered (the queue closes those not yet watched); the queue's typed
+errors cross as themselves and leave the channel usable;
+a wrong secret, a dead server, a malformed request or a cancelled fetch end the
+channel (``ChannelBroken``: the TargetList then fetches through Ray); rows the server
+took for an answer it could not write are given back, not lost; a parked delivery
+nobody takes is dropped and counted."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from raymq import fetch_channel
+from raymq.batch import EMPTY_DELIVERY
+from raymq.core.subscription import NOTHING, Delivery
+from raymq.delivery_channel import frame
+from raymq.errors import ConsumerClosed, SelectorError
+from raymq.fetch_channel import ChannelBroken, FetchChannel, FetchChannelServer
+
+#: Bound on a call that must return, in real seconds: only a wedge takes this long.
+ANSWER_SECONDS = 30.0
+
+
+def delivery(first: int, n: int, body: bytes = b"x" * 100) -> Delivery:
+    rows = [
+        {
+            "offset": first + i,
+            "timestamp": 1_700_000_000_000_000 + i,
+            "delivery_count": 1,
+            "body": body + str(first + i).encode(),
+            "properties": b"",
+        }
+        for i in range(n)
+    ]
+    batch = pa.RecordBatch.from_pylist(rows, schema=EMPTY_DELIVERY.schema)
+    return Delivery(np.arange(first, first + n, dtype=np.int64), batch.nbytes, batch=batch)
+
+
+class Served:
+    """A FetchChannelServer on 127.0.0.1 with scripted deliveries (each answer waits
+    for ``gate`` if given), and a client channel."""
+
+    def __init__(self, answers: list, gate: asyncio.Event | None = None):
+        self.answers = list(answers)
+        self.asked: list[tuple] = []
+        self.given_back: list[tuple[str, list[int], str | None]] = []
+        self.gate = gate
+        self.registered: list[tuple] = []
+        self.lost: list[list] = []
+        self.server = FetchChannelServer(
+            self._fetch, self._give_back, "q", register=self._register, lost=self.lost.append
+        )
+
+    async def _register(self, *args):
+        if args[2] == "bad =":
+            raise SelectorError("malformed selector 'bad ='")
+        self.registered.append(args)
+
+    async def _fetch(self, *args):
+        self.asked.append(args)
+        if self.gate is not None:
+            await self.gate.wait()
+        answer = self.answers.pop(0)
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    def _give_back(self, consumer_id: str, offsets: np.ndarray, subscription: str | None):
+        self.given_back.append((consumer_id, offsets.tolist(), subscription))
+
+    async def client(self, secret: str | None = None) -> FetchChannel:
+        host, port, real = await self.server.start("127.0.0.1")
+        return await FetchChannel.connect(host, port, secret or real, "q")
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, ANSWER_SECONDS))
+
+
+def test_small_deliveries_come_inline_nothing_as_none_and_large_ones_parked_once():
+    big = delivery(100, 50, body=b"y" * 2000)
+
+    async def main():
+        served = Served([delivery(7, 3), NOTHING, big, delivery(150, 1)])
+        channel = await served.client()
+        got = [
+            await channel.fetch("c1", 10, 0.5, 100, "a = 1", "sub", inline_bytes=10_000)
+            for _ in range(4)
+        ]
+        return served, got
+
+    served, (inline, nothing, token, after) = run(main())
+    assert inline.column("offset").to_pylist() == [7, 8, 9]
+    assert inline.column("body").to_pylist()[0] == b"x" * 100 + b"7"
+    assert nothing is None
+    assert type(token) is int  # over 10,000 bytes: parked for a Ray call
+    assert after.column("offset").to_pylist() == [150]
+    # Every request carried the fetch's arguments as they were.
+    assert served.asked == [("c1", 10, 0.5, 100, "a = 1", "sub")] * 4
+    assert served.server.take_parked(token) is big
+    assert served.server.take_parked(token) is None  # once
+    assert served.server.answers == 2 and served.server.parked == 1
+
+
+def test_the_queues_typed_error_is_raised_and_the_channel_stays_usable():
+    async def main():
+        served = Served([ConsumerClosed("consumer c1 of queue 'q' is closed"), delivery(0, 1)])
+        channel = await served.client()
+        with pytest.raises(ConsumerClosed, match="'q'"):
+            await channel.fetch("c1", 1, 0.1, 10, None, None)
+        return await channel.fetch("c1", 1, 0.1, 10, None, None)
+
+    assert run(main()).column("offset").to_pylist() == [0]
+
+
+def test_a_wrong_secret_is_refused():
+    async def main():
+        served = Served([])
+        with pytest.raises(ChannelBroken):
+            await served.client(secret="0" * 32)
+        return served
+
+    assert run(main()).asked == []
+
+
+def test_a_dead_server_breaks_the_channel_for_good():
+    async def main():
+        served = Served([RuntimeError("a bug in the queue")])
+        channel = await served.client()
+        with pytest.raises(ChannelBroken):
+            await channel.fetch("c1", 1, 0.1, 10, None, None)  # the server drops us
+        with pytest.raises(ChannelBroken, match="closed"):
+            await channel.fetch("c1", 1, 0.1, 10, None, None)
+
+    run(main())
+
+
+def test_a_cancelled_fetch_closes_the_channel():
+    async def main():
+        gate = asyncio.Event()  # never set: the fetch waits in the server
+        served = Served([delivery(0, 1)], gate)
+        channel = await served.client()
+        task = asyncio.create_task(channel.fetch("c1", 1, 5.0, 10, None, None))
+        while not served.asked:
+            await asyncio.sleep(0.001)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        with pytest.raises(ChannelBroken, match="closed"):  # mid-answer: not used again
+            await channel.fetch("c1", 1, 0.1, 10, None, None)
+
+    run(main())
+
+
+def test_rows_of_an_answer_that_cannot_be_written_are_given_back():
+    class BrokenWriter:
+        def write(self, data) -> None:
+            pass
+
+        async def drain(self) -> None:
+            raise ConnectionResetError("the TargetList went away")
+
+    async def main():
+        served = Served([delivery(7, 4)])
+        with pytest.raises(ConnectionResetError):
+            await served.server._answer(BrokenWriter(), "c1", 10, 0.1, 10, None, "s", 10_000)
+        return served
+
+    served = run(main())
+    assert served.given_back == [("c1", [7, 8, 9, 10], "s")]
+    assert served.server.given_back == 4 and served.server.answers == 0
+
+
+def test_a_malformed_request_drops_the_connection_without_fetching():
+    async def main():
+        served = Served([delivery(0, 1)])
+        channel = await served.client()
+        channel._writer.write(frame(["c1", 1, 0.1]))  # too short
+        with contextlib.suppress(ChannelBroken):
+            await channel.fetch("c1", 1, 0.1, 10, None, None)
+        return served
+
+    assert run(main()).asked == []
+
+
+def test_a_parked_delivery_nobody_takes_is_dropped_and_counted(monkeypatch):
+    monkeypatch.setattr(fetch_channel, "PARKED_SECONDS", -1.0)  # stale at once
+    server = FetchChannelServer(None, None, "q")
+    first = server._park("c1", delivery(0, 5))
+    second = server._park("c1", delivery(5, 5))  # the first one is stale by now
+    assert server.take_parked(first) is None
+    assert server.parked_dropped == 5
+    assert server.take_parked(second).offsets.tolist() == [5, 6, 7, 8, 9]
+
+
+def test_registering_over_the_channel_and_its_end_reports_whom_it_registered():
+    async def main():
+        served = Served([])
+        channel = await served.client()
+        await channel.register("c1", 100, None, "sub")
+        with pytest.raises(SelectorError, match="bad ="):  # the typed error; not registered
+            await channel.register("c2", 100, "bad =", None)
+        assert served.lost == []  # still connected
+        channel.close()
+        while not served.lost:  # the server sees the end of the connection
+            await asyncio.sleep(0.001)
+        return served
+
+    served = run(main())
+    assert served.registered == [("c1", 100, None, "sub")]
+    assert served.lost == [[("c1", "sub")]]
+
+
+def test_finishing_ends_a_waiting_fetch_at_once_with_nothing_taken():
+    async def main():
+        gate = asyncio.Event()  # never set: the fetch waits in the server
+        served = Served([delivery(0, 1)], gate)
+        channel = await served.client()
+        task = asyncio.create_task(channel.fetch("c1", 1, 50.0, 10, None, None))
+        while not served.asked:
+            await asyncio.sleep(0.001)
+        channel.finish()  # a closing TargetList: no further request
+        return served, await task  # long before the 50 s poll
+
+    served, got = run(main())
+    assert got is None
+    assert len(served.answers) == 1  # its delivery was never taken
+    assert served.server.answers == 0 and served.given_back == []
+
+
+def test_finishing_after_the_fetch_took_messages_still_delivers_them():
+    async def main():
+        gate = asyncio.Event()
+        served = Served([delivery(3, 2)], gate)
+        channel = await served.client()
+        task = asyncio.create_task(channel.fetch("c1", 5, 50.0, 10, None, None))
+        while not served.asked:
+            await asyncio.sleep(0.001)
+        gate.set()  # the messages arrive, and are taken ...
+        while served.answers:
+            await asyncio.sleep(0.001)
+        channel.finish()  # ... before the TargetList closes: it still reads them
+        return served, await task
+
+    served, got = run(main())
+    assert got.column("offset").to_pylist() == [3, 4]
+    assert served.given_back == []
+
+
+def test_offsets_of_reads_a_slice_s_offsets_without_pandas():
+    batch = delivery(100, 10).batch
+    assert fetch_channel.offsets_of(batch).tolist() == list(range(100, 110))
+    assert fetch_channel.offsets_of(batch.slice(3, 4)).tolist() == [103, 104, 105, 106]
+    assert fetch_channel.offsets_of(EMPTY_DELIVERY).tolist() == []
