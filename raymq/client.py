@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -58,7 +59,6 @@ from raymq.send_channel import ChannelBroken, SendChannel
 
 _log = logging.getLogger("raymq.client")
 
-#: Pipelined acks (``ack(wait=False)``) a consumer lets run before it waits for some.
 #: How long a call keeps retrying while an actor restarts (seconds).
 RESTART_GRACE_SECONDS = 60.0
 #: Messages ``for message in consumer`` takes from the buffer at a time: each chunk has
@@ -918,6 +918,10 @@ _new_tuple = tuple.__new__  # makes a Message from a row tuple without NamedTupl
 #: (seconds); past it the TargetList is killed, and the queue, watching it, delivers
 #: again what it held.
 CLOSE_TIMEOUT_SECONDS = 60.0
+#: Longest an async receive waits, in the receive thread, for the one before it to be
+#: settled (its caller resumed, or its rows put back): only a loop that stopped with
+#: that caller suspended takes this long (seconds).
+SETTLE_WAIT_SECONDS = 30.0
 
 
 class Consumer:
@@ -979,6 +983,9 @@ class Consumer:
         #: holds no thread of the loop's default pool; it runs the takes in order.
         self._receiver: concurrent.futures.ThreadPoolExecutor | None = None
         self._async_takes = 0  # takes under way in that thread (or not settled yet)
+        #: Set once the latest async take's rows are settled: handed to its caller, or
+        #: back in the buffer (its caller was cancelled). The next take waits for it.
+        self._async_settled: threading.Event | None = None
         try:
             endpoint = _call(
                 self.target_list.start,
@@ -1111,8 +1118,10 @@ class Consumer:
 
         Rows of a take whose caller was cancelled go back to the front of the buffer
         before any later receive slices it: in the receive thread if the cancel came
-        first, else on the loop's thread (``_settle``), and ``_async_takes`` stays
-        raised until then, which keeps later receives off the buffer's fast path."""
+        first, else on the loop's thread (``_settle``). A later take waits in the receive
+        thread until the one before it is settled (its rows handed to its caller or put
+        back), and ``_async_takes`` stays raised until then, which keeps later receives
+        off the buffer's fast path."""
         if self._buffer is not None and not self._async_takes:
             # Never _take here: emptied by another thread meanwhile, it would fetch on
             # the event loop's thread.
@@ -1125,8 +1134,13 @@ class Consumer:
                 max_workers=1, thread_name_prefix=f"raymq-consumer-{self.consumer_id[:8]}"
             )
         abandoned = threading.Event()
+        before, settled = self._async_settled, threading.Event()
+        self._async_settled = settled
 
         def take() -> pa.RecordBatch | None:
+            if before is not None and not before.wait(SETTLE_WAIT_SECONDS):
+                # Its loop stopped before the earlier take's caller resumed: go on.
+                _log.warning("consumer %s: an async receive never settled", self.consumer_id)
             batch = self._take(max_messages, timeout)
             if abandoned.is_set() and batch is not None:
                 self._unget(batch)  # its caller was cancelled: the next receive has it
@@ -1140,24 +1154,27 @@ class Consumer:
         except asyncio.CancelledError:
             abandoned.set()
             if fut.done():  # finished before the cancel reached us: its rows come back
-                self._settle(fut)
+                self._settle(settled, fut)
             else:
-                fut.add_done_callback(self._settle)  # on the loop's thread
+                fut.add_done_callback(functools.partial(self._settle, settled))
             raise
         except BaseException:
             self._async_takes -= 1
+            settled.set()
             raise
         self._async_takes -= 1
+        settled.set()
         return batch
 
-    def _settle(self, fut: asyncio.Future) -> None:
+    def _settle(self, settled: threading.Event, fut: asyncio.Future) -> None:
         """An abandoned async take finished: its rows (if it kept any) go back to the
-        front of the buffer; then later receives may slice the buffer directly."""
+        front of the buffer; then later receives may slice the buffer again."""
         try:
             if not fut.cancelled() and fut.exception() is None and fut.result() is not None:
                 self._unget(fut.result())
         finally:
             self._async_takes -= 1
+            settled.set()
 
     def _take_batch(self, wait: float, want: int = 1) -> pa.RecordBatch | None:
         """Messages from the TargetList for a receive of ``want``, waiting up to

@@ -9,6 +9,7 @@ import concurrent.futures as cf
 import contextlib
 import pickle
 import threading
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -250,7 +251,7 @@ def fake_consumer(take_batch) -> Consumer:
     c._acks = AckPipeline(FakeQueue().send, check, 500, linger_seconds=3600, what="queue 'q'")
     c._ack_singles = c._acks._singles
     c.acks_lost = c.close_failures = c.delivery_channel_failures = c.delivery_channel_unread = 0
-    c._channel, c._receiver, c._async_takes = None, None, 0
+    c._channel, c._receiver, c._async_takes, c._async_settled = None, None, 0, None
     c._take_batch = take_batch
     return c
 
@@ -274,6 +275,53 @@ def test_a_cancelled_async_receive_loses_and_reorders_nothing():
         with contextlib.suppress(asyncio.CancelledError):
             await first
         got: list[int] = []
+        while len(got) < 20:
+            msgs = await c.receive_async(5, timeout=0.5)
+            assert msgs, f"only {got} came back"
+            got += [m.offset for m in msgs]
+        return got
+
+    got = asyncio.run(asyncio.wait_for(main(), 60))
+    assert got == list(range(20))
+    c._receiver.shutdown(wait=True)
+
+
+def test_a_receive_started_before_a_cancelled_one_settles_waits_for_its_rows():
+    """The caller cancels a receive whose take already finished in the receive thread,
+    and receives again before the cancel is handled: the new take waits until the
+    cancelled one's rows are back in front of the buffer (it does not slice 10..14)."""
+    entered, release, taken = threading.Event(), threading.Event(), threading.Event()
+    batches = [delivery(0, 20)]
+
+    def take_batch(wait: float, want: int = 1):
+        entered.set()
+        assert release.wait(timeout=30)
+        return batches.pop(0) if batches else None
+
+    c = fake_consumer(take_batch)
+    take = c._take
+
+    def take_then_tell(max_messages, timeout):
+        try:
+            return take(max_messages, timeout)
+        finally:
+            taken.set()
+
+    c._take = take_then_tell
+
+    async def main() -> list[int]:
+        first = asyncio.ensure_future(c.receive_async(10, timeout=5))
+        await asyncio.to_thread(entered.wait, 30)
+        release.set()
+        assert taken.wait(30)  # done in the receive thread; its caller not resumed yet
+        # The loop's thread stalls before it handles the cancel (as if preempted): the
+        # receive thread runs the next take meanwhile. Not a synchronisation: the
+        # take must come out right however long the stall.
+        asyncio.get_running_loop().call_soon(time.sleep, 0.2)
+        first.cancel()
+        got = [m.offset for m in await c.receive_async(5, timeout=5)]
+        with contextlib.suppress(asyncio.CancelledError):
+            await first
         while len(got) < 20:
             msgs = await c.receive_async(5, timeout=0.5)
             assert msgs, f"only {got} came back"

@@ -34,7 +34,7 @@ class AckingProcess:
     def receive_and_ack(self, n: int) -> list[int]:
         got = []
         while len(got) < n:
-            msgs = self.c.receive(n - len(got), timeout=10)
+            msgs = self.c.receive(n - len(got), timeout=30)
             self.c.ack(msgs)  # pipelined: returns at once
             got += [m.offset for m in msgs]
         assert self.c._acks.unsent == n  # gathered, not sent
@@ -66,7 +66,7 @@ def test_default_acks_are_pipelined_and_the_handle_reads_its_own(broker):
     q = broker.create_queue("own-acks")
     fill(q, 50)
     with q.consumer() as c:
-        msgs = c.receive(max_messages=50, timeout=10)
+        msgs = c.receive(max_messages=50, timeout=30)
         assert len(msgs) == 50
         assert c.ack(msgs[:30]) is None  # pipelined
         assert q.stats()["depth"] == 20  # stats() sent and waited for them first
@@ -86,10 +86,10 @@ def test_iterating_a_consumer_yields_every_message_in_order(broker):
             seen.append(message.offset)
             if len(seen) == 100:
                 break  # leaves the loop mid-chunk: the rest stay this consumer's
-        rest = c.receive(max_messages=300, timeout=10)
+        rest = c.receive(max_messages=300, timeout=30)
         assert [m.offset for m in rest][:1] == [100]  # the next one, not skipped
         while len(rest) < 200:
-            more = c.receive(max_messages=300, timeout=10)
+            more = c.receive(max_messages=300, timeout=30)
             assert more, f"only {len(rest)} of the other 200 came"
             rest += more
         assert [m.offset for m in rest] == list(range(100, 300))
@@ -118,9 +118,9 @@ def test_one_refused_offset_in_a_pipelined_call_does_not_lose_the_others(broker)
     q = broker.create_queue("refused-ack")
     fill(q, 40)
     with q.consumer() as c:
-        msgs = c.receive(max_messages=40, timeout=10)
+        msgs = c.receive(max_messages=40, timeout=30)
         while len(msgs) < 40:
-            more = c.receive(max_messages=40, timeout=10)
+            more = c.receive(max_messages=40, timeout=30)
             assert more, f"only {len(msgs)} of 40 came"
             msgs += more
         for m in msgs[:10]:
@@ -147,8 +147,8 @@ def test_close_from_another_thread_ends_iteration_and_a_waiting_receive(broker):
 
     def iterate() -> None:
         for message in c:  # then waits for more, which never come
+            c.ack(message)  # before it is counted: the main thread closes at 5 counted
             seen.append(message.offset)
-            c.ack(message)
 
     def receive() -> None:
         try:

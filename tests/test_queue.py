@@ -78,7 +78,7 @@ def test_receive_batch_is_arrow_and_receive_times_out(broker):
         # small (slow start), so the 500 may come in a few batches, in order.
         parts = []
         while sum(p.num_rows for p in parts) < 500:
-            batch = c.receive_batch(500 - sum(p.num_rows for p in parts), timeout=5)
+            batch = c.receive_batch(500 - sum(p.num_rows for p in parts), timeout=30)
             assert isinstance(batch, pa.RecordBatch) and batch.num_rows > 0
             parts.append(batch)
         offsets = [o for p in parts for o in p.column("offset").to_pylist()]

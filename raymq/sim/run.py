@@ -329,8 +329,9 @@ class Simulation:
         # failed write's burned segment, for one.)
         if recovery.damaged and not (self.flipped or self.holes):
             raise Violation(f"recovery found damage with no bit flipped: {recovery.damage}")
-        # Housekeeping runs when the simulator says, not on the wall clock: a seed replays.
-        core._tick_loop = _forever
+        # Housekeeping and the scrub run when the simulator says, not on the wall clock:
+        # a seed replays.
+        core._tick_loop = core._scrub_loop = _forever
         core.start()
         self.core = core
         self._check_offsets_not_reused()
