@@ -157,6 +157,41 @@ def test_scrub_finds_rot_at_a_bounded_rate(tmp_path):
     assert sorted(read_all(log)) == [o for o in range(10, 100) if not 60 <= o < 70]
 
 
+@pytest.mark.parametrize("where", ["payload", "header"])
+def test_the_scrub_reads_neighbouring_records_together_and_finds_each_damaged_one(
+    tmp_path, where, monkeypatch
+):
+    """Small records are checked a run at a time (one read): a damaged one in the
+    middle of a run is quarantined alone, the records around it are not, and the walk
+    goes on after it; acknowledged records are not read."""
+    log, _ = open_log(tmp_path, page=1 << 20)
+    for i in range(60):
+        commit(log, [bytes([65 + i % 26]) * 1000])  # one 1 KB message a record
+    log.ack(np.array([0, 1, 59]))
+    commit(log)
+    seg = log.segments[0]
+    record = seg.positions[1] - seg.positions[0]
+    at = seg.positions[37] + (RECORD_HEADER.size + 200 if where == "payload" else 4)
+    flip(seg.path, at)
+    reads = []
+    pread = os.pread
+    monkeypatch.setattr(os, "pread", lambda fd, n, pos: reads.append(n) or pread(fd, n, pos))
+    steps = []
+    while log.scrub_passes == 0:
+        steps.append(log.scrub_step(20 * record))
+    monkeypatch.undo()
+    assert sum(steps) == 57 * record  # every record unacknowledged, read once
+    # A read a run of up to 20 records (4 runs, one cut by the damaged record), the
+    # damaged one read alone for its error (header, payload) and copied aside: not
+    # two reads a record (114).
+    assert len(reads) <= 10, reads
+    assert log.drain_damaged().tolist() == [37]
+    assert log.damaged_messages == 1
+    assert sorted(read_all(log)) == [o for o in range(2, 59) if o != 37]
+    assert log.scrub_step(10**9) == 56 * record  # the next pass skips what was found
+    log.close()
+
+
 def test_the_scrub_keeps_its_rate_over_records_larger_than_a_step(tmp_path):
     """A step reads a whole record however large: the queue's later steps pay for it,
     so the scrub reads at ``scrub_bytes_per_second`` on average, not a record a step."""

@@ -208,6 +208,7 @@ class Simulation:
             "subscriptions_created": 0,
             "subscriptions_deleted": 0,
             "subscriptions_in_doubt": 0,  # a create or delete whose outcome an open told
+            "damage_found_opening": 0,  # messages quarantined by opens, after recovery
         }
 
     # -- running ------------------------------------------------------------------------
@@ -322,6 +323,9 @@ class Simulation:
         # filters again: a properties read may quarantine a record), added later.
         self.damage_allowed += recovery.damaged
         self._counted = recovery.lost_messages
+        self.counts["damage_found_opening"] += max(
+            0, core.log.damaged_messages - recovery.lost_messages
+        )
         if self.disk.image is not None:  # the crash point came while opening
             self.core = core
             return

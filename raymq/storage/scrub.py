@@ -8,8 +8,9 @@ import os
 
 from raymq.storage.damage import Quarantine
 from raymq.storage.files import storage_error
-from raymq.storage.record import CorruptRecord
-from raymq.storage.segment import Segments
+from raymq.storage.format import RECORD_HEADER, crc32
+from raymq.storage.record import CorruptRecord, parse_header
+from raymq.storage.segment import Segment, Segments
 
 
 class Scrubber:
@@ -26,9 +27,11 @@ class Scrubber:
 
     def step(self, max_bytes: int) -> int:
         """Check records until about ``max_bytes`` were read (at least one record);
-        returns the bytes read. Records whose messages are all acknowledged are skipped
-        unread. A damaged record is quarantined. Runs in the caller's thread (the event
-        loop): reads ``max_bytes`` or one record at most."""
+        returns the bytes read. Records whose messages are all acknowledged are not
+        checked. A damaged record is quarantined. Runs in the caller's thread (the event
+        loop): reads ``max_bytes`` or one record at most, neighbouring records with one
+        read (a record a read cost about 25 us of Python each: 5 ms a step of 1 KiB
+        records, the event loop held meanwhile)."""
         done = 0
         while done < max_bytes:
             found = self._next()
@@ -38,21 +41,59 @@ class Scrubber:
                 break
             seg, k = found
             self._k = k + 1
-            first, end = seg.record_offsets(k)
-            if seg.acked[first - seg.base_offset : end - seg.base_offset].all():
+            if _all_acked(seg, k):
                 continue
-            pos, stop = seg.positions[k], seg.record_end(k)
-            with contextlib.suppress(AttributeError, OSError):  # read the disk, not the cache
-                os.posix_fadvise(seg.fd, pos, stop - pos, os.POSIX_FADV_DONTNEED)
-            try:
-                done += seg.verify_record(k)
-            except CorruptRecord as exc:
-                self.quarantine.take_out(seg, k, str(exc))
-                done += stop - pos
-            except OSError as exc:
-                raise storage_error(self.queue, "scrub read", seg.path, exc) from exc
+            stop = self._run_end(seg, k, max_bytes - done)
+            done += self._check_run(seg, k, stop)
         self.bytes_checked += done
         return done
+
+    @staticmethod
+    def _run_end(seg: Segment, k: int, budget: int) -> int:
+        """The end (exclusive) of the records from ``k`` read together: next to each
+        other in the file, none quarantined or all acknowledged, about ``budget`` bytes
+        (``k`` at least)."""
+        positions, start, n = seg.positions, seg.positions[k], len(seg.firsts)
+        j = k + 1
+        while (
+            j < n
+            and positions[j] >= 0
+            and seg.record_end(j) - start <= budget
+            and not seg.is_damaged(j)
+            and not _all_acked(seg, j)
+        ):
+            j += 1
+        return j
+
+    def _check_run(self, seg: Segment, k: int, stop: int) -> int:
+        """Check records ``k`` to ``stop - 1`` from one read; returns the bytes read. At
+        the first that fails, it is read alone (``verify_record``: the error names it)
+        and quarantined if that fails too, and the walk goes on after it."""
+        start = seg.positions[k]
+        end = seg.record_end(stop - 1)
+        with contextlib.suppress(AttributeError, OSError):  # read the disk, not the cache
+            os.posix_fadvise(seg.fd, start, end - start, os.POSIX_FADV_DONTNEED)
+        try:
+            data = os.pread(seg.fd, end - start, start)
+        except OSError as exc:
+            raise storage_error(self.queue, "scrub read", seg.path, exc) from exc
+        positions = seg.positions
+        with memoryview(data) as view:
+            for i in range(k, stop):
+                self._k = i + 1
+                first, last = seg.record_offsets(i)
+                at = positions[i] - start
+                until = (positions[i + 1] if i + 1 < stop else end) - start
+                if _intact(view, at, until, seg.salt, positions[i], first, last):
+                    continue
+                try:
+                    seg.verify_record(i)  # a short read, or rot: read it alone
+                except CorruptRecord as exc:
+                    self.quarantine.take_out(seg, i, str(exc))
+                except OSError as exc:
+                    raise storage_error(self.queue, "scrub read", seg.path, exc) from exc
+                return positions[i] - start + (seg.record_end(i) - positions[i])
+        return end - start
 
     def _next(self):
         """The next (segment, record index) to check, or None at the end of a pass."""
@@ -69,3 +110,27 @@ class Scrubber:
                     return seg, self._k
                 self._k += 1
         return None
+
+
+def _intact(
+    view: memoryview, at: int, until: int, salt: int | None, position: int, first: int, end: int
+) -> bool:
+    """True if the record in ``view[at:until]`` (file ``position``) has a valid header
+    naming offsets within [first, end) from ``first``, and its payload's CRC matches."""
+    hdr = parse_header(view, at, salt, position)
+    if hdr is None:
+        return False
+    pcrc, length, hfirst, count = hdr
+    payload = at + RECORD_HEADER.size
+    return (
+        hfirst == first
+        and count <= end - first
+        and payload + length <= until
+        and crc32([view[payload : payload + length]]) == pcrc
+    )
+
+
+def _all_acked(seg: Segment, k: int) -> bool:
+    """True if every message of record ``k`` is acknowledged (it is not checked)."""
+    first, end = seg.record_offsets(k)
+    return bool(seg.acked[first - seg.base_offset : end - seg.base_offset].all())
