@@ -256,7 +256,9 @@ def fake_consumer(take_batch) -> Consumer:
     return c
 
 
-def test_a_cancelled_async_receive_loses_and_reorders_nothing():
+def held_consumer() -> tuple[Consumer, threading.Event, threading.Event]:
+    """A fake consumer whose first fetch (offsets 0..19) waits for ``release``;
+    ``entered`` tells it started. Returns (consumer, entered, release)."""
     entered, release = threading.Event(), threading.Event()
     batches = [delivery(0, 20)]
 
@@ -265,7 +267,20 @@ def test_a_cancelled_async_receive_loses_and_reorders_nothing():
         assert release.wait(timeout=30)
         return batches.pop(0) if batches else None
 
-    c = fake_consumer(take_batch)
+    return fake_consumer(take_batch), entered, release
+
+
+async def receive_the_rest(c: Consumer, got: list[int]) -> list[int]:
+    """``got`` and the offsets received after it, until 20 came (5 a receive)."""
+    while len(got) < 20:
+        msgs = await c.receive_async(5, timeout=0.5)
+        assert msgs, f"only {got} came back"
+        got += [m.offset for m in msgs]
+    return got
+
+
+def test_a_cancelled_async_receive_loses_and_reorders_nothing():
+    c, entered, release = held_consumer()
 
     async def main() -> list[int]:
         first = asyncio.ensure_future(c.receive_async(10, timeout=5))
@@ -274,15 +289,9 @@ def test_a_cancelled_async_receive_loses_and_reorders_nothing():
         release.set()  # the take finishes after its caller was cancelled
         with contextlib.suppress(asyncio.CancelledError):
             await first
-        got: list[int] = []
-        while len(got) < 20:
-            msgs = await c.receive_async(5, timeout=0.5)
-            assert msgs, f"only {got} came back"
-            got += [m.offset for m in msgs]
-        return got
+        return await receive_the_rest(c, [])
 
-    got = asyncio.run(asyncio.wait_for(main(), 60))
-    assert got == list(range(20))
+    assert asyncio.run(asyncio.wait_for(main(), 60)) == list(range(20))
     c._receiver.shutdown(wait=True)
 
 
@@ -290,15 +299,8 @@ def test_a_receive_started_before_a_cancelled_one_settles_waits_for_its_rows():
     """The caller cancels a receive whose take already finished in the receive thread,
     and receives again before the cancel is handled: the new take waits until the
     cancelled one's rows are back in front of the buffer (it does not slice 10..14)."""
-    entered, release, taken = threading.Event(), threading.Event(), threading.Event()
-    batches = [delivery(0, 20)]
-
-    def take_batch(wait: float, want: int = 1):
-        entered.set()
-        assert release.wait(timeout=30)
-        return batches.pop(0) if batches else None
-
-    c = fake_consumer(take_batch)
+    c, entered, release = held_consumer()
+    taken = threading.Event()
     take = c._take
 
     def take_then_tell(max_messages, timeout):
@@ -322,14 +324,9 @@ def test_a_receive_started_before_a_cancelled_one_settles_waits_for_its_rows():
         got = [m.offset for m in await c.receive_async(5, timeout=5)]
         with contextlib.suppress(asyncio.CancelledError):
             await first
-        while len(got) < 20:
-            msgs = await c.receive_async(5, timeout=0.5)
-            assert msgs, f"only {got} came back"
-            got += [m.offset for m in msgs]
-        return got
+        return await receive_the_rest(c, got)
 
-    got = asyncio.run(asyncio.wait_for(main(), 60))
-    assert got == list(range(20))
+    assert asyncio.run(asyncio.wait_for(main(), 60)) == list(range(20))
     c._receiver.shutdown(wait=True)
 
 
