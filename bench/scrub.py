@@ -81,6 +81,10 @@ def main() -> None:
     parser.add_argument("--per-record", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
+    if args.size < 1 or args.rounds < 1 or min(args.per_record) < 1:
+        parser.error("--size, --rounds and --per-record must be at least 1")
+    if args.messages < max(args.per_record):
+        parser.error(f"--messages must be at least --per-record ({max(args.per_record)})")
     rate = BrokerConfig().scrub_bytes_per_second
     step_bytes = int(rate * SCRUB_STEP_SECONDS)
     rows = []
@@ -101,12 +105,12 @@ def main() -> None:
         each_step = statistics.median(s for _, s in figures["each"])
         run_step = statistics.median(s for _, s in figures["run"])
         for name, cpu, step in (
-            ("a read a record (before)", each_cpu, each_step),
-            ("neighbours read together", run_cpu, run_step),
+            ("record by record (before)", each_cpu, each_step),
+            ("runs, one read each", run_cpu, run_step),
         ):
             rows.append(
                 [
-                    f"{per_record} msg/record",
+                    str(per_record),
                     name,
                     f"{1e6 * cpu / records:.1f}",
                     f"{1e3 * step:.2f}",
@@ -115,14 +119,15 @@ def main() -> None:
                 ]
             )
     print_table(
-        f"scrub of {args.size} B messages, {rate / 2**20:.0f} MiB/s in"
-        f" {SCRUB_STEP_SECONDS * 1e3:.0f} ms steps ({step_bytes / 1024:.0f} KiB)",
+        f"scrub of {args.size} B messages at {rate / 2**20:.0f} MiB/s, in"
+        f" {SCRUB_STEP_SECONDS * 1e3:.0f} ms steps of {step_bytes / 1024:.0f} KiB (step ms:"
+        " median; % of a core: at that rate)",
         [
-            "records",
+            "msg/record",
             "path",
             "CPU us/record",
-            "step ms (median)",
-            "% of a core at the rate",
+            "step ms",
+            "% of a core",
             "vs before",
         ],
         rows,

@@ -83,13 +83,8 @@ def raymq_rates(broker, durable: bool, messages: int, single: int) -> dict[str, 
             yield
 
     def consume(n: int) -> int:
-        got, c = 0, consumers[-1]
-        while got < n:
-            batch = c.receive_batch(BATCH, timeout=10)
-            if batch.num_rows == 0:
-                raise RuntimeError(f"consumer stalled after {got} messages")
-            c.ack(batch, wait=False)  # pipelined: the next receive overlaps its fsync
-            got += batch.num_rows
+        c = consumers[-1]
+        got = tuned(c, n)
         c.flush()  # every ack durable before the clock stops
         return got
 

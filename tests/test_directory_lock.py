@@ -82,24 +82,29 @@ def test_an_open_waits_for_a_killed_holder_and_finds_what_it_wrote(tmp_path, hol
         log.close()
 
 
-def test_close_lets_the_next_opener_in(tmp_path):
-    log = open_log(tmp_path / "q")
-    commit(log, [b"a", b"b", b"c"])
-    log.close()
-    # Another process can open it now: the lock went with close.
+def assert_another_process_can_lock(directory) -> None:
+    """Another process takes ``directory``'s LOCK at once (and lets it go)."""
     out = subprocess.run(
         [
             sys.executable,
             "-c",
             "import sys\nfrom raymq.storage.lock import DirectoryLock\n"
             "DirectoryLock.acquire(sys.argv[1], 'q', wait_seconds=0).release()\nprint('ok')",
-            str(tmp_path / "q"),
+            str(directory),
         ],
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_close_lets_the_next_opener_in(tmp_path):
+    log = open_log(tmp_path / "q")
+    commit(log, [b"a", b"b", b"c"])
+    log.close()
+    # Another process can open it now: the lock went with close.
+    assert_another_process_can_lock(tmp_path / "q")
 
 
 def test_a_recovery_that_fails_with_a_bug_lets_the_directory_go(tmp_path, monkeypatch):
@@ -114,16 +119,4 @@ def test_a_recovery_that_fails_with_a_bug_lets_the_directory_go(tmp_path, monkey
     monkeypatch.setattr(log_module.Loader, "recover", broken)
     with pytest.raises(ValueError, match="a bug in recovery"):
         open_log(tmp_path / "q")
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "import sys\nfrom raymq.storage.lock import DirectoryLock\n"
-            "DirectoryLock.acquire(sys.argv[1], 'q', wait_seconds=0).release()\nprint('ok')",
-            str(tmp_path / "q"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert out.stdout.strip() == "ok", out.stderr
+    assert_another_process_can_lock(tmp_path / "q")
