@@ -49,8 +49,10 @@ IN_SYNC_TIMEOUT_SECONDS = 60.0
 #: no other node is left.
 LOST_NODE_SECONDS = 120.0
 #: How long a replaced leader's node has to start its copy again as a follower
-#: (seconds); a lost node never does.
-REJOIN_SECONDS = 10.0
+#: (seconds); a lost node never does. Generous: the replacement already serves, so
+#: waiting costs nothing, while a node busy enough to have paused its leader may take
+#: over 10 s to start a worker process (a paused-leader scenario timed out so).
+REJOIN_SECONDS = 30.0
 #: Longest a queue's ``hibernate`` call (flush and close) and the release of its actor
 #: name may take (seconds); past it the hibernation is given up (logged, counted).
 HIBERNATE_SECONDS = 10.0
