@@ -328,7 +328,7 @@ class BrokerActor:
             leader = await self._leader_actor(name)
             try:
                 await asyncio.wait_for(leader.ready.remote(), PING_TIMEOUT_SECONDS * 5)
-            except (asyncio.TimeoutError, *_GONE) as exc:
+            except (TimeoutError, *_GONE) as exc:
                 raise BrokerUnavailable(
                     f"queue {name!r}: its leader does not answer ({exc!r}); it is checked"
                     " and replaced if lost: try again"
@@ -429,7 +429,7 @@ class BrokerActor:
         """A replica's answer to a ping (a leader's epoch), None if none in time."""
         try:
             return await asyncio.wait_for(handle.ping.remote(), PING_TIMEOUT_SECONDS)
-        except (asyncio.TimeoutError, *_GONE):
+        except (TimeoutError, *_GONE):
             return None
 
     async def _check_leader(self, name: str) -> None:
@@ -509,7 +509,7 @@ class BrokerActor:
         promoted = handles[new]
         try:
             await asyncio.wait_for(promoted.release.remote(), PING_TIMEOUT_SECONDS * 5)
-        except (asyncio.TimeoutError, *_GONE):
+        except (TimeoutError, *_GONE):
             pass  # its files are opened all the same (a follower writes only when told)
         ray.kill(promoted, no_restart=True)
         try:
@@ -544,7 +544,7 @@ class BrokerActor:
         handle = self._follower(name, rid, node, epoch)
         try:
             await asyncio.wait_for(handle.ready.remote(), REJOIN_SECONDS)
-        except (asyncio.TimeoutError, *_GONE) as exc:
+        except (TimeoutError, *_GONE) as exc:
             log.info("queue %r: replica %s does not rejoin from its node: %r", name, rid, exc)
             ray.kill(handle, no_restart=True)
             return
@@ -787,7 +787,7 @@ class BrokerActor:
                 return None
             try:
                 return await asyncio.wait_for(handle.idle_seconds.remote(), IDLE_PROBE_SECONDS)
-            except (asyncio.TimeoutError, *_GONE):
+            except (TimeoutError, *_GONE):
                 return None
 
         answers = await asyncio.gather(*(probe(n) for n in names))
@@ -837,7 +837,7 @@ class BrokerActor:
                 return False
             try:
                 done = await asyncio.wait_for(handle.hibernate.remote(), HIBERNATE_SECONDS)
-            except (asyncio.TimeoutError, *_GONE) as exc:
+            except (TimeoutError, *_GONE) as exc:
                 log.warning("queue %r: hibernation failed: %r", name, exc)
                 self._counts["refused"] += 1
                 return False

@@ -304,7 +304,7 @@ class QueueActor:
                 except _ACTOR_GONE:
                     if self._alive(consumer_id, subscription):
                         self._consumer_died(consumer_id, "no answer to a ping", subscription)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass  # busy, not dead: ask again next round
 
     async def ready(self) -> dict:

@@ -199,7 +199,7 @@ class RayFollowerLink:
     async def _guarded(self, answer) -> None:
         try:
             await answer
-        except (ChannelFailed, asyncio.CancelledError, asyncio.TimeoutError):
+        except (TimeoutError, ChannelFailed, asyncio.CancelledError):
             # Failed, or given up on: found again next time (the follower may have
             # restarted), never left half-connected.
             self._drop_channel()

@@ -17,6 +17,13 @@ longer than a restart takes) is raised by ``take``, so the consumer's ``receive(
 raises it instead of returning nothing forever. A queue actor that died for good is
 looked up again by name: once the queue is started again, loading resumes.
 
+Starting: a consumer takes a warm spare (``raymq.placement.spares``) and starts it with
+the first request on its DeliveryChannel (``_channel_start``), not a Ray call; the
+queue actor's handle comes pickled, and is unpickled only when needed (the Ray
+registration that gives the queue our handle for its death watch waits for the first
+delivery, at most ``WATCH_DELAY_SECONDS``; until then the queue watches the FetchChannel
+instead). Each of those costs a new consumer's first message milliseconds here.
+
 Interleaving: ``take``, ``set_budget``, ``set_high_watermark``, ``usage`` and ``stats``
 may interleave with the loader at its awaits; ``close`` cancels the loader first.
 """
@@ -47,7 +54,7 @@ from raymq.core.target_list import (
 )
 from raymq.delivery_channel import BY_REFERENCE, DeliveryChannelServer
 from raymq.errors import BrokerUnavailable, NotLeader, RayMQError
-from raymq.fetch_channel import ChannelBroken, FetchChannel, offsets_of
+from raymq.fetch_channel import STALE_FETCH_ENDPOINT, ChannelBroken, FetchChannel, offsets_of
 
 log = logging.getLogger("raymq.consumer")
 
@@ -56,6 +63,9 @@ LOADER_POLL_SECONDS = 1.0
 #: A fetch not answered in this long counts as a failure of a restarting queue actor;
 #: the loader waits for the same fetch again rather than ask twice (seconds).
 FETCH_ANSWER_SECONDS = LOADER_POLL_SECONDS + 10.0
+#: Longest a TargetList registered over the FetchChannel puts off its Ray registration
+#: (the queue's death watch), unless its first delivery comes sooner (seconds).
+WATCH_DELAY_SECONDS = 0.1
 #: How long ``close`` keeps asking a restarting queue actor (seconds).
 CLOSE_RETRY_SECONDS = 30.0
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -68,6 +78,9 @@ class TargetListActor:
     # (Also class defaults: tests make a bare instance to try one method.)
     _fetch_channel: FetchChannel | None = None
     _fetch_task: asyncio.Task | None = None
+    #: start's pickled queue actor handle, and its unpickling (``_queue_actor``).
+    _pickled_queue_actor: bytes | None = None
+    _unpickling: asyncio.Future | None = None
 
     def __init__(self):
         # Created blank, as a warm spare (``raymq.placement.spares``): starting a
@@ -118,12 +131,18 @@ class TargetListActor:
         #: The Ray registration after one over the FetchChannel (``_watched_by_queue``).
         self._watched: asyncio.Future | None = None
         self._listening: asyncio.Future | None = None  # see _listen
+        #: Set at the consumer's first delivery, or at close (``_watched_by_queue``).
+        self._delivered = asyncio.Event()
+        self.started_over = "ray"  # or "delivery channel" (``_channel_start``)
+        #: The queue has our handle (a Ray registration): it watches for our death, and
+        #: hands us to the MemoryGovernor.
+        self.watched = False
 
-    async def ready(self) -> bool:
-        """True once the process is up and its DeliveryChannel listens (a spare is
-        warm: ``start`` then costs a new consumer neither)."""
-        await self._listen()
-        return True
+    async def ready(self) -> tuple[str, int, str] | None:
+        """Once the process is up and its DeliveryChannel listens: the channel's (host,
+        port, secret), None if it could not listen. A spare is then warm: a consumer
+        connects and starts it over the channel (``_channel_start``)."""
+        return await self._listen()
 
     async def _listen(self) -> tuple[str, int, str] | None:
         """Open the DeliveryChannel's server, once; its (host, port, secret), None if
@@ -133,7 +152,9 @@ class TargetListActor:
         return await asyncio.shield(self._listening)
 
     async def _open_channel(self) -> tuple[str, int, str] | None:
-        server = DeliveryChannelServer(self._channel_take, self._channel_give_back, "a spare")
+        server = DeliveryChannelServer(
+            self._channel_take, self._channel_give_back, "a spare", start=self._channel_start
+        )
         try:
             endpoint = await server.start(ray.util.get_node_ip_address())
         except OSError as exc:
@@ -144,7 +165,7 @@ class TargetListActor:
 
     async def start(
         self,
-        queue_actor,
+        queue_actor: bytes,
         queue: str,
         consumer_id: str,
         prefetch: int,
@@ -155,22 +176,34 @@ class TargetListActor:
         subscription: str | None = None,
         fetch_endpoint: tuple[str, int, str] | None = None,
         namespace: str | None = None,
-    ) -> tuple[str, int, str] | None:
+        endpoint_cached: bool = False,
+    ) -> tuple[str, int, str] | str | None:
         """Become the TargetList of ``consumer_id``: register with the queue (or with
         ``subscription`` of the address ``queue``; it may check our liveness) and start
         eager loading. Returns the (host, port, secret) of this consumer's
         DeliveryChannel, None if it could not listen (receives then go through Ray).
 
+        ``queue_actor``: the queue actor's handle, pickled (``ray.cloudpickle``). An
+        actor handle among a call's arguments delays the call 2-4 ms here (the
+        receiving process looks the actor up before it runs the call; measured), and
+        unpickling it slows the first fetch alike: over the FetchChannel, it waits for
+        the first delivery (``_watched_by_queue``).
+
         ``fetch_endpoint``: the queue's FetchChannel (``QueueActor.fetch_endpoint``):
         given, we register and fetch over it at once, and our actor handle reaches the
         queue (for its death watch) through Ray in the background; a first Ray call to
-        the queue actor costs a new consumer about 10 ms here.
+        the queue actor costs a new consumer about 10 ms here. ``endpoint_cached``: the
+        client remembered it from an earlier consumer; if it does not answer (the queue
+        actor was replaced: revived, restarted, a new leader), start does nothing and
+        returns ``STALE_FETCH_ENDPOINT``, and the client asks the queue for the current
+        one and starts us again.
 
         ``namespace``: the broker's Ray namespace, where the queue's actor is looked up
         again after it fails (None: asked of Ray while the queue actor lives)."""
         if namespace is not None:
             self._namespace = namespace
-        self.queue_actor = queue_actor
+        self.queue_actor = None
+        self._pickled_queue_actor = queue_actor
         self.subscription = subscription
         self.queue = queue
         self.consumer_id = consumer_id
@@ -178,21 +211,23 @@ class TargetListActor:
         self.selector = selector
         self.targets = TargetList(high_watermark, high_watermark_bytes, pending_cache_bytes)
         self.loader = EagerLoader(self.targets, self._fetch, queue=queue, give_back=self._return)
-        # The loader's first fetch does not wait for the registration's answer: a fetch
-        # registers an unknown consumer too (registering is idempotent), which saves a
-        # new consumer's first message a round trip. Its errors are start's.
-        registered = self._registering = self._register()
+        over_channel = False
         if fetch_endpoint is not None:
             try:
-                over_channel = await self._register_over_channel(fetch_endpoint)
-            except BaseException:  # a bad setting: the Ray registration fails alike
-                with contextlib.suppress(Exception):
-                    await registered
-                raise
-            if over_channel:
-                self._first_fetch, self._registering = False, None
-                self._watched = asyncio.ensure_future(self._watched_by_queue(registered))
-                registered = None
+                over_channel = await self._register_over_channel(fetch_endpoint, endpoint_cached)
+            except _StaleEndpoint as exc:
+                log.info("consumer %s: %s", consumer_id, exc)
+                return STALE_FETCH_ENDPOINT
+        if over_channel:
+            # The Ray registration hands the queue our handle, for its death watch: in
+            # the background, off the first message's path.
+            self._first_fetch, registered = False, None
+            self._watched = asyncio.ensure_future(self._watched_by_queue())
+        else:
+            # The loader's first fetch does not wait for the registration's answer: a
+            # fetch registers an unknown consumer too (registering is idempotent), which
+            # saves a new consumer's first message a round trip. Its errors are start's.
+            registered = self._registering = asyncio.ensure_future(self._register())
         self._tasks = Supervisor(f"consumer {consumer_id} of queue {queue!r}", log)
         self._loader = self._tasks.spawn("eager loader", self.loader.run)
         self._metrics = self._tasks.spawn("metrics", self._export_metrics)
@@ -211,6 +246,21 @@ class TargetListActor:
             raise
         return endpoint
 
+    async def _channel_start(self, settings: dict) -> tuple[str, int, str] | str | None:
+        """``start`` for the DeliveryChannel (the consumer's first request on it): Ray's
+        failures (of the queue's actor, say) become ``BrokerUnavailable``, as the
+        client's Ray calls make them."""
+        if self._tasks is not None or self._closed:
+            raise ValueError(f"consumer {self.consumer_id}: started already")
+        self.started_over = "delivery channel"
+        fetch_endpoint = settings.pop("fetch_endpoint", None)
+        try:
+            return await self.start(
+                **settings, fetch_endpoint=None if fetch_endpoint is None else tuple(fetch_endpoint)
+            )
+        except ray.exceptions.RayError as exc:
+            raise BrokerUnavailable(f"queue {settings.get('queue')!r}: {_reason(exc)}") from None
+
     async def _channel_take(
         self, max_messages: int, timeout: float, inline_bytes: int
     ) -> pa.RecordBatch | str | None:
@@ -224,6 +274,7 @@ class TargetListActor:
         entries = self.loader.take_now(max_messages)
         if not entries:
             return None
+        self._delivered.set()
         lost = (ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError)
         # Deliveries that came over the FetchChannel are here already; others are read
         # from the object store.
@@ -258,20 +309,37 @@ class TargetListActor:
         """Rows taken for a DeliveryChannel answer that could not be written."""
         await self.loader.give_back_taken(offsets_of(batch))
 
-    def _register(self):
+    async def _queue_actor(self):
+        """The queue's actor handle: the first time, once start's pickled one is
+        unpickled; a replaced queue actor's is looked up by name (``_find_queue``)."""
+        if self.queue_actor is None:
+            if self._pickled_queue_actor is None:
+                raise RuntimeError("a spare TargetList: start() it first")
+            if self._unpickling is None:  # in a thread: it waits on the GCS
+                loads = ray.cloudpickle.loads
+                self._unpickling = asyncio.ensure_future(
+                    asyncio.to_thread(loads, self._pickled_queue_actor)
+                )
+            self.queue_actor = await asyncio.shield(self._unpickling)
+        return self.queue_actor
+
+    async def _register(self) -> tuple[str, int, str] | None:
         """Register with the queue actor, handing it this actor's handle: it watches
-        for our death to deliver again what we held. Returns the call's reference
-        (submitted at once; await it)."""
+        for our death to deliver again what we held. Returns the queue's FetchChannel
+        endpoint (its answer)."""
         me = ray.get_runtime_context().current_actor
-        return self.queue_actor.register_consumer.remote(
+        queue = await self._queue_actor()
+        endpoint = await queue.register_consumer.remote(
             self.consumer_id, self.prefetch, self.selector, me, self.subscription
         )
+        self.watched = True
+        return endpoint
 
     async def _broker_namespace(self) -> str:
         """The broker's Ray namespace, found once (blocking GCS calls, off the loop) while
         the queue actor is alive (``metrics.broker_of``)."""
         if self._namespace is None:
-            queue_id = self.queue_actor._actor_id.hex()
+            queue_id = (await self._queue_actor())._actor_id.hex()
             name = queue_actor_name(self.queue)
             self._namespace = await asyncio.to_thread(metrics.broker_of, name, queue_id)
         return self._namespace
@@ -369,7 +437,9 @@ class TargetListActor:
             if self._fetch_channel is not None:
                 self._fetch_task = asyncio.ensure_future(self._fetch_channel.fetch(*args))
             else:
-                self._in_flight = self.queue_actor.fetch_batch.options(num_returns=2).remote(*args)
+                self._in_flight = (
+                    (await self._queue_actor()).fetch_batch.options(num_returns=2).remote(*args)
+                )
                 self._in_flight_kind = "ray"
         if self._fetch_task is not None:
             task = self._fetch_task
@@ -394,12 +464,14 @@ class TargetListActor:
                 self.fetched["inline"] += 1
                 return DirectEntry(got, offsets, got.nbytes)
             # Parked in the queue actor (large): take it through Ray, by reference.
-            self._in_flight = self.queue_actor.fetch_parked.options(num_returns=2).remote(got)
+            self._in_flight = (
+                (await self._queue_actor()).fetch_parked.options(num_returns=2).remote(got)
+            )
             self._in_flight_kind = "parked"
         meta_ref, batch_ref = self._in_flight
         try:
             answer: FetchAnswer = await asyncio.wait_for(meta_ref, FETCH_ANSWER_SECONDS)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             # Still in flight: the next attempt waits for this same fetch.
             error = BrokerUnavailable(
                 f"queue {self.queue!r} did not answer a fetch in {FETCH_ANSWER_SECONDS:.0f} s"
@@ -414,20 +486,31 @@ class TargetListActor:
             parts = [*parts, (batch_ref, 0, rest)] if rest else parts
         return DirectEntry(batch_ref, answer.offsets, answer.nbytes, parts=parts or None)
 
-    async def _register_over_channel(self, endpoint: tuple[str, int, str]) -> bool:
+    async def _register_over_channel(self, endpoint: tuple[str, int, str], cached: bool) -> bool:
         """Connect the FetchChannel and register over it; False if the channel failed
         (counted, logged: the Ray registration then stands). Raises the queue's typed
-        error (a malformed selector...)."""
+        error (a malformed selector...), and ``_StaleEndpoint`` if the ``cached``
+        endpoint failed or answered ``NotLeader`` (its actor is not the queue's now)."""
         try:
             channel = await FetchChannel.connect(*endpoint, self.queue)
         except ChannelBroken as exc:
+            if cached:
+                raise _StaleEndpoint(endpoint, exc) from None
             self._fetch_channel_broke(exc)
             return False
         self._fetch_channel, self._fetch_endpoint = channel, tuple(endpoint)
         try:
             args = (self.consumer_id, self.prefetch, self.selector, self.subscription)
             await channel.register(*args)
-        except ChannelBroken as exc:
+        except (ChannelBroken, NotLeader) as exc:
+            if cached:
+                channel.close()
+                self._fetch_channel, self._fetch_endpoint = None, None
+                raise _StaleEndpoint(endpoint, exc) from None
+            if isinstance(exc, NotLeader):
+                channel.close()
+                self._fetch_channel = None
+                raise
             self._fetch_channel_broke(exc)
             return False
         except BaseException:
@@ -436,11 +519,21 @@ class TargetListActor:
             raise
         return True
 
-    async def _watched_by_queue(self, registered) -> None:
-        """Wait for the Ray registration that hands the queue our handle (its death
-        watch); if it failed, the loader registers again before its next fetch."""
+    async def _watched_by_queue(self) -> None:
+        """Make the Ray registration that hands the queue our handle (its death watch);
+        if it failed, the loader registers again before its next fetch.
+
+        Made once the consumer has its first delivery, or ``WATCH_DELAY_SECONDS``
+        after start: it costs this process milliseconds (unpickling the queue's handle
+        looks the actor up, and the call carries ours), which a new consumer's first
+        message would otherwise wait for. Meanwhile the queue watches the FetchChannel
+        instead: if it closes, the queue delivers again what we held."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._delivered.wait(), WATCH_DELAY_SECONDS)
+        if self._closed:  # closing first: nothing left to watch
+            return
         try:
-            await registered
+            await self._register()
         except Exception as exc:  # the channel's registration succeeded: not a bad setting
             log.info("consumer %s: registering again: %s", self.consumer_id, _reason(exc))
             self._register_again = True
@@ -487,6 +580,8 @@ class TargetListActor:
         ``ConsumerClosed`` if the queue closed us, or the loader's persistent error (a
         ``RayMQError`` naming the queue: ``StorageError``, ``BrokerUnavailable``...)."""
         entries = await self.loader.take(max_messages, timeout)
+        if entries:
+            self._delivered.set()
         # Rows that came inline over the FetchChannel are in this process: put them in
         # the object store for the client (this path is the DeliveryChannel's fallback).
         out = []
@@ -513,10 +608,12 @@ class TargetListActor:
         again (not counted as deliveries). Bounded: the loader fetches nothing while
         one is under way. Unanswered (``BrokerUnavailable``), they stay held by this
         consumer in the queue until it closes or dies, then are delivered again."""
-        call = self.queue_actor.give_back.remote(self.consumer_id, released, self.subscription)
+        call = (await self._queue_actor()).give_back.remote(
+            self.consumer_id, released, self.subscription
+        )
         try:
             await asyncio.wait_for(call, FETCH_ANSWER_SECONDS)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise BrokerUnavailable(
                 f"queue {self.queue!r} did not take {len(released)} messages back"
                 f" in {FETCH_ANSWER_SECONDS:.0f} s"
@@ -553,6 +650,8 @@ class TargetListActor:
             "loader_failures_total": failures.failures_total,
             "loader_error_persistent": failures.persistent,
             "task_restarts": 0 if self._tasks is None else self._tasks.restarts,
+            "started_over": self.started_over,
+            "watched_by_queue": self.watched,
             "delivery_channel": self._channel is not None,
             "delivery_channel_answers": 0 if self._channel is None else self._channel.answers,
             "delivery_channel_by_reference": (
@@ -569,7 +668,9 @@ class TargetListActor:
 
     async def _queue_side(self) -> dict:
         try:
-            return await self.queue_actor.consumer_stats.remote(self.consumer_id, self.subscription)
+            return await (await self._queue_actor()).consumer_stats.remote(
+                self.consumer_id, self.subscription
+            )
         except ray.exceptions.RayTaskError as exc:
             raise exc.cause if isinstance(exc.cause, NotLeader) else exc from None
 
@@ -582,6 +683,7 @@ class TargetListActor:
             self._channel.close()
         if self._tasks is not None:  # the loader and the metrics: none left pending at kill
             await self._tasks.cancel_all()
+        self._delivered.set()  # a registration put off is not made now
         if self._watched is not None:  # before close_consumer, lest it register us again
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._watched, CLOSE_RETRY_SECONDS)
@@ -594,7 +696,7 @@ class TargetListActor:
         deadline = time.monotonic() + CLOSE_RETRY_SECONDS
         while True:
             try:
-                return await self.queue_actor.close_consumer.remote(
+                return await (await self._queue_actor()).close_consumer.remote(
                     self.consumer_id, rest, self.subscription
                 )
             except ray.exceptions.ActorUnavailableError:
@@ -621,7 +723,9 @@ class TargetListActor:
             if isinstance(got, pa.RecordBatch):
                 return offsets_of(got)
             if isinstance(got, int) and self._in_flight is None:  # parked: take it
-                self._in_flight = self.queue_actor.fetch_parked.options(num_returns=2).remote(got)
+                self._in_flight = (
+                    (await self._queue_actor()).fetch_parked.options(num_returns=2).remote(got)
+                )
         if self._fetch_channel is not None:
             self._fetch_channel.close()
             self._fetch_channel = None
@@ -647,6 +751,14 @@ class TargetListActor:
     def pid(self) -> int:
         """This actor's process id (benchmarks sample its memory)."""
         return os.getpid()
+
+
+class _StaleEndpoint(Exception):
+    """A remembered FetchChannel endpoint that failed: its queue actor was replaced."""
+
+    def __init__(self, endpoint: tuple[str, int, str], cause: BaseException):
+        host, port, _secret = endpoint
+        super().__init__(f"the remembered fetch channel {host}:{port} failed: {cause}")
 
 
 def _reason(exc: BaseException) -> str:

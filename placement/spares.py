@@ -9,7 +9,8 @@ by this process, like the consumers it becomes, so it dies with it.
 Submitting an actor's creation itself costs the caller 2-4 ms here (measured): ``warm``
 does it in a background thread, so that a new consumer's first message does not wait
 for the next consumer's spare; ``take`` waits for a creation under way rather than
-start a second one.
+start a second one. A spare that is up comes with its DeliveryChannel's endpoint: the
+consumer starts it over that socket, without a Ray call.
 """
 
 from __future__ import annotations
@@ -29,6 +30,11 @@ _making: dict[tuple[str, str], threading.Event] = {}
 #: Longest ``take`` waits for a spare's creation under way (seconds); a creation is a
 #: submission, not the process start, so only a wedged Ray takes this long.
 CREATION_WAIT_SECONDS = 10.0
+#: Longest the next spare's creation waits for the consumer that took the last one to
+#: have its first answer (``warm``'s ``after``), seconds: a process starting takes a
+#: core for most of a second, which that consumer's first message would share on a
+#: small machine (measured here on 2 cores: 6-7 ms alone, 7-15 ms beside it).
+DEFER_SECONDS = 1.0
 
 
 def _key(node_id: str) -> tuple[str, str]:
@@ -47,9 +53,10 @@ def _new(node_id: str) -> tuple[object, object]:
     return actor, actor.ready.remote()
 
 
-def warm(node_id: str) -> None:
+def warm(node_id: str, after: threading.Event | None = None) -> None:
     """Start a spare on ``node_id`` unless one is there or on its way (returns at once;
-    the creation is submitted from a background thread)."""
+    the creation is submitted from a background thread, once ``after`` is set or
+    ``DEFER_SECONDS`` have passed)."""
     key = _key(node_id)
     with _lock:
         if key in _spares or key in _making:
@@ -58,6 +65,8 @@ def warm(node_id: str) -> None:
 
     def make() -> None:
         try:
+            if after is not None:
+                after.wait(DEFER_SECONDS)
             actor, ready = _new(node_id)
             with _lock:
                 _spares[key], _ready[key] = actor, ready
@@ -91,10 +100,11 @@ def wait_warm(timeout: float | None = None) -> bool:
     return len(done) == len(refs)
 
 
-def take(node_id: str):
-    """A TargetList actor on ``node_id``: the warm spare if there is one (or is being
-    submitted), else a new one. The caller starts the next spare with ``warm`` once its
-    consumer is up."""
+def take(node_id: str) -> tuple[object, tuple[str, int, str] | None]:
+    """A TargetList actor on ``node_id`` (the warm spare if there is one, or is being
+    submitted; else a new one), and its DeliveryChannel's (host, port, secret) if it is
+    up and listening already (None: start it by a Ray call, which waits for it). The
+    caller starts the next spare with ``warm`` once its consumer is up."""
     key = _key(node_id)
     with _lock:
         making = _making.get(key)
@@ -102,5 +112,14 @@ def take(node_id: str):
         making.wait(CREATION_WAIT_SECONDS)
     with _lock:
         actor = _spares.pop(key, None)
-        _ready.pop(key, None)
-    return actor if actor is not None else _new(node_id)[0]
+        ready = _ready.pop(key, None)
+    if actor is None:
+        return _new(node_id)[0], None
+    done, _ = ray.wait([ready], timeout=0)
+    if not done:
+        return actor, None
+    try:
+        return actor, ray.get(ready)
+    except ray.exceptions.RayError as exc:  # it died: the consumer's start says so
+        log.warning("spare TargetList on node %s: %r", node_id, exc)
+        return actor, None

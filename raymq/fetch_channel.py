@@ -74,6 +74,9 @@ log = logging.getLogger("raymq.fetch_channel")
 #: Largest delivery a TargetList asks to get inline (bytes); more is parked and taken
 #: through Ray, without a copy.
 INLINE_BYTES = 256 * 1024
+#: What ``TargetListActor.start`` answers when the endpoint a client remembered did not
+#: answer (the queue's actor was replaced): the client asks for the current one.
+STALE_FETCH_ENDPOINT = "stale fetch endpoint"
 #: Longest request frame (a selector included) (bytes).
 REQUEST_LIMIT = 64 * 1024
 #: Longest answer header a client reads (bytes).
@@ -197,7 +200,7 @@ class FetchChannelServer(SecretServer):
                     await self._answer_register(writer, registered, *req[1:])
                 else:
                     return  # not our client: drop the connection
-        except (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError, ValueError):
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, ValueError):
             pass  # the client went away, or never showed the secret
         except Exception:  # msgpack garbage and the like: drop that connection only
             log.exception("queue %r: fetch channel connection failed", self.queue)
@@ -389,7 +392,7 @@ class FetchChannel:
             )
             if answer != [True]:
                 raise ValueError(f"the queue refused us: {answer!r:.100}")
-        except (OSError, ValueError, asyncio.TimeoutError, asyncio.IncompleteReadError) as exc:
+        except (TimeoutError, OSError, ValueError, asyncio.IncompleteReadError) as exc:
             if writer is not None:
                 writer.close()
             raise ChannelBroken(f"queue {queue!r}: no fetch channel: {exc!r}") from exc

@@ -252,6 +252,7 @@ def fake_consumer(take_batch) -> Consumer:
     c._ack_singles = c._acks._singles
     c.acks_lost = c.close_failures = c.delivery_channel_failures = c.delivery_channel_unread = 0
     c._channel, c._receiver, c._async_takes, c._async_settled = None, None, 0, None
+    c._first_answer = threading.Event()
     c._take_batch = take_batch
     return c
 

@@ -22,6 +22,7 @@ from raymq.core.target_list import FIRST_FETCH_MESSAGES, DirectEntry, EagerLoade
 from raymq.delivery_channel import (
     BY_REFERENCE,
     INLINE_BYTES,
+    START_LIMIT,
     ChannelBroken,
     DeliveryChannel,
     DeliveryChannelServer,
@@ -29,7 +30,7 @@ from raymq.delivery_channel import (
     from_ipc,
     to_ipc,
 )
-from raymq.errors import ConsumerClosed, StorageError
+from raymq.errors import ConsumerClosed, SelectorError, StorageError
 
 #: Bound on a call that must return, in real seconds: only a wedge takes this long.
 ANSWER_SECONDS = 30.0
@@ -53,11 +54,26 @@ class Served:
     """A DeliveryChannelServer on 127.0.0.1 with scripted answers, and a client channel
     used from a thread (as a consumer's receive is)."""
 
-    def __init__(self, answers: list):
+    def __init__(self, answers: list, started: list | None = None):
         self.answers = list(answers)
         self.asked: list[tuple[int, float, int]] = []
         self.given_back: list[pa.RecordBatch] = []
-        self.server = DeliveryChannelServer(self._take, self._give_back, "consumer c of 'q'")
+        #: What each start request answers (an exception is raised); None: no start.
+        self.started = started
+        self.starts: list[dict] = []
+        self.server = DeliveryChannelServer(
+            self._take,
+            self._give_back,
+            "consumer c of 'q'",
+            start=None if started is None else self._start,
+        )
+
+    async def _start(self, settings: dict):
+        self.starts.append(settings)
+        answer = self.started.pop(0)
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
 
     async def _take(self, max_messages: int, timeout: float, inline_bytes: int):
         self.asked.append((max_messages, timeout, inline_bytes))
@@ -179,6 +195,56 @@ def test_a_malformed_request_drops_the_connection_without_taking():
 
     served = run(main())
     assert served.asked == []
+
+
+def test_a_spare_is_started_by_its_first_request_and_its_typed_error_crosses():
+    settings = {"queue": "q", "selector": "x > 1", "queue_actor": b"\x00" * 400}
+    refused = SelectorError("queue 'q': malformed selector")
+
+    async def main():
+        served = Served([delivery(0, 2)], started=[refused, "stale fetch endpoint", ["h", 1]])
+        channel = await served.client()
+        got = []
+        with pytest.raises(SelectorError, match="'q'"):
+            await asyncio.to_thread(channel.start, settings, 5.0)
+        for _ in range(2):  # a start the TargetList did not carry out may be asked again
+            got.append(await asyncio.to_thread(channel.start, settings, 5.0))
+        got.append(await asyncio.to_thread(channel.take, 10, 0.1))
+        channel.close()
+        return served, got
+
+    served, got = run(main())
+    assert served.starts == [settings] * 3
+    assert got[:2] == ["stale fetch endpoint", ["h", 1]]
+    assert got[2].column("offset").to_pylist() == [0, 1]
+
+
+def test_a_start_after_a_take_or_to_a_server_without_one_drops_the_connection():
+    async def main():
+        served = Served([None, None], started=[["h", 1]])
+        channel = await served.client()
+        await asyncio.to_thread(channel.take, 1, 0.0)
+        with pytest.raises(ChannelBroken):  # a start comes first or not at all
+            await asyncio.to_thread(channel.start, {"queue": "q"}, 5.0)
+        plain = Served([None])
+        other = await plain.client()
+        with pytest.raises(ChannelBroken):  # a server that cannot start anything
+            await asyncio.to_thread(other.start, {"queue": "q"}, 5.0)
+        return served, plain
+
+    served, plain = run(main())
+    assert served.starts == [] and plain.asked == []
+
+
+def test_a_start_request_over_its_limit_drops_the_connection_unstarted():
+    async def main():
+        served = Served([], started=[["h", 1]])
+        channel = await served.client()
+        with pytest.raises(ChannelBroken):
+            await asyncio.to_thread(channel.start, {"selector": "x" * START_LIMIT}, 5.0)
+        return served
+
+    assert run(main()).starts == []
 
 
 # -- the TargetList side ------------------------------------------------------------------

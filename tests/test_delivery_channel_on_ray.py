@@ -9,10 +9,13 @@ over it (bad settings still raise) and makes no Ray fetch at all."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import ray
 from raymq.actors.target_list_actor import TargetListActor
+from raymq.placement import spares
+from raymq.placement.nodes import current_node_id
 
 from raymq import delivery_channel
 from raymq.errors import SelectorError
@@ -127,10 +130,27 @@ def test_a_target_list_registers_over_the_fetch_channel_and_bad_settings_still_r
     endpoint = ray.get(q._actor.fetch_endpoint.remote())
     bad = TargetListActor.remote()
     with pytest.raises(SelectorError):
-        ray.get(bad.start.remote(q._actor, q.name, "bad", 10, "x =", 10, 2**20, 0, None, endpoint))
+        ray.get(
+            bad.start.remote(
+                ray.cloudpickle.dumps(q._actor),
+                q.name,
+                "bad",
+                10,
+                "x =",
+                10,
+                2**20,
+                0,
+                None,
+                endpoint,
+            )
+        )
     assert q.stats()["consumers"] == 0
     tl = TargetListActor.remote()
-    ray.get(tl.start.remote(q._actor, q.name, "c1", 10, None, 10, 2**20, 0, None, endpoint))
+    ray.get(
+        tl.start.remote(
+            ray.cloudpickle.dumps(q._actor), q.name, "c1", 10, None, 10, 2**20, 0, None, endpoint
+        )
+    )
     offset = q.send(b"hello")
     entries = ray.get(tl.take.remote(10, 30))
     bodies = [ray.get(ref).slice(start, n).column("body").to_pylist() for ref, start, n in entries]
@@ -144,3 +164,57 @@ def test_a_target_list_registers_over_the_fetch_channel_and_bad_settings_still_r
         ray.kill(actor)
     with q.consumer() as c:
         assert [m.offset for m in c.receive(timeout=30)] == [offset]
+
+
+def test_a_warm_spare_is_started_over_its_channel_and_one_still_starting_by_ray(
+    broker, monkeypatch
+):
+    q = broker.create_queue("started-over")
+    sent = q.send_batch([b"a", b"b"])
+    assert spares.wait_warm(timeout=60)
+    with q.consumer() as c:
+        assert [m.offset for m in c.receive(timeout=30)] == sent[:1]
+        assert c.stats()["started_over"] == "delivery channel"
+    take = spares.take
+    monkeypatch.setattr(spares, "take", lambda node: (take(node)[0], None))  # not up yet
+    with q.consumer() as c:
+        assert [m.offset for m in c.receive(2, timeout=30)] == sent
+        stats = c.stats()
+        c.ack(sent, wait=True)
+    assert stats["started_over"] == "ray" and stats["delivery_channel"]
+    assert c.delivery_channel_failures == 0
+
+
+def _put_off_the_watch(actor) -> None:
+    """In a spare's process: its Ray registration waits for a first delivery."""
+    import raymq.actors.target_list_actor as module
+
+    module.WATCH_DELAY_SECONDS = 600.0
+
+
+def test_messages_of_a_target_list_that_dies_before_the_queue_watches_it_come_again(broker):
+    q = broker.create_queue("unwatched")
+    sent = q.send_batch([b"a", b"b", b"c"])
+    assert spares.wait_warm(timeout=60)
+    spare = spares._spares[spares._key(current_node_id())]
+    ray.get(spare.__ray_call__.remote(_put_off_the_watch))
+    c = q.consumer(prefetch=10)
+    assert c.target_list._actor_id == spare._actor_id
+
+    def held(actor) -> tuple[int, bool]:
+        return actor.targets.watermark, actor._watched.done()
+
+    deadline = time.monotonic() + 30
+    while ray.get(c.target_list.__ray_call__.remote(held))[0] < 3:
+        assert time.monotonic() < deadline, "the TargetList never loaded the 3 messages"
+    assert ray.get(c.target_list.__ray_call__.remote(held)) == (3, False)  # unwatched
+    ray.kill(c.target_list, no_restart=True)  # its FetchChannel closes with it
+    with q.consumer() as again:
+        got = again.receive(3, timeout=30)
+        while len(got) < 3:
+            more = again.receive(3 - len(got), timeout=30)
+            assert more, f"{len(got)} of 3 came again"
+            got += more
+        assert sorted(m.offset for m in got) == sent
+        again.ack(got, wait=True)
+    c.close()  # its TargetList is dead: nothing to give back

@@ -52,11 +52,17 @@ def wait_loaded(consumer) -> None:
     """Wait until the consumer's loader holds its whole prefetch: its first fetch has
     landed (it now asks the governor for direct references sized by the messages it
     saw, not for its whole ``high_watermark_bytes``) and it fetches nothing more until
-    something is taken, so its usage stays as it is."""
+    something is taken, so its usage stays as it is; and the queue watches it (its
+    TargetList's Ray registration, which a consumer not served yet puts off briefly,
+    is what hands it to the governor)."""
     deadline = time.monotonic() + DEADLINE_SECONDS
-    while consumer.stats()["watermark"] < consumer.prefetch:
+    while not _loaded_and_watched(consumer.stats(), consumer.prefetch):
         assert time.monotonic() < deadline, f"not loaded in {DEADLINE_SECONDS} s"
         time.sleep(0.05)
+
+
+def _loaded_and_watched(stats: dict, prefetch: int) -> bool:
+    return stats["watermark"] >= prefetch and stats["watched_by_queue"]
 
 
 def test_budgets_follow_queue_size_and_reach_queues_and_consumers(broker_factory):

@@ -162,3 +162,30 @@ def test_a_consumer_made_through_an_old_handle_of_a_hibernated_queue_receives(br
         assert [m.body for m in got] == [b"kept"]
         c.ack(got, wait=True)
     assert q.stats()["depth"] == 0
+
+
+def test_a_handle_remembers_the_fetch_channel_and_asks_again_once_it_is_stale(broker):
+    q = broker.create_queue("remembered")
+    q.send_batch([b"a", b"b"])
+    asked = []
+    invoke = q._invoke
+    q._invoke = lambda method, *args: asked.append(method) or invoke(method, *args)
+    with q.consumer() as c:
+        assert c.receive(timeout=30)  # not acked
+    with q.consumer() as c:  # remembered: the new consumer costs no call to the queue
+        assert c.receive(timeout=30)
+    assert asked.count("fetch_endpoint") == 1
+    old = q._fetch_endpoint_of
+    assert broker.hibernate("remembered") and not _running(broker, "remembered")
+    with q.consumer() as c:  # the remembered channel is the old actor's: asked again
+        got = list(c.receive(2, timeout=30))
+        while len(got) < 2:
+            more = c.receive(2 - len(got), timeout=30)
+            assert more, f"{len(got)} of 2 messages"
+            got += more
+        assert sorted(m.body for m in got) == [b"a", b"b"]
+        c.ack(got, wait=True)
+        stats = c.stats()
+    assert asked.count("fetch_endpoint") == 2 and q._fetch_endpoint_of != old
+    assert stats["fetch_channel"] and stats["fetch_channel_failures"] == 0
+    assert q.stats()["depth"] == 0

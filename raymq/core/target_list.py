@@ -493,6 +493,9 @@ class EagerLoader:
             if len(released):  # the newest: nothing later is under way
                 with contextlib.suppress(Exception):  # logged: held until close, then
                     await self._return(released)
+            # A receive waiting for these goes first: the next fetch can wait that long
+            # (its request costs the loop about 0.5 ms here, before the receive's rows).
+            await asyncio.sleep(0)
 
     def _failed(self, failure: FetchFailed) -> float:
         """Count a failure, wake waiting takes if it now persists; returns the backoff."""
@@ -526,8 +529,11 @@ class EagerLoader:
             self.targets.load_from_pending()  # buffered here: hand it out before any error
         if not self.targets.direct and self.error() is None:
             self._filled.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._filled.wait(), max(timeout, 0.0))
+            # Not ``wait_for``: its inner task would wake us two loop turns after the
+            # loader's ``set`` (the loader yields one turn to a waiting receive).
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(timeout, 0.0)):
+                    await self._filled.wait()
 
     def take_now(self, max_messages: int) -> list[tuple[object, int, int]]:
         """``take`` without waiting: what is buffered, up to ``max_messages``, else the

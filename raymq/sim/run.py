@@ -287,7 +287,7 @@ class Simulation:
     async def _bounded(self, awaitable, what: str):
         try:
             return await asyncio.wait_for(awaitable, CALL_BOUND)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise Violation(f"{what} did not return within {CALL_BOUND} s (a wedge)") from None
 
     def _open(self) -> None:
