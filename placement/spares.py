@@ -15,6 +15,7 @@ consumer starts it over that socket, without a Ray call.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 
@@ -120,6 +121,8 @@ def take(node_id: str) -> tuple[object, tuple[str, int, str] | None]:
         return actor, None
     try:
         return actor, ray.get(ready)
-    except ray.exceptions.RayError as exc:  # it died: the consumer's start says so
-        log.warning("spare TargetList on node %s: %r", node_id, exc)
-        return actor, None
+    except ray.exceptions.RayError as exc:  # it died, say: a new one, started by Ray
+        log.warning("spare TargetList on node %s failed, starting another: %r", node_id, exc)
+        with contextlib.suppress(Exception):
+            ray.kill(actor, no_restart=True)
+        return _new(node_id)[0], None

@@ -1015,8 +1015,16 @@ class Consumer:
                 # Started over its channel, not by a Ray call (``raymq.delivery_channel``).
                 try:
                     self._channel = DeliveryChannel(*spare_channel, queue.name)
-                except DeliveryBroken as exc:
-                    self._channel_broke(exc)
+                except DeliveryBroken as exc:  # the spare died since it was up, say
+                    _log.warning(
+                        "queue %r: a new TargetList for consumer %s: %s",
+                        queue.name,
+                        self.consumer_id,
+                        exc,
+                    )
+                    with contextlib.suppress(Exception):
+                        ray.kill(self.target_list, no_restart=True)
+                    self.target_list, _ = spares.take(node)  # a new one (none is warm)
             endpoint = self._start(fetch_endpoint, cached, settings)
             if endpoint == STALE_FETCH_ENDPOINT:  # the queue's actor was replaced
                 fetch_endpoint, _ = queue._fetch_endpoint(fresh=True)

@@ -9,6 +9,8 @@ over it (bad settings still raise) and makes no Ray fetch at all."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 
 import pytest
@@ -218,3 +220,29 @@ def test_messages_of_a_target_list_that_dies_before_the_queue_watches_it_come_ag
         assert sorted(m.offset for m in got) == sent
         again.ack(got, wait=True)
     c.close()  # its TargetList is dead: nothing to give back
+
+
+def _dead(pid: int) -> bool:
+    """Gone, or a zombie its parent has not reaped yet."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_a_spare_that_died_after_it_was_up_is_replaced_by_a_new_target_list(broker):
+    q = broker.create_queue("dead-spare")
+    offset = q.send(b"a")
+    assert spares.wait_warm(timeout=60)
+    spare = spares._spares[spares._key(current_node_id())]
+    pid = ray.get(spare.pid.remote())
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while not _dead(pid):
+        assert time.monotonic() < deadline, "the spare's process did not die"
+    with q.consumer() as c:
+        assert c.target_list._actor_id != spare._actor_id
+        assert [m.offset for m in c.receive(timeout=30)] == [offset]
+        assert c.stats()["started_over"] == "ray"
+        c.ack(offset, wait=True)
