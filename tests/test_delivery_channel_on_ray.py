@@ -227,7 +227,7 @@ def _dead(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
+    except OSError:  # gone (ENOENT), or going while read (ESRCH)
         return True
 
 
