@@ -48,6 +48,11 @@ WATCH_PERIOD_SECONDS = 10.0
 CONSUMER_SILENCE_SECONDS = 10.0
 #: A ping unanswered for this long is retried next round, not taken as death (seconds).
 PING_TIMEOUT_SECONDS = 5.0
+#: A consumer whose FetchChannel connection closed while the queue did not watch it
+#: yet (its TargetList puts off its Ray registration until its first delivery, at most
+#: 0.1 s) is taken for dead only if it is still unwatched and registered this long
+#: after (seconds): a live TargetList registers, or closes, well within it.
+UNWATCHED_GRACE_SECONDS = 2.0
 #: Longest a dead-letter batch waits on a BLOCKed dead-letter queue before it is
 #: retried (seconds).
 DEAD_LETTER_SEND_TIMEOUT_SECONDS = 5.0
@@ -432,14 +437,28 @@ class QueueActor:
 
     def _channel_lost(self, registered: list[tuple[str, str | None]]) -> None:
         """A FetchChannel connection ended: consumers it registered that are still not
-        watched (their TargetList died before its Ray registration landed) are closed,
-        and what they held is delivered again."""
+        watched, and still so ``UNWATCHED_GRACE_SECONDS`` later (their TargetList died
+        before its Ray registration), are closed, and what they held is delivered
+        again. Not at once: a TargetList closing, or fetching through Ray after its
+        channel broke, is alive and registers or closes meanwhile."""
         if not self._started or self._hibernating:
             return
-        for consumer_id, subscription in registered:
-            sub = self.core.subscriptions.get(subscription) if subscription else self.core._own
-            target = None if sub is None else sub.area.consumers.get(consumer_id)
-            if target is not None and target.watch is None:
+        unwatched = [(c, s) for c, s in registered if self._unwatched(c, s)]
+        if unwatched:
+            loop = asyncio.get_running_loop()
+            loop.call_later(UNWATCHED_GRACE_SECONDS, self._close_unwatched, unwatched)
+
+    def _unwatched(self, consumer_id: str, subscription: str | None) -> bool:
+        """The consumer is registered, and the queue has no handle to watch it by."""
+        sub = self.core.subscriptions.get(subscription) if subscription else self.core._own
+        target = None if sub is None else sub.area.consumers.get(consumer_id)
+        return target is not None and target.watch is None
+
+    def _close_unwatched(self, consumers: list[tuple[str, str | None]]) -> None:
+        if not self._started or self._hibernating:
+            return
+        for consumer_id, subscription in consumers:
+            if self._unwatched(consumer_id, subscription):
                 how = "its fetch channel closed, unwatched"
                 self._consumer_died(consumer_id, how, subscription)
 

@@ -19,7 +19,7 @@ looked up again by name: once the queue is started again, loading resumes.
 
 Starting: a consumer takes a warm spare (``raymq.placement.spares``) and starts it with
 the first request on its DeliveryChannel (``_channel_start``), not a Ray call; the
-queue actor's handle comes pickled, and is unpickled only when needed (the Ray
+queue actor's handle is then looked up by name only when needed (the Ray
 registration that gives the queue our handle for its death watch waits for the first
 delivery, at most ``WATCH_DELAY_SECONDS``; until then the queue watches the FetchChannel
 instead). Each of those costs a new consumer's first message milliseconds here.
@@ -54,7 +54,14 @@ from raymq.core.target_list import (
 )
 from raymq.delivery_channel import BY_REFERENCE, DeliveryChannelServer
 from raymq.errors import BrokerUnavailable, NotLeader, RayMQError
-from raymq.fetch_channel import STALE_FETCH_ENDPOINT, ChannelBroken, FetchChannel, offsets_of
+from raymq.fetch_channel import (
+    CONNECT_TIMEOUT_SECONDS,
+    REMEMBERED_CONNECT_SECONDS,
+    STALE_FETCH_ENDPOINT,
+    ChannelBroken,
+    FetchChannel,
+    offsets_of,
+)
 
 log = logging.getLogger("raymq.consumer")
 
@@ -78,9 +85,9 @@ class TargetListActor:
     # (Also class defaults: tests make a bare instance to try one method.)
     _fetch_channel: FetchChannel | None = None
     _fetch_task: asyncio.Task | None = None
-    #: start's pickled queue actor handle, and its unpickling (``_queue_actor``).
-    _pickled_queue_actor: bytes | None = None
-    _unpickling: asyncio.Future | None = None
+    #: The queue actor's lookup by name under way (``_queue_actor``).
+    _finding: asyncio.Future | None = None
+    _starting = False  # a start under way or done (``start``)
 
     def __init__(self):
         # Created blank, as a warm spare (``raymq.placement.spares``): starting a
@@ -165,7 +172,7 @@ class TargetListActor:
 
     async def start(
         self,
-        queue_actor: bytes,
+        queue_actor,
         queue: str,
         consumer_id: str,
         prefetch: int,
@@ -183,11 +190,12 @@ class TargetListActor:
         eager loading. Returns the (host, port, secret) of this consumer's
         DeliveryChannel, None if it could not listen (receives then go through Ray).
 
-        ``queue_actor``: the queue actor's handle, pickled (``ray.cloudpickle``). An
-        actor handle among a call's arguments delays the call 2-4 ms here (the
-        receiving process looks the actor up before it runs the call; measured), and
-        unpickling it slows the first fetch alike: over the FetchChannel, it waits for
-        the first delivery (``_watched_by_queue``).
+        ``queue_actor``: the queue actor's handle; None when started over the
+        DeliveryChannel (``_channel_start``): it is then looked up by name in
+        ``namespace`` when first needed. An actor handle among a call's arguments
+        delays the call 2-4 ms here (the receiving process looks the actor up before it
+        runs the call; measured), and the lookup slows the first fetch alike: over the
+        FetchChannel, it waits for the first delivery (``_watched_by_queue``).
 
         ``fetch_endpoint``: the queue's FetchChannel (``QueueActor.fetch_endpoint``):
         given, we register and fetch over it at once, and our actor handle reaches the
@@ -200,10 +208,14 @@ class TargetListActor:
 
         ``namespace``: the broker's Ray namespace, where the queue's actor is looked up
         again after it fails (None: asked of Ray while the queue actor lives)."""
+        if self._starting:  # (a start that answered STALE_FETCH_ENDPOINT sets it back)
+            raise ValueError(f"consumer {self.consumer_id}: started already")
+        if queue_actor is None and namespace is None:
+            raise ValueError("start: the broker's namespace is needed to find the queue")
+        self._starting = True
         if namespace is not None:
             self._namespace = namespace
-        self.queue_actor = None
-        self._pickled_queue_actor = queue_actor
+        self.queue_actor, self._finding = queue_actor, None
         self.subscription = subscription
         self.queue = queue
         self.consumer_id = consumer_id
@@ -217,6 +229,7 @@ class TargetListActor:
                 over_channel = await self._register_over_channel(fetch_endpoint, endpoint_cached)
             except _StaleEndpoint as exc:
                 log.info("consumer %s: %s", consumer_id, exc)
+                self._starting = False  # nothing started: the client starts us again
                 return STALE_FETCH_ENDPOINT
         if over_channel:
             # The Ray registration hands the queue our handle, for its death watch: in
@@ -250,14 +263,19 @@ class TargetListActor:
         """``start`` for the DeliveryChannel (the consumer's first request on it): Ray's
         failures (of the queue's actor, say) become ``BrokerUnavailable``, as the
         client's Ray calls make them."""
-        if self._tasks is not None or self._closed:
-            raise ValueError(f"consumer {self.consumer_id}: started already")
+        if self._closed:
+            raise ValueError(f"consumer {self.consumer_id}: closed")
         self.started_over = "delivery channel"
         fetch_endpoint = settings.pop("fetch_endpoint", None)
+        if fetch_endpoint is not None:
+            fetch_endpoint = tuple(fetch_endpoint)
         try:
-            return await self.start(
-                **settings, fetch_endpoint=None if fetch_endpoint is None else tuple(fetch_endpoint)
-            )
+            return await self.start(None, **settings, fetch_endpoint=fetch_endpoint)
+        except ray.exceptions.RayTaskError as exc:  # as the client's ``_unwrap``
+            if isinstance(exc.cause, RayMQError | TypeError | ValueError):
+                raise exc.cause from None
+            error = BrokerUnavailable(f"queue {settings.get('queue')!r}: {_reason(exc)}")
+            raise error from None
         except ray.exceptions.RayError as exc:
             raise BrokerUnavailable(f"queue {settings.get('queue')!r}: {_reason(exc)}") from None
 
@@ -310,17 +328,24 @@ class TargetListActor:
         await self.loader.give_back_taken(offsets_of(batch))
 
     async def _queue_actor(self):
-        """The queue's actor handle: the first time, once start's pickled one is
-        unpickled; a replaced queue actor's is looked up by name (``_find_queue``)."""
+        """The queue's actor handle: start's, or (started over the DeliveryChannel)
+        looked up by name the first time it is needed (``_find_queue``; a replaced
+        queue actor's is looked up again that way). Raises ``BrokerUnavailable`` if
+        the queue's actor is not running."""
         if self.queue_actor is None:
-            if self._pickled_queue_actor is None:
+            if not self._starting:
                 raise RuntimeError("a spare TargetList: start() it first")
-            if self._unpickling is None:  # in a thread: it waits on the GCS
-                loads = ray.cloudpickle.loads
-                self._unpickling = asyncio.ensure_future(
-                    asyncio.to_thread(loads, self._pickled_queue_actor)
-                )
-            self.queue_actor = await asyncio.shield(self._unpickling)
+            if self._finding is None:  # one lookup for every caller waiting on it
+                self._finding = asyncio.ensure_future(self._find_queue())
+            finding = self._finding
+            try:
+                found = await asyncio.shield(finding)
+            except FetchFailed as exc:
+                if self._finding is finding:
+                    self._finding = None  # the next caller looks again
+                raise exc.error from None
+            if self.queue_actor is None:  # (not replaced meanwhile by a newer lookup)
+                self.queue_actor = found
         return self.queue_actor
 
     async def _register(self) -> tuple[str, int, str] | None:
@@ -491,8 +516,9 @@ class TargetListActor:
         (counted, logged: the Ray registration then stands). Raises the queue's typed
         error (a malformed selector...), and ``_StaleEndpoint`` if the ``cached``
         endpoint failed or answered ``NotLeader`` (its actor is not the queue's now)."""
+        timeout = REMEMBERED_CONNECT_SECONDS if cached else CONNECT_TIMEOUT_SECONDS
         try:
-            channel = await FetchChannel.connect(*endpoint, self.queue)
+            channel = await FetchChannel.connect(*endpoint, self.queue, timeout=timeout)
         except ChannelBroken as exc:
             if cached:
                 raise _StaleEndpoint(endpoint, exc) from None

@@ -28,6 +28,8 @@ _spares: dict[tuple[str, str], object] = {}
 _ready: dict[tuple[str, str], object] = {}  # each spare's first call (an ObjectRef)
 #: Creations under way in a background thread, each set when it is over.
 _making: dict[tuple[str, str], threading.Event] = {}
+#: Creations put off (``warm``'s ``after``): ``take`` and ``wait_warm`` end the wait.
+_deferred: dict[tuple[str, str], threading.Event] = {}
 #: Longest ``take`` waits for a spare's creation under way (seconds); a creation is a
 #: submission, not the process start, so only a wedged Ray takes this long.
 CREATION_WAIT_SECONDS = 10.0
@@ -57,12 +59,14 @@ def _new(node_id: str) -> tuple[object, object]:
 def warm(node_id: str, after: threading.Event | None = None) -> None:
     """Start a spare on ``node_id`` unless one is there or on its way (returns at once;
     the creation is submitted from a background thread, once ``after`` is set or
-    ``DEFER_SECONDS`` have passed)."""
+    ``DEFER_SECONDS`` have passed, or as soon as ``take`` or ``wait_warm`` wants it)."""
     key = _key(node_id)
     with _lock:
         if key in _spares or key in _making:
             return
         done = _making[key] = threading.Event()
+        if after is not None:
+            _deferred[key] = after
 
     def make() -> None:
         try:
@@ -76,6 +80,7 @@ def warm(node_id: str, after: threading.Event | None = None) -> None:
         finally:
             with _lock:
                 _making.pop(key, None)
+                _deferred.pop(key, None)
             done.set()
 
     threading.Thread(target=make, name="raymq-spare", daemon=True).start()
@@ -91,6 +96,9 @@ def wait_warm(timeout: float | None = None) -> bool:
     job = ray.get_runtime_context().get_job_id()
     with _lock:
         making = [done for (job_id, _node), done in _making.items() if job_id == job]
+        for (job_id, _node), after in _deferred.items():
+            if job_id == job:
+                after.set()  # wanted now
     for done in making:  # submitted in a moment: a submission is milliseconds
         done.wait(timeout)
     with _lock:
@@ -109,6 +117,9 @@ def take(node_id: str) -> tuple[object, tuple[str, int, str] | None]:
     key = _key(node_id)
     with _lock:
         making = _making.get(key)
+        after = _deferred.get(key)
+    if after is not None:
+        after.set()  # wanted now: not after the last consumer's first answer
     if making is not None:
         making.wait(CREATION_WAIT_SECONDS)
     with _lock:

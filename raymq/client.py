@@ -1025,6 +1025,7 @@ class Consumer:
                     with contextlib.suppress(Exception):
                         ray.kill(self.target_list, no_restart=True)
                     self.target_list, _ = spares.take(node)  # a new one (none is warm)
+                    spare_channel = None  # its channel: once Ray started it
             endpoint = self._start(fetch_endpoint, cached, settings)
             if endpoint == STALE_FETCH_ENDPOINT:  # the queue's actor was replaced
                 fetch_endpoint, _ = queue._fetch_endpoint(fresh=True)
@@ -1056,7 +1057,6 @@ class Consumer:
         id_, prefetch, selector, high, high_bytes, pending_bytes, subscription = settings
         if self._channel is not None:
             named = {
-                "queue_actor": ray.cloudpickle.dumps(queue._actor),
                 "queue": queue.actor_name,
                 "consumer_id": id_,
                 "prefetch": prefetch,
@@ -1077,7 +1077,7 @@ class Consumer:
                 ) from exc
         return _call(
             self.target_list.start,
-            ray.cloudpickle.dumps(queue._actor),  # (why pickled: ``start``)
+            queue._actor,
             queue.actor_name,
             id_,
             prefetch,

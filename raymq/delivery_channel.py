@@ -63,6 +63,7 @@ import msgpack
 import pyarrow as pa
 
 from raymq.errors import RayMQError
+from raymq.selector.parser import MAX_SELECTOR_LENGTH
 from raymq.send_channel import error_of
 
 log = logging.getLogger("raymq.delivery_channel")
@@ -75,8 +76,9 @@ INLINE_BYTES = 256 * 1024
 HELLO_LIMIT = 1024
 #: Longest request frame (bytes).
 REQUEST_LIMIT = 1024
-#: Longest start request (bytes): a selector, a pickled actor handle (about 360 bytes).
-START_LIMIT = 64 * 1024
+#: Longest start request (bytes): the longest selector (4 bytes a character at most in
+#: UTF-8) and the other settings.
+START_LIMIT = 4 * MAX_SELECTOR_LENGTH + 16 * 1024
 #: Longest answer header a client reads (bytes).
 HEADER_LIMIT = 64 * 1024
 #: Seconds a client waits to connect and for the server's answer to its secret.

@@ -77,6 +77,9 @@ INLINE_BYTES = 256 * 1024
 #: What ``TargetListActor.start`` answers when the endpoint a client remembered did not
 #: answer (the queue's actor was replaced): the client asks for the current one.
 STALE_FETCH_ENDPOINT = "stale fetch endpoint"
+#: How long a TargetList tries a remembered endpoint (seconds): the queue's actor on a
+#: lost node does not refuse, it is silent; the client then asks for the current one.
+REMEMBERED_CONNECT_SECONDS = 1.0
 #: Longest request frame (a selector included) (bytes).
 REQUEST_LIMIT = 64 * 1024
 #: Longest answer header a client reads (bytes).
@@ -378,18 +381,22 @@ class FetchChannel:
         self.closed = False
 
     @classmethod
-    async def connect(cls, host: str, port: int, secret: str, queue: str) -> FetchChannel:
-        """Connect and present ``secret``; raises ``ChannelBroken`` if that fails."""
+    async def connect(
+        cls,
+        host: str,
+        port: int,
+        secret: str,
+        queue: str,
+        timeout: float = CONNECT_TIMEOUT_SECONDS,
+    ) -> FetchChannel:
+        """Connect and present ``secret`` within ``timeout`` seconds each; raises
+        ``ChannelBroken`` if that fails."""
         writer = None
         try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(host, port), CONNECT_TIMEOUT_SECONDS
-            )
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
             nodelay(writer)
             writer.write(frame([secret]))
-            answer = await asyncio.wait_for(
-                _read_frame(reader, HEADER_LIMIT), CONNECT_TIMEOUT_SECONDS
-            )
+            answer = await asyncio.wait_for(_read_frame(reader, HEADER_LIMIT), timeout)
             if answer != [True]:
                 raise ValueError(f"the queue refused us: {answer!r:.100}")
         except (TimeoutError, OSError, ValueError, asyncio.IncompleteReadError) as exc:

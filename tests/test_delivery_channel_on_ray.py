@@ -20,7 +20,9 @@ from raymq.placement import spares
 from raymq.placement.nodes import current_node_id
 
 from raymq import delivery_channel
+from raymq.delivery_channel import DeliveryChannel
 from raymq.errors import SelectorError
+from raymq.selector.parser import MAX_SELECTOR_LENGTH
 
 
 def test_single_messages_come_inline_and_a_deep_batch_by_reference(broker):
@@ -134,7 +136,7 @@ def test_a_target_list_registers_over_the_fetch_channel_and_bad_settings_still_r
     with pytest.raises(SelectorError):
         ray.get(
             bad.start.remote(
-                ray.cloudpickle.dumps(q._actor),
+                q._actor,
                 q.name,
                 "bad",
                 10,
@@ -148,11 +150,7 @@ def test_a_target_list_registers_over_the_fetch_channel_and_bad_settings_still_r
         )
     assert q.stats()["consumers"] == 0
     tl = TargetListActor.remote()
-    ray.get(
-        tl.start.remote(
-            ray.cloudpickle.dumps(q._actor), q.name, "c1", 10, None, 10, 2**20, 0, None, endpoint
-        )
-    )
+    ray.get(tl.start.remote(q._actor, q.name, "c1", 10, None, 10, 2**20, 0, None, endpoint))
     offset = q.send(b"hello")
     entries = ray.get(tl.take.remote(10, 30))
     bodies = [ray.get(ref).slice(start, n).column("body").to_pylist() for ref, start, n in entries]
@@ -177,14 +175,29 @@ def test_a_warm_spare_is_started_over_its_channel_and_one_still_starting_by_ray(
     with q.consumer() as c:
         assert [m.offset for m in c.receive(timeout=30)] == sent[:1]
         assert c.stats()["started_over"] == "delivery channel"
+    assert spares.wait_warm(timeout=60)
+    longest = "b = '" + "é" * (MAX_SELECTOR_LENGTH - 6) + "'"  # 2 bytes a character
+    with q.consumer(selector=longest) as c:
+        assert c.stats()["started_over"] == "delivery channel"
     take = spares.take
     monkeypatch.setattr(spares, "take", lambda node: (take(node)[0], None))  # not up yet
     with q.consumer() as c:
-        assert [m.offset for m in c.receive(2, timeout=30)] == sent
+        got = receive_all(c, 2)
         stats = c.stats()
         c.ack(sent, wait=True)
+    assert [m.offset for m in got] == sent
     assert stats["started_over"] == "ray" and stats["delivery_channel"]
     assert c.delivery_channel_failures == 0
+
+
+def receive_all(consumer, n: int) -> list:
+    """Exactly ``n`` messages, by as many receives as it takes (30 s each at most)."""
+    got = []
+    while len(got) < n:
+        more = consumer.receive(n - len(got), timeout=30)
+        assert more, f"{len(got)} of {n} messages"
+        got += more
+    return got
 
 
 def _put_off_the_watch(actor) -> None:
@@ -209,17 +222,60 @@ def test_messages_of_a_target_list_that_dies_before_the_queue_watches_it_come_ag
     deadline = time.monotonic() + 30
     while ray.get(c.target_list.__ray_call__.remote(held))[0] < 3:
         assert time.monotonic() < deadline, "the TargetList never loaded the 3 messages"
+        time.sleep(0.05)
     assert ray.get(c.target_list.__ray_call__.remote(held)) == (3, False)  # unwatched
     ray.kill(c.target_list, no_restart=True)  # its FetchChannel closes with it
     with q.consumer() as again:
-        got = again.receive(3, timeout=30)
-        while len(got) < 3:
-            more = again.receive(3 - len(got), timeout=30)
-            assert more, f"{len(got)} of 3 came again"
-            got += more
+        got = receive_all(again, 3)
         assert sorted(m.offset for m in got) == sent
         again.ack(got, wait=True)
     c.close()  # its TargetList is dead: nothing to give back
+
+
+def test_a_consumer_closed_before_the_queue_watches_it_gives_back_uncounted(broker):
+    q = broker.create_queue("closed-unwatched")
+    sent = q.send_batch([b"a", b"b", b"c"])
+    assert spares.wait_warm(timeout=60)
+    spare = spares._spares[spares._key(current_node_id())]
+    ray.get(spare.__ray_call__.remote(_put_off_the_watch))
+    c = q.consumer(prefetch=10)
+    deadline = time.monotonic() + 30
+    while ray.get(c.target_list.__ray_call__.remote(lambda a: a.targets.watermark)) < 3:
+        assert time.monotonic() < deadline, "the TargetList never loaded the 3 messages"
+        time.sleep(0.05)
+    c.close()  # never watched: its fetch channel closes too, and that is no death
+    with q.consumer() as again:
+        got = receive_all(again, 3)
+        assert sorted(m.offset for m in got) == sent
+        assert [m.delivery_count for m in got] == [1, 1, 1]  # none was received before
+        again.ack(got, wait=True)
+    assert q.stats()["depth"] == 0
+
+
+def test_a_channel_start_raises_the_typed_error_of_a_ray_registration(broker):
+    q = broker.create_queue("typed-start")
+    assert spares.wait_warm(timeout=60)
+    actor, endpoint = spares.take(current_node_id())
+    assert endpoint is not None
+    channel = DeliveryChannel(*endpoint, q.name)
+    settings = {
+        "queue": q.name,
+        "consumer_id": "c1",
+        "prefetch": 10,
+        "selector": "x =",  # malformed: the queue refuses the registration
+        "high_watermark": 10,
+        "high_watermark_bytes": 2**20,
+        "pending_cache_bytes": 0,
+        "fetch_endpoint": None,  # registered through Ray
+        "namespace": broker.namespace,
+    }
+    try:
+        with pytest.raises(SelectorError):
+            channel.start(settings, 30.0)
+    finally:
+        channel.close()
+        ray.kill(actor, no_restart=True)
+    assert q.stats()["consumers"] == 0
 
 
 def _dead(pid: int) -> bool:
@@ -241,8 +297,10 @@ def test_a_spare_that_died_after_it_was_up_is_replaced_by_a_new_target_list(brok
     deadline = time.monotonic() + 30
     while not _dead(pid):
         assert time.monotonic() < deadline, "the spare's process did not die"
+        time.sleep(0.05)
     with q.consumer() as c:
         assert c.target_list._actor_id != spare._actor_id
+        assert c._channel is not None  # its own channel, once Ray started it
         assert [m.offset for m in c.receive(timeout=30)] == [offset]
         assert c.stats()["started_over"] == "ray"
         c.ack(offset, wait=True)
