@@ -471,7 +471,10 @@ class TargetListActor:
             try:
                 got = await asyncio.shield(task)  # a cancelled loader leaves it to close
             except asyncio.CancelledError:
-                if task.done():
+                # A fetch that finished as the loader was cancelled (by close) keeps its
+                # rows for close, which gives them back as never received: dropped here,
+                # the queue would count them as delivered (a dead letter too early).
+                if task.done() and (task.cancelled() or task.exception() is not None):
                     self._fetch_task = None
                 raise
             except ChannelBroken as exc:

@@ -11,15 +11,7 @@ import pytest
 
 from raymq.client import _call
 from raymq.errors import QueueExists, QueueNotFound, SubscriptionExists, SubscriptionNotFound
-
-
-def receive_all(consumer, want: int) -> list:
-    got = []
-    while len(got) < want:
-        batch = consumer.receive(want - len(got), timeout=30)
-        assert batch, f"only {len(got)} of {want} messages came"
-        got += batch
-    return got
+from tests.consumer_helpers import receive_all
 
 
 def test_fan_out_to_subscriptions_with_competing_consumers_and_selectors(broker):

@@ -23,6 +23,7 @@ from raymq import delivery_channel
 from raymq.delivery_channel import DeliveryChannel
 from raymq.errors import SelectorError
 from raymq.selector.parser import MAX_SELECTOR_LENGTH
+from tests.consumer_helpers import receive_all, unwatched_consumer
 
 
 def test_single_messages_come_inline_and_a_deep_batch_by_reference(broker):
@@ -190,40 +191,11 @@ def test_a_warm_spare_is_started_over_its_channel_and_one_still_starting_by_ray(
     assert c.delivery_channel_failures == 0
 
 
-def receive_all(consumer, n: int) -> list:
-    """Exactly ``n`` messages, by as many receives as it takes (30 s each at most)."""
-    got = []
-    while len(got) < n:
-        more = consumer.receive(n - len(got), timeout=30)
-        assert more, f"{len(got)} of {n} messages"
-        got += more
-    return got
-
-
-def _put_off_the_watch(actor) -> None:
-    """In a spare's process: its Ray registration waits for a first delivery."""
-    import raymq.actors.target_list_actor as module
-
-    module.WATCH_DELAY_SECONDS = 600.0
-
-
 def test_messages_of_a_target_list_that_dies_before_the_queue_watches_it_come_again(broker):
     q = broker.create_queue("unwatched")
     sent = q.send_batch([b"a", b"b", b"c"])
-    assert spares.wait_warm(timeout=60)
-    spare = spares._spares[spares._key(current_node_id())]
-    ray.get(spare.__ray_call__.remote(_put_off_the_watch))
-    c = q.consumer(prefetch=10)
-    assert c.target_list._actor_id == spare._actor_id
-
-    def held(actor) -> tuple[int, bool]:
-        return actor.targets.watermark, actor._watched.done()
-
-    deadline = time.monotonic() + 30
-    while ray.get(c.target_list.__ray_call__.remote(held))[0] < 3:
-        assert time.monotonic() < deadline, "the TargetList never loaded the 3 messages"
-        time.sleep(0.05)
-    assert ray.get(c.target_list.__ray_call__.remote(held)) == (3, False)  # unwatched
+    c = unwatched_consumer(q, loaded=3)
+    assert not c.stats()["watched_by_queue"]
     ray.kill(c.target_list, no_restart=True)  # its FetchChannel closes with it
     with q.consumer() as again:
         got = receive_all(again, 3)
@@ -235,14 +207,7 @@ def test_messages_of_a_target_list_that_dies_before_the_queue_watches_it_come_ag
 def test_a_consumer_closed_before_the_queue_watches_it_gives_back_uncounted(broker):
     q = broker.create_queue("closed-unwatched")
     sent = q.send_batch([b"a", b"b", b"c"])
-    assert spares.wait_warm(timeout=60)
-    spare = spares._spares[spares._key(current_node_id())]
-    ray.get(spare.__ray_call__.remote(_put_off_the_watch))
-    c = q.consumer(prefetch=10)
-    deadline = time.monotonic() + 30
-    while ray.get(c.target_list.__ray_call__.remote(lambda a: a.targets.watermark)) < 3:
-        assert time.monotonic() < deadline, "the TargetList never loaded the 3 messages"
-        time.sleep(0.05)
+    c = unwatched_consumer(q, loaded=3)
     c.close()  # never watched: its fetch channel closes too, and that is no death
     with q.consumer() as again:
         got = receive_all(again, 3)

@@ -392,6 +392,38 @@ def test_closing_gives_back_the_fetch_under_way_as_not_received():
     assert asyncio.run(main()).tolist() == [7, 8, 9]
 
 
+def test_a_fetch_that_finished_as_the_loader_was_cancelled_goes_back_at_close():
+    # The FetchChannel's answer came in the very turn close cancelled the loader: the
+    # rows are held by this consumer in the queue, and must go back unseen (else the
+    # queue counts them as delivered when the consumer closes).
+    import pyarrow as pa
+    from raymq.actors.target_list_actor import TargetListActor
+
+    from raymq.batch import EMPTY_DELIVERY
+
+    cls = TargetListActor.__ray_metadata__.modified_class
+    actor = cls.__new__(cls)
+    rows = [
+        {"offset": o, "timestamp": 1, "delivery_count": 1, "body": b"x", "properties": b""}
+        for o in (4, 5)
+    ]
+    answer = pa.RecordBatch.from_pylist(rows, schema=EMPTY_DELIVERY.schema)
+
+    async def main():
+        actor._in_flight = None
+        fetched = asyncio.get_running_loop().create_future()
+        actor._fetch_task = fetched
+        loader = asyncio.ensure_future(actor._fetch_once(10))
+        await asyncio.sleep(0)  # one turn: the loader now waits for its fetch
+        fetched.set_result(answer)
+        loader.cancel()  # close, before the loader took the answer in
+        with pytest.raises(asyncio.CancelledError):
+            await loader
+        return await actor._unreceived_fetch()
+
+    assert asyncio.run(main()).tolist() == [4, 5]
+
+
 class OrderedQueue:
     """A queue as the loader sees it: a fetch answers messages given back first (lowest
     offsets), then new ones, ``batch`` at a time; while ``gate`` is set, a fetch's
