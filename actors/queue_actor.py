@@ -455,12 +455,16 @@ class QueueActor:
         return target is not None and target.watch is None
 
     def _close_unwatched(self, consumers: list[tuple[str, str | None]]) -> None:
+        """``_channel_lost``'s timer: close those still registered and unwatched."""
         if not self._started or self._hibernating:
             return
         for consumer_id, subscription in consumers:
-            if self._unwatched(consumer_id, subscription):
-                how = "its fetch channel closed, unwatched"
-                self._consumer_died(consumer_id, how, subscription)
+            try:
+                if self._unwatched(consumer_id, subscription):
+                    how = "its fetch channel closed, unwatched"
+                    self._consumer_died(consumer_id, how, subscription)
+            except Exception:  # a bug: a timer callback has no caller to tell
+                log.exception("queue %r: closing consumer %s", self.core.name, consumer_id)
 
     def _channel_give_back(
         self, consumer_id: str, offsets: np.ndarray, subscription: str | None

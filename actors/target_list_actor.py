@@ -520,32 +520,22 @@ class TargetListActor:
         error (a malformed selector...), and ``_StaleEndpoint`` if the ``cached``
         endpoint failed or answered ``NotLeader`` (its actor is not the queue's now)."""
         timeout = REMEMBERED_CONNECT_SECONDS if cached else CONNECT_TIMEOUT_SECONDS
+        channel = None
         try:
             channel = await FetchChannel.connect(*endpoint, self.queue, timeout=timeout)
-        except ChannelBroken as exc:
-            if cached:
-                raise _StaleEndpoint(endpoint, exc) from None
-            self._fetch_channel_broke(exc)
-            return False
-        self._fetch_channel, self._fetch_endpoint = channel, tuple(endpoint)
-        try:
-            args = (self.consumer_id, self.prefetch, self.selector, self.subscription)
-            await channel.register(*args)
-        except (ChannelBroken, NotLeader) as exc:
-            if cached:
+            await channel.register(
+                self.consumer_id, self.prefetch, self.selector, self.subscription
+            )
+        except BaseException as exc:
+            if channel is not None:
                 channel.close()
-                self._fetch_channel, self._fetch_endpoint = None, None
+            if cached and isinstance(exc, ChannelBroken | NotLeader):
                 raise _StaleEndpoint(endpoint, exc) from None
-            if isinstance(exc, NotLeader):
-                channel.close()
-                self._fetch_channel = None
-                raise
-            self._fetch_channel_broke(exc)
-            return False
-        except BaseException:
-            channel.close()
-            self._fetch_channel = None
+            if isinstance(exc, ChannelBroken):
+                self._fetch_channel_broke(exc)
+                return False
             raise
+        self._fetch_channel, self._fetch_endpoint = channel, tuple(endpoint)
         return True
 
     async def _watched_by_queue(self) -> None:
@@ -553,8 +543,8 @@ class TargetListActor:
         if it failed, the loader registers again before its next fetch.
 
         Made once the consumer has its first delivery, or ``WATCH_DELAY_SECONDS``
-        after start: it costs this process milliseconds (unpickling the queue's handle
-        looks the actor up, and the call carries ours), which a new consumer's first
+        after start: it costs this process milliseconds (looking the queue's actor up,
+        and a call carrying our handle), which a new consumer's first
         message would otherwise wait for. Meanwhile the queue watches the FetchChannel
         instead: if it closes, the queue delivers again what we held."""
         with contextlib.suppress(TimeoutError):

@@ -1001,15 +1001,17 @@ class Consumer:
         #: Set at this consumer's first answer from its TargetList, or its close: the
         #: next spare starts then (``spares.warm``).
         self._first_answer = threading.Event()
-        settings = (
-            self.consumer_id,
-            prefetch,
-            selector,
-            prefetch if high_watermark is None else high_watermark,
-            high_watermark_bytes,
-            pending_cache_bytes,
-            queue.subscription_name,
-        )
+        settings = {  # ``TargetListActor.start``'s, by name
+            "queue": queue.actor_name,
+            "consumer_id": self.consumer_id,
+            "prefetch": prefetch,
+            "selector": selector,
+            "high_watermark": prefetch if high_watermark is None else high_watermark,
+            "high_watermark_bytes": high_watermark_bytes,
+            "pending_cache_bytes": pending_cache_bytes,
+            "subscription": queue.subscription_name,
+            "namespace": queue.broker.namespace,
+        }
         try:
             if spare_channel is not None and delivery_channel.USE_CHANNEL:
                 # Started over its channel, not by a Ray call (``raymq.delivery_channel``).
@@ -1048,49 +1050,21 @@ class Consumer:
         spares.warm(node, after=self._first_answer)
 
     def _start(
-        self, fetch_endpoint: tuple[str, int, str] | None, cached: bool, settings: tuple
+        self, fetch_endpoint: tuple[str, int, str] | None, cached: bool, settings: dict
     ) -> tuple[str, int, str] | str | None:
-        """``TargetListActor.start``, over the DeliveryChannel if it is connected, else
-        by a Ray call: its DeliveryChannel, None, or ``STALE_FETCH_ENDPOINT`` (a
-        ``cached`` endpoint that failed: nothing started)."""
-        queue = self.queue
-        id_, prefetch, selector, high, high_bytes, pending_bytes, subscription = settings
-        if self._channel is not None:
-            named = {
-                "queue": queue.actor_name,
-                "consumer_id": id_,
-                "prefetch": prefetch,
-                "selector": selector,
-                "high_watermark": high,
-                "high_watermark_bytes": high_bytes,
-                "pending_cache_bytes": pending_bytes,
-                "subscription": subscription,
-                "fetch_endpoint": fetch_endpoint,
-                "namespace": queue.broker.namespace,
-                "endpoint_cached": cached,
-            }
-            try:
-                return self._channel.start(named, CLOSE_TIMEOUT_SECONDS)
-            except DeliveryBroken as exc:  # it may have started or not: not ours to use
-                raise BrokerUnavailable(
-                    f"queue {queue.name!r}: consumer {id_}: its TargetList did not start: {exc}"
-                ) from exc
-        return _call(
-            self.target_list.start,
-            queue._actor,
-            queue.actor_name,
-            id_,
-            prefetch,
-            selector,
-            high,
-            high_bytes,
-            pending_bytes,
-            subscription,
-            fetch_endpoint,
-            namespace=queue.broker.namespace,
-            endpoint_cached=cached,
-            retry=False,
-        )
+        """``TargetListActor.start`` with ``settings``, over the DeliveryChannel if it
+        is connected, else by a Ray call: its DeliveryChannel, None, or
+        ``STALE_FETCH_ENDPOINT`` (a ``cached`` endpoint that failed: nothing started)."""
+        named = {**settings, "fetch_endpoint": fetch_endpoint, "endpoint_cached": cached}
+        if self._channel is None:
+            return _call(self.target_list.start, self.queue._actor, **named, retry=False)
+        try:
+            return self._channel.start(named, CLOSE_TIMEOUT_SECONDS)
+        except DeliveryBroken as exc:  # it may have started or not: not ours to use
+            raise BrokerUnavailable(
+                f"queue {self.queue.name!r}: consumer {self.consumer_id}: its TargetList"
+                f" did not start: {exc}"
+            ) from exc
 
     def _channel_broke(self, exc: DeliveryBroken, channel: DeliveryChannel | None = None) -> None:
         """The DeliveryChannel failed: receive through Ray from now on (counted, logged).
