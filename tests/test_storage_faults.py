@@ -234,6 +234,30 @@ def test_the_scrub_keeps_its_rate_over_records_larger_than_a_step(tmp_path):
     assert record <= read <= rate * 10 + record  # ten seconds at the rate, one record over
 
 
+def test_the_scrub_loop_rests_between_passes(tmp_path, monkeypatch):
+    """A queue of a few records is read once a pass, not again at every step: after a
+    pass the loop waits until ``SCRUB_PASS_SECONDS`` from its start."""
+    from raymq.core import queue as queue_module
+
+    monkeypatch.setattr(queue_module, "SCRUB_STEP_SECONDS", 0.001)
+    monkeypatch.setattr(queue_module, "SCRUB_PASS_SECONDS", 3600.0)
+    q = QueueCore(QueueConfig("q"), BrokerConfig(paging_directory=str(tmp_path)))
+
+    async def scenario():
+        await q.send_batch(MessageBatch.from_encoded([b"s" * 1000] * 3, [b""] * 3))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 30
+        while q.log.scrub_passes == 0 and loop.time() < deadline:
+            await asyncio.sleep(0.001)  # polls for the first pass; no timing assumed
+        assert q.log.scrub_passes == 1
+        read = q.log.scrubbed_bytes
+        await asyncio.sleep(0.2)  # 200 steps' time: every one of them a pass before
+        return read, q.log.scrubbed_bytes, q.log.scrub_passes
+
+    first, later, passes = asyncio.run(_started(q, scenario))
+    assert first > 0 and later == first and passes == 1
+
+
 async def _started(q: QueueCore, scenario):
     q.start()
     try:

@@ -65,6 +65,10 @@ INLINE_WRITE_BYTES = 256 * 1024
 #: Period of the background scrub's steps (seconds): each reads
 #: ``scrub_bytes_per_second`` times this on the event loop (200 KiB at 4 MiB/s).
 SCRUB_STEP_SECONDS = 0.05
+#: Shortest time from the start of one scrub pass over a queue's records to the start
+#: of the next (seconds). Without it a queue of a few records re-read them from disk at
+#: every step, 20 times a second, idle or not.
+SCRUB_PASS_SECONDS = 10.0
 
 #: Appends a batch durably to the named dead-letter queue (creating it if needed).
 DeadLetterSink = Callable[[str, MessageBatch], Awaitable[None]]
@@ -630,10 +634,17 @@ class QueueCore:
     async def _scrub_loop(self) -> None:
         """The background scrub, in steps of ``SCRUB_STEP_SECONDS``' worth of its rate:
         each step reads on the event loop, so one step a second held sends and fetches
-        for tens of milliseconds (a delivery latency spike every second)."""
+        for tens of milliseconds (a delivery latency spike every second). A pass starts
+        at most every ``SCRUB_PASS_SECONDS``."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()  # the current pass's start
         while True:
             await asyncio.sleep(SCRUB_STEP_SECONDS)
+            passes = self.log.scrub_passes
             self._scrub(SCRUB_STEP_SECONDS)
+            if self.log.scrub_passes != passes:  # a pass ended: the next one waits
+                await asyncio.sleep(max(0.0, started + SCRUB_PASS_SECONDS - loop.time()))
+                started = loop.time()
 
     def _scrub(self, seconds: float) -> None:
         """Verify the CRCs of about ``scrub_bytes_per_second * seconds`` stored bytes, so
