@@ -26,7 +26,7 @@ from raymq.actors.replica_actor import LeaderRole, ReplicaActor, replica_actor_n
 from raymq.placement.nodes import alive_nodes, choose_queue_node, pinned_to
 
 from raymq import metrics
-from raymq.config import BrokerConfig, QueueConfig, validate_queue_name
+from raymq.config import STOP_SECONDS, BrokerConfig, QueueConfig, validate_queue_name
 from raymq.core.controller import NoNodes, ReplicaSet
 from raymq.core.hibernation import (
     HibernationPolicy,
@@ -685,8 +685,12 @@ class BrokerActor:
                 self._hibernation.stopped(name)
             shutil.rmtree(self._registry.directory(name), ignore_errors=True)
 
-    async def stop_queues(self) -> None:
-        """Stop every queue actor, keeping the files (``raymq stop``, test teardown)."""
+    async def stop_queues(self, timeout: float = STOP_SECONDS) -> None:
+        """Stop every queue actor, keeping the files (``raymq stop``, test teardown).
+        A queue whose ``shutdown`` (flush and close) takes over ``timeout`` seconds is
+        ended all the same, logged: one stuck queue (a paused process, a leader waiting
+        for replicas) must not hang the stop. What it had not flushed is acknowledged
+        sends' acks at most: those messages are delivered again."""
         if self._monitor is not None:  # stopped queues are not failed over
             self._monitor.cancel()
         if self._sweeper is not None:  # nor hibernated meanwhile
@@ -699,7 +703,9 @@ class BrokerActor:
                     continue
                 try:
                     await self._stop_followers(name)
-                    await handle.shutdown.remote()
+                    await asyncio.wait_for(handle.shutdown.remote(), timeout)
+                except TimeoutError:
+                    log.warning("queue %r: no shutdown within %.0f s; ended", name, timeout)
                 finally:
                     ray.kill(handle, no_restart=True)
                     self._hibernation.stopped(name)

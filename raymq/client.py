@@ -34,6 +34,7 @@ from raymq.batch import (
     warm_arrow_conversions,
 )
 from raymq.config import (
+    STOP_SECONDS,
     BrokerConfig,
     QueueConfig,
     apply_ray_env_defaults,
@@ -342,15 +343,18 @@ class Broker:
         returns the plan."""
         return _call(self._governor.rebalance)
 
-    def shutdown(self) -> None:
-        """Stop the broker's actors, keeping every queue's files."""
+    def shutdown(self, timeout: float = STOP_SECONDS) -> None:
+        """Stop the broker's actors, keeping every queue's files. Each queue has
+        ``timeout`` seconds to flush and close; one that takes longer (a paused process,
+        a leader waiting for replicas) is ended all the same, and the acks it had not
+        written are lost: those messages are delivered again."""
         if self._shut_down:
             return
         self._shut_down = True
         try:
             if self._governor is not None:
                 ray.kill(self._governor, no_restart=True)
-            _call(self._actor.stop_queues, retry=False)
+            _call(self._actor.stop_queues, timeout, retry=False)
         finally:
             ray.kill(self._actor, no_restart=True)
 

@@ -20,6 +20,9 @@ DEFAULT_PAGING_DIRECTORY = os.environ.get(
 DEFAULT_MAX_MESSAGE_SIZE = 100 * 2**20
 DEFAULT_PAGE_SIZE_BYTES = 10 * 2**20
 MAX_QUEUE_NAME_BYTES = 200
+#: Longest each queue actor has to flush and close when the broker stops
+#: (``Broker.shutdown``, ``raymq stop``) before it is ended all the same (seconds).
+STOP_SECONDS = 30.0
 ADDRESS_FULL_POLICIES = ("PAGE", "DROP", "FAIL", "BLOCK")
 #: A queue's dead-letter queue is named after it with this suffix unless told otherwise.
 DEAD_LETTER_SUFFIX = ".DLQ"

@@ -47,3 +47,37 @@ def test_a_queue_whose_node_is_gone_starts_here_only_with_its_files(broker, pagi
         assert json.load(f)["node_id"] == ray.get_runtime_context().get_node_id()
     with pytest.raises(BrokerUnavailable, match="'lost' lives on node ffffffffffff"):
         broker.get_queue("lost")  # never started empty where its files are not
+
+
+def test_a_paused_queue_does_not_hang_the_brokers_stop(broker):
+    """A queue actor that cannot answer (its process paused) is ended after the stop's
+    timeout; the queues before and after it are stopped as usual and keep their data."""
+    import time
+
+    for name in ("a-before", "b-paused", "c-after"):
+        broker.create_queue(name).send(name.encode())
+    paused = _call(broker.get_queue("b-paused")._actor.pid)
+    os.kill(paused, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        broker.shutdown(timeout=1.0)
+        took = time.monotonic() - t0
+    finally:
+        os.kill(paused, signal.SIGCONT)  # (ended by the stop: a no-op if already gone)
+    assert took < 30, took  # about the 1 s timeout, not for ever
+    again = _connect_again(broker)
+    assert [[m.body for m in again.get_queue(n).browse()] for n in ("a-before", "c-after")] == [
+        [b"a-before"],
+        [b"c-after"],
+    ]
+    assert [m.body for m in again.get_queue("b-paused").browse()] == [b"b-paused"]
+    again.shutdown()
+
+
+def _connect_again(broker):
+    """A broker over the same namespace and paging directory as a stopped one."""
+    import raymq
+
+    return raymq.connect(
+        namespace=broker.namespace, paging_directory=broker.config.paging_directory
+    )
