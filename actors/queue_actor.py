@@ -26,7 +26,7 @@ import ray
 from raymq.actors.replica_actor import LeaderRole
 
 from raymq import metrics
-from raymq.batch import MessageBatch, warm_arrow_conversions
+from raymq.batch import MessageBatch
 from raymq.config import BrokerConfig, QueueConfig
 from raymq.core.budget import QueueUsage
 from raymq.core.hibernation import Activity
@@ -83,7 +83,6 @@ class QueueActor:
         """``namespace`` is the broker's (a detached actor's runtime context names the
         namespace of the job that created it, not its own). ``role``: this actor leads
         a replicated queue (its copy, epoch and followers)."""
-        warm_arrow_conversions()  # not during the first fetch
         self.namespace = namespace
         self.role = role
         replication = None

@@ -65,6 +65,7 @@ import msgpack
 import numpy as np
 import pyarrow as pa
 
+from raymq.batch import offsets_of  # noqa: F401 (TargetLists import it from here)
 from raymq.delivery_channel import SecretServer, _read_frame, frame, from_ipc, nodelay, to_ipc
 from raymq.errors import RayMQError
 from raymq.send_channel import error_of
@@ -122,17 +123,6 @@ Register = Callable[[str, int, "str | None", "str | None"], Awaitable[None]]
 #: ``lost(registered)``: a connection ended; ``registered`` are the (consumer id,
 #: subscription) it registered.
 Lost = Callable[[list[tuple[str, "str | None"]]], None]
-
-
-def offsets_of(batch: pa.RecordBatch) -> np.ndarray:
-    """The offset column (the first, int64, no nulls) of a delivery batch as NumPy,
-    without a copy. Not ``to_numpy``: pyarrow imports pandas on the first one (~0.2 s
-    here, and memory), which a TargetList actor otherwise never needs."""
-    column = batch.column(0)
-    data = column.buffers()[1]
-    if data is None:  # an empty batch may have no buffer
-        return np.zeros(0, dtype=np.int64)
-    return np.frombuffer(data, dtype=np.int64, count=len(column), offset=column.offset * 8)
 
 
 # -- the queue actor's side ----------------------------------------------------------------

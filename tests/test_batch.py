@@ -63,3 +63,59 @@ def test_the_wire_form_round_trips_and_refuses_offsets_that_do_not_fit():
         MessageBatch.from_wire(bad, "q")
     with pytest.raises(ValueError, match="4 buffers"):
         MessageBatch.from_wire(wire[:3], "q")
+
+
+def test_numpy_view_reads_a_slice_of_any_width():
+    import pyarrow as pa
+
+    from raymq.batch import fixed_array, numpy_view
+
+    ints = fixed_array(pa.int32(), np.arange(10), np.int32)
+    assert numpy_view(ints.slice(3, 4), np.int32).tolist() == [3, 4, 5, 6]
+    assert numpy_view(fixed_array(pa.int64(), np.arange(0)), np.int64).tolist() == []
+
+
+# What a queue actor runs for a plain queue (sends with and without properties, a
+# consumer's fetch, ack, nack, close), in a process of its own: pyarrow imports pandas
+# on its first to_numpy, pa.array or Python scalar (~0.24 s of CPU), which every queue
+# actor's start and revival paid.
+_QUEUE_WITHOUT_PANDAS = """
+import asyncio, sys
+import numpy as np
+from raymq.batch import MessageBatch
+from raymq.config import BrokerConfig, QueueConfig
+from raymq.core.queue import QueueCore
+
+async def main(directory):
+    q = QueueCore(QueueConfig("q"), BrokerConfig(paging_directory=directory))
+    q.start()
+    await q.send_batch(MessageBatch.from_bodies([b"a", b"b"], None, max_message_size=100))
+    props = [{"color": "red"}, None, {"n": 1}]
+    await q.send_batch(MessageBatch.from_bodies([b"c"] * 3, props, max_message_size=100))
+    q.register_consumer("c", 100)
+    first = await q.fetch_delivery("c", 3, 1.0, 100)
+    assert len(first.offsets) == 3, first
+    await q.ack("c", np.asarray(first.offsets[:2], dtype=np.int64))
+    q.nack("c", np.asarray(first.offsets[2:], dtype=np.int64))
+    again = await q.fetch_delivery("c", 10, 1.0, 100)
+    assert len(again.offsets) == 3, again
+    q.close_consumer("c")
+    await q.close()
+
+asyncio.run(main(sys.argv[1]))
+print("pandas" in sys.modules)
+"""
+
+
+def test_a_queue_stores_delivers_and_acks_without_importing_pandas(tmp_path):
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _QUEUE_WITHOUT_PANDAS, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "False"

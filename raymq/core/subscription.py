@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pyarrow as pa
 
-from raymq.batch import EMPTY_DELIVERY, MessageBatch, PropertyGroups
+from raymq.batch import EMPTY_DELIVERY, MessageBatch, PropertyGroups, fixed_array, offsets_of
 from raymq.core.dead_letter import MOVE_BATCH_MESSAGES, REASON_REJECTED, dead_letter_batch
 from raymq.core.head_cache import SharedPart
 from raymq.core.target_area import DEAD_LETTER_HOLDER, TargetArea
@@ -278,7 +278,7 @@ class Subscription:
         batch = self._materialize(offsets[shared:], counts[shared:])
         have = offsets[shared:]
         if batch.num_rows != len(have):  # damaged records are missing from it
-            have = batch.column(0).to_numpy()
+            have = offsets_of(batch)
         if shared:
             have = np.concatenate([offsets[:shared], have])
         return Delivery(have, nbytes + batch.nbytes, parts, batch)
@@ -314,14 +314,14 @@ class Subscription:
                 continue
             arrow = [b.to_arrow(np.zeros(len(b), dtype=np.int32)) for b in batches]
             whole = arrow[0] if len(arrow) == 1 else pa.concat_batches(arrow)
-            have = whole.column(0).to_numpy()
+            have = offsets_of(whole)
             if not np.array_equal(have, wanted):
                 # Only what was read: a damaged record's offsets are missing from it.
                 found = np.isin(wanted, have)
                 group, wanted = group[found], wanted[found]
-                whole = whole.take(pa.array(np.searchsorted(have, wanted)))
+                whole = whole.take(fixed_array(pa.int64(), np.searchsorted(have, wanted)))
             columns = whole.columns
-            columns[2] = pa.array(counts[group], pa.int32())
+            columns[2] = fixed_array(pa.int32(), counts[group], np.int32)
             parts.append(pa.RecordBatch.from_arrays(columns, schema=whole.schema))
         if not parts:
             return EMPTY_DELIVERY
