@@ -75,8 +75,8 @@ def test_numpy_view_reads_a_slice_of_any_width():
     assert numpy_view(fixed_array(pa.int64(), np.arange(0)), np.int64).tolist() == []
 
 
-# What a queue actor runs for a plain queue (sends with and without properties, a
-# consumer's fetch, ack, nack, close), in a process of its own: pyarrow imports pandas
+# What a queue actor runs (sends with and without properties, a consumer's fetch, ack,
+# nack, close, a consumer with a selector), in a process of its own: pyarrow imports pandas
 # on its first to_numpy, pa.array or Python scalar (~0.24 s of CPU), which every queue
 # actor's start and revival paid.
 _QUEUE_WITHOUT_PANDAS = """
@@ -100,6 +100,11 @@ async def main(directory):
     again = await q.fetch_delivery("c", 10, 1.0, 100)
     assert len(again.offsets) == 3, again
     q.close_consumer("c")
+    selector = "color LIKE 'r%' AND (n IS NULL OR n / 2 BETWEEN 0 AND 9) AND color IN ('red')"
+    q.register_consumer("s", 100, selector)
+    red = await q.fetch_delivery("s", 10, 1.0, 100, selector)
+    assert len(red.offsets) == 1, red
+    q.close_consumer("s")
     await q.close()
 
 asyncio.run(main(sys.argv[1]))
@@ -107,7 +112,7 @@ print("pandas" in sys.modules)
 """
 
 
-def test_a_queue_stores_delivers_and_acks_without_importing_pandas(tmp_path):
+def test_a_queue_stores_selects_delivers_and_acks_without_importing_pandas(tmp_path):
     import subprocess
     import sys
 

@@ -39,10 +39,43 @@ from raymq.selector.ast import (
     like_regex,
 )
 
-# Not pa.scalar(None, ...): that imports pandas (~0.2 s of every process importing raymq).
+# Arrays and scalars are built from buffers, never from Python values (pa.array,
+# pa.scalar, a Python literal passed to pyarrow.compute, to_numpy): pyarrow imports
+# pandas on the first of those, ~0.24 s of CPU in the process that evaluates its first
+# selector (a queue or TargetList actor, on a consumer's first message).
+
+
+def _validity(values: Sequence[object]) -> pa.Buffer | None:
+    """The validity bitmap of ``values`` (None entries are null); None if none is."""
+    valid = np.fromiter((v is not None for v in values), dtype=np.bool_, count=len(values))
+    return None if valid.all() else pa.py_buffer(np.packbits(valid, bitorder="little"))
+
+
+def _floats(values: Sequence[float | None]) -> pa.Array:
+    data = np.fromiter((0.0 if v is None else v for v in values), np.float64, len(values))
+    return pa.Array.from_buffers(pa.float64(), len(values), [_validity(values), pa.py_buffer(data)])
+
+
+def _bools(values: Sequence[bool | None]) -> pa.Array:
+    bits = np.packbits(
+        np.fromiter((v is True for v in values), np.bool_, len(values)), bitorder="little"
+    )
+    return pa.Array.from_buffers(pa.bool_(), len(values), [_validity(values), pa.py_buffer(bits)])
+
+
+def _strings(values: Sequence[str | None]) -> pa.Array:
+    encoded = [b"" if v is None else v.encode() for v in values]
+    offsets = np.zeros(len(values) + 1, dtype=np.int32)
+    np.cumsum([len(e) for e in encoded], out=offsets[1:])
+    buffers = [_validity(values), pa.py_buffer(offsets), pa.py_buffer(b"".join(encoded))]
+    return pa.Array.from_buffers(pa.string(), len(values), buffers)
+
+
 _NULL_NUM = pa.nulls(1, pa.float64())[0]
 _NULL_STR = pa.nulls(1, pa.string())[0]
 _NULL_BOOL = pa.nulls(1, pa.bool_())[0]
+_FALSE = _bools([False])[0]
+_ZERO = _floats([0.0])[0]
 _ORDERING = {"<": "less", ">": "greater", "<=": "less_equal", ">=": "greater_equal"}
 _ARITH = {"+": "add", "-": "subtract", "*": "multiply"}
 
@@ -87,28 +120,27 @@ def typed_column(values: Sequence[object]) -> Typed:
     num = [float(v) if type(v) in (int, float) else None for v in values]
     text = [v if type(v) is str else None for v in values]
     flag = [v if type(v) is bool else None for v in values]
-    return Typed(
-        pa.array(num, pa.float64()), pa.array(text, pa.string()), pa.array(flag, pa.bool_())
-    )
+    return Typed(_floats(num), _strings(text), _bools(flag))
 
 
 def numeric_column(values: np.ndarray) -> Typed:
     """A ``Typed`` column of numbers (header values)."""
-    return Typed.of_num(pa.array(np.asarray(values, dtype=np.float64)))
+    data = np.ascontiguousarray(values, dtype=np.float64)
+    return Typed.of_num(pa.Array.from_buffers(pa.float64(), len(data), [None, pa.py_buffer(data)]))
 
 
 def _literal(value: object) -> Typed:
     if isinstance(value, bool):
-        return Typed.of_bool(pa.scalar(value))
+        return Typed.of_bool(_bools([value])[0])
     if isinstance(value, float):
-        return Typed.of_num(pa.scalar(value))
-    return Typed(_NULL_NUM, pa.scalar(value, pa.string()), _NULL_BOOL)
+        return Typed.of_num(_floats([value])[0])
+    return Typed(_NULL_NUM, _strings([value])[0], _NULL_BOOL)
 
 
 def _unknown_unless_present(result, a: Typed, b: Typed):
     """A comparison's result: NULL operands give UNKNOWN, unlike types FALSE."""
     both = pc.and_(a.present(), b.present())
-    return pc.if_else(both, pc.fill_null(result, False), _NULL_BOOL)
+    return pc.if_else(both, pc.fill_null(result, _FALSE), _NULL_BOOL)
 
 
 def _compare(op: str, a: Typed, b: Typed):
@@ -123,7 +155,7 @@ def _compare(op: str, a: Typed, b: Typed):
 
 def _arith(op: str, a: Typed, b: Typed) -> Typed:
     if op == "/":
-        zero = pc.equal(b.num, 0.0)
+        zero = pc.equal(b.num, _ZERO)
         quotient = pc.divide(a.num, pc.if_else(zero, _NULL_NUM, b.num))
         return Typed.of_num(quotient)
     return Typed.of_num(getattr(pc, _ARITH[op])(a.num, b.num))
@@ -171,7 +203,7 @@ def evaluate(node: Node, columns: Mapping[str, Typed]) -> Typed:
             v = evaluate(expr, columns)
             matched = pc.match_substring_regex(v.str, like_regex(pattern, escape))
             result = pc.if_else(
-                pc.is_valid(v.str), matched, pc.if_else(v.present(), False, _NULL_BOOL)
+                pc.is_valid(v.str), matched, pc.if_else(v.present(), _FALSE, _NULL_BOOL)
             )
             return Typed.of_bool(pc.invert(result) if negated else result)
         case IsNull(expr, negated):
@@ -185,4 +217,10 @@ def selected(result: Typed, n: int) -> np.ndarray:
     b = result.bool
     if isinstance(b, pa.Scalar):
         return np.full(n, b.as_py() is True, dtype=np.bool_)
-    return pc.fill_null(b, False).to_numpy(zero_copy_only=False).astype(np.bool_, copy=False)
+    if n == 0:
+        return np.zeros(0, dtype=np.bool_)
+    filled = pc.fill_null(b, _FALSE)  # no nulls left: its data bits are the answer
+    bits = np.frombuffer(filled.buffers()[1], dtype=np.uint8)
+    return np.unpackbits(bits, count=filled.offset + n, bitorder="little")[filled.offset :].view(
+        np.bool_
+    )
