@@ -689,8 +689,9 @@ class BrokerActor:
         """Stop every queue actor, keeping the files (``raymq stop``, test teardown).
         A queue whose ``shutdown`` (flush and close) takes over ``timeout`` seconds is
         ended all the same, logged: one stuck queue (a paused process, a leader waiting
-        for replicas) must not hang the stop. What it had not flushed is acknowledged
-        sends' acks at most: those messages are delivered again."""
+        for replicas) must not hang the stop, nor one that fails stop the others. What
+        it had not flushed is acknowledged sends' acks at most: those messages are
+        delivered again."""
         if self._monitor is not None:  # stopped queues are not failed over
             self._monitor.cancel()
         if self._sweeper is not None:  # nor hibernated meanwhile
@@ -706,6 +707,8 @@ class BrokerActor:
                     await asyncio.wait_for(handle.shutdown.remote(), timeout)
                 except TimeoutError:
                     log.warning("queue %r: no shutdown within %.0f s; ended", name, timeout)
+                except Exception as exc:  # (a dead actor, a moved leader): the next queue
+                    log.warning("queue %r: shutdown failed: %r; ended", name, exc)
                 finally:
                     ray.kill(handle, no_restart=True)
                     self._hibernation.stopped(name)

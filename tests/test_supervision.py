@@ -109,3 +109,64 @@ def test_cancelling_ends_supervised_tasks():
 
     cancelled, stats = asyncio.run(main())
     assert cancelled and stats.task_restarts == 0
+
+
+def test_a_task_that_lost_its_cancel_is_cancelled_again():
+    """Python 3.11's ``wait_for`` can swallow a cancel that lands as its inner call
+    finishes: the task goes on. ``cancel_all`` must still end it, not wait for ever."""
+    import logging
+
+    async def main():
+        sup = Supervisor("test", logging.getLogger("test"))
+        started, lost = asyncio.Event(), []
+
+        async def loses_one_cancel():
+            started.set()
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                lost.append(True)  # as wait_for returning its result would
+            await asyncio.Event().wait()
+
+        task = sup.spawn("loop", loses_one_cancel)
+        await started.wait()
+        async with asyncio.timeout(30):  # a bound on the test only
+            await sup.cancel_all()
+        return task.cancelled(), lost
+
+    cancelled, lost = asyncio.run(main())
+    assert cancelled and lost == [True]
+
+
+def test_a_task_that_never_ends_is_left_behind_logged(monkeypatch, caplog):
+    import logging
+
+    from raymq.core import supervisor
+
+    monkeypatch.setattr(supervisor, "CANCEL_AGAIN_SECONDS", 0.01)
+    monkeypatch.setattr(supervisor, "CANCEL_ATTEMPTS", 3)
+
+    async def main():
+        sup = Supervisor("queue 'stubborn'", logging.getLogger("test"))
+        started, cancels = asyncio.Event(), []
+
+        async def ignores_cancels():  # ends at its fourth cancel, one past cancel_all
+            started.set()
+            while len(cancels) < 4:
+                try:
+                    await asyncio.sleep(1)
+                except asyncio.CancelledError:
+                    cancels.append(True)
+
+        task = sup.spawn("stubborn", ignores_cancels)
+        await started.wait()
+        await sup.cancel_all()
+        left, seen = not task.done(), len(cancels)
+        task.cancel()
+        await asyncio.wait([task])
+        return left, seen
+
+    with caplog.at_level(logging.ERROR, logger="test"):
+        left, cancels = asyncio.run(main())
+    assert left and cancels == 3
+    assert "queue 'stubborn': tasks ['stubborn'] still running after 3 cancels" in caplog.text

@@ -339,6 +339,8 @@ class QueueCore:
             await flushed
         self._closed = True
         await self._tasks.cancel_all()
+        if self.replication is not None:  # its followers' catch-ups read the files
+            self.replication.close()
         self.log.close()
 
     # -- producing -------------------------------------------------------------------

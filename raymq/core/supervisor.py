@@ -15,6 +15,13 @@ from dataclasses import dataclass
 #: First and longest wait before a task that raised is started again (seconds).
 RESTART_BACKOFF_SECONDS = 0.1
 RESTART_BACKOFF_MAX_SECONDS = 5.0
+#: ``cancel_all`` cancels a task that has not ended again this often (seconds), this
+#: many times at most, then gives up on it (logged). A cancel can be lost: in Python
+#: 3.11 ``asyncio.wait_for`` returns a result that arrived as it was cancelled
+#: (CPython gh-86296), and the task goes on; waiting for it held a queue's close, and
+#: the broker's stop, for ever.
+CANCEL_AGAIN_SECONDS = 0.1
+CANCEL_ATTEMPTS = 50
 
 
 @dataclass(frozen=True)
@@ -66,11 +73,26 @@ class Supervisor:
                 backoff = min(backoff * 2, RESTART_BACKOFF_MAX_SECONDS)
 
     async def cancel_all(self) -> None:
-        """Cancel every task and wait until they ended."""
-        tasks, self._tasks = list(self._tasks.values()), {}
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        """Cancel every task and wait until they ended; one that goes on is cancelled
+        again every ``CANCEL_AGAIN_SECONDS``, and left (logged) after
+        ``CANCEL_ATTEMPTS``."""
+        names = {task: name for name, task in self._tasks.items()}
+        pending, self._tasks = set(names), {}
+        for _ in range(CANCEL_ATTEMPTS):
+            for task in pending:
+                task.cancel()
+            done, pending = await asyncio.wait(pending, timeout=CANCEL_AGAIN_SECONDS)
+            for task in done:  # retrieved: an error is no "never retrieved" warning
+                if not task.cancelled():
+                    task.exception()
+            if not pending:
+                return
+        self._log.error(
+            "%s: tasks %s still running after %d cancels; left behind",
+            self.owner,
+            sorted(names[t] for t in pending),
+            CANCEL_ATTEMPTS,
+        )
 
     def stats(self) -> SupervisorStats:
         """Restarts so far and the last error."""
