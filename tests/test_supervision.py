@@ -170,3 +170,9 @@ def test_a_task_that_never_ends_is_left_behind_logged(monkeypatch, caplog):
         left, cancels = asyncio.run(main())
     assert left and cancels == 3
     assert "queue 'stubborn': tasks ['stubborn'] still running after 3 cancels" in caplog.text
+
+
+def test_cancelling_no_tasks_returns():
+    import logging
+
+    asyncio.run(Supervisor("idle", logging.getLogger("test")).cancel_all())

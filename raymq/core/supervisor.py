@@ -79,14 +79,16 @@ class Supervisor:
         names = {task: name for name, task in self._tasks.items()}
         pending, self._tasks = set(names), {}
         for _ in range(CANCEL_ATTEMPTS):
+            if not pending:
+                return
             for task in pending:
                 task.cancel()
             done, pending = await asyncio.wait(pending, timeout=CANCEL_AGAIN_SECONDS)
             for task in done:  # retrieved: an error is no "never retrieved" warning
                 if not task.cancelled():
                     task.exception()
-            if not pending:
-                return
+        if not pending:
+            return
         self._log.error(
             "%s: tasks %s still running after %d cancels; left behind",
             self.owner,
