@@ -275,15 +275,7 @@ class Scenario:
         refused_after = time.monotonic() - t0
         self.cluster.add_node(num_cpus=1, object_store_memory=STORE)
         t1 = time.monotonic()
-        while True:  # refused with the typed error until a new follower caught up
-            try:
-                q.send(b"p-after", timeout=5)
-                break
-            except (NotEnoughReplicas, BrokerUnavailable) as exc:
-                refused[type(exc).__name__] = refused.get(type(exc).__name__, 0) + 1
-                time.sleep(0.1)
-            if time.monotonic() - t1 > DEADLINE_SECONDS:
-                raise TimeoutError("sends did not resume")
+        send_once_in_sync(q, b"p-after", refused)  # refused until a new follower caught up
         resumed = time.monotonic() - t1
         consumed = consume_all(q)
         return {
@@ -318,7 +310,8 @@ class Scenario:
             stale = type(exc.cause).__name__
         except ray.exceptions.RayError as exc:
             stale = type(exc).__name__
-        q.send(b"p-after")
+        # The new leader's followers may still be catching up (refused meanwhile).
+        send_once_in_sync(q, b"p-after", {})
         old_rid = ray.get(self.broker._actor.failover_log.remote())[-1]["old_leader"]
 
         def rejoined():
@@ -337,6 +330,21 @@ class Scenario:
             "consumed": sorted({b.decode() for b in consumed}),
             "count": len(consumed),
         }
+
+
+def send_once_in_sync(q, body: bytes, refused: dict[str, int]) -> None:
+    """Send ``body`` once enough replicas are in sync: a refusal (the typed error, counted
+    in ``refused`` by name) is tried again, up to ``DEADLINE_SECONDS``."""
+    t0 = time.monotonic()
+    while True:
+        try:
+            q.send(body, timeout=5)
+            return
+        except (NotEnoughReplicas, BrokerUnavailable) as exc:
+            refused[type(exc).__name__] = refused.get(type(exc).__name__, 0) + 1
+            time.sleep(0.1)  # the pace of tries, not a wait for anything
+        if time.monotonic() - t0 > DEADLINE_SECONDS:
+            raise TimeoutError(f"sends to {q.name!r} did not resume")
 
 
 def readme(s: Scenario) -> dict:
