@@ -43,6 +43,7 @@ import ray
 from raymq.actors.queue_actor import queue_actor_name
 
 from raymq import metrics
+from raymq.batch import offsets_of
 from raymq.core.budget import ConsumerUsage
 from raymq.core.supervisor import Supervisor
 from raymq.core.target_list import (
@@ -60,7 +61,6 @@ from raymq.fetch_channel import (
     STALE_FETCH_ENDPOINT,
     ChannelBroken,
     FetchChannel,
-    offsets_of,
 )
 
 log = logging.getLogger("raymq.consumer")

@@ -65,7 +65,6 @@ import msgpack
 import numpy as np
 import pyarrow as pa
 
-from raymq.batch import offsets_of  # noqa: F401 (TargetLists import it from here)
 from raymq.delivery_channel import SecretServer, _read_frame, frame, from_ipc, nodelay, to_ipc
 from raymq.errors import RayMQError
 from raymq.send_channel import error_of

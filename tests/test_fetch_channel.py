@@ -18,7 +18,7 @@ import pyarrow as pa
 import pytest
 
 from raymq import fetch_channel
-from raymq.batch import EMPTY_DELIVERY
+from raymq.batch import EMPTY_DELIVERY, offsets_of
 from raymq.core.subscription import NOTHING, Delivery
 from raymq.delivery_channel import frame
 from raymq.errors import ConsumerClosed, SelectorError
@@ -256,6 +256,6 @@ def test_finishing_after_the_fetch_took_messages_still_delivers_them():
 
 def test_offsets_of_reads_a_slice_s_offsets_without_pandas():
     batch = delivery(100, 10).batch
-    assert fetch_channel.offsets_of(batch).tolist() == list(range(100, 110))
-    assert fetch_channel.offsets_of(batch.slice(3, 4)).tolist() == [103, 104, 105, 106]
-    assert fetch_channel.offsets_of(EMPTY_DELIVERY).tolist() == []
+    assert offsets_of(batch).tolist() == list(range(100, 110))
+    assert offsets_of(batch.slice(3, 4)).tolist() == [103, 104, 105, 106]
+    assert offsets_of(EMPTY_DELIVERY).tolist() == []

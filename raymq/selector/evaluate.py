@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from raymq.batch import fixed_array
 from raymq.selector.ast import (
     ARITHMETIC,
     Between,
@@ -125,8 +126,7 @@ def typed_column(values: Sequence[object]) -> Typed:
 
 def numeric_column(values: np.ndarray) -> Typed:
     """A ``Typed`` column of numbers (header values)."""
-    data = np.ascontiguousarray(values, dtype=np.float64)
-    return Typed.of_num(pa.Array.from_buffers(pa.float64(), len(data), [None, pa.py_buffer(data)]))
+    return Typed.of_num(fixed_array(pa.float64(), values, np.float64))
 
 
 def _literal(value: object) -> Typed:
