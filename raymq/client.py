@@ -348,6 +348,8 @@ class Broker:
         ``timeout`` seconds to flush and close; one that takes longer (a paused process,
         a leader waiting for replicas) is ended all the same, and the acks it had not
         written are lost: those messages are delivered again."""
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+            raise ValueError(f"shutdown: timeout must be seconds > 0, not {timeout!r}")
         if self._shut_down:
             return
         self._shut_down = True

@@ -56,6 +56,9 @@ def test_a_paused_queue_does_not_hang_the_brokers_stop(broker):
 
     for name in ("a-before", "b-paused", "c-after"):
         broker.create_queue(name).send(name.encode())
+    for wrong in (0, -1, None, "1"):  # refused before anything stops
+        with pytest.raises(ValueError, match="timeout must be seconds > 0"):
+            broker.shutdown(timeout=wrong)
     paused = _call(broker.get_queue("b-paused")._actor.pid)
     os.kill(paused, signal.SIGSTOP)
     try:
