@@ -618,21 +618,12 @@ class QueueActor:
         return os.getpid()
 
     def _busy(self) -> bool:
-        """True if hibernating now could cost a client more than a delay: consumers
-        registered (their TargetLists hold this actor), sends or acks not yet durable,
-        deliveries not acknowledged, blocked producers, dead letters waiting, or a
-        replicated queue (its leadership is the controller's, not hibernation's)."""
+        """True if hibernating now could cost a client more than a delay
+        (``QueueCore.busy``), or the queue is replicated (its leadership is the
+        controller's, not hibernation's)."""
         if self.role is not None:
             return True
-        if not self._started:
-            return False
-        core = self.core
-        if core._pending or core.log.has_pending_acks or core._blocked:
-            return True
-        for stats in [core.stats()] + [core.stats(name) for name in core.subscriptions]:
-            if stats.consumers or stats.in_flight or stats.dead_letters_pending:
-                return True
-        return False
+        return self._started and self.core.busy()
 
     def idle_seconds(self) -> float | None:
         """Seconds since this queue's last call (this probe excepted); None while it is

@@ -1,10 +1,17 @@
-"""The hibernation policy without Ray: which running queues hibernate, and when."""
+"""Hibernation without Ray: which running queues hibernate, and when; what makes a
+queue busy (never hibernated)."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
+
 import pytest
 
+from raymq.batch import MessageBatch, offsets_of
+from raymq.config import BrokerConfig, QueueConfig
 from raymq.core.hibernation import Activity, HibernationPolicy, HibernationSettings
+from raymq.core.queue import INLINE_WRITE_BYTES, QueueCore
 from raymq.errors import InvalidSetting
 
 
@@ -104,3 +111,95 @@ def test_broker_config_carries_the_hibernation_settings_checked():
         BrokerConfig(max_active_queues=0)
     with pytest.raises(InvalidSetting, match="hibernate_after_seconds"):
         BrokerConfig(hibernate_after_seconds=-1)
+
+
+# -- what makes a queue busy (QueueCore.busy), without Ray ----------------------------
+
+
+def _batch(bodies: list[bytes]) -> MessageBatch:
+    return MessageBatch.from_bodies(bodies, max_message_size=1 << 20)
+
+
+def _core(tmp_path, **cfg) -> QueueCore:
+    return QueueCore(QueueConfig("q", **cfg), BrokerConfig(paging_directory=str(tmp_path)))
+
+
+def test_a_transient_queue_holding_messages_is_busy_a_durable_one_is_not(tmp_path):
+    """A transient queue's files are emptied when it starts again: hibernating it with
+    messages would drop sends its producers were told were stored."""
+
+    async def main(durable: bool) -> tuple[bool, bool, bool]:
+        q = _core(tmp_path / str(durable), durable=durable)
+        q.start()
+        empty = q.busy()
+        await q.send_batch(_batch([b"a", b"b"]))
+        holding = q.busy()
+        q.register_consumer("c", prefetch=10)
+        got = await q.fetch("c", 10, 5.0, 10)
+        await q.ack("c", offsets_of(got))
+        q.close_consumer("c")
+        drained = q.busy()
+        await q.close()
+        return empty, holding, drained
+
+    assert asyncio.run(main(durable=True)) == (False, False, False)
+    assert asyncio.run(main(durable=False)) == (False, True, False)
+
+
+def test_a_queue_remembering_delivery_counts_is_busy_until_the_message_is_acked(tmp_path):
+    """Delivery counts live only in the queue's process: a hibernation would reset
+    them, and a poison message would never reach ``max_delivery_attempts``."""
+
+    async def main() -> list[bool]:
+        q = _core(tmp_path, max_delivery_attempts=3)
+        q.start()
+        await q.send_batch(_batch([b"poison"]))
+        q.register_consumer("c1", prefetch=1)
+        got = await q.fetch("c1", 1, 5.0, 1)
+        q.nack("c1", offsets_of(got))
+        q.close_consumer("c1")
+        seen = [q.busy()]  # no consumer, nothing in flight: a count of 1 remembered
+        q.register_consumer("c2", prefetch=1)
+        got = await q.fetch("c2", 1, 5.0, 1)
+        await q.ack("c2", offsets_of(got))
+        q.close_consumer("c2")
+        seen.append(q.busy())
+        await q.close()
+        return seen
+
+    assert asyncio.run(main()) == [True, False]
+
+
+def test_a_commit_under_way_keeps_the_queue_busy_and_close_waits_for_it(tmp_path):
+    """A large commit writes in a thread with its sends out of the pending list: a
+    close meanwhile must let it finish (the sends it wrote are answered), not cancel
+    it under the sender."""
+    q = _core(tmp_path)
+    entered, release = threading.Event(), threading.Event()
+    write = q.log.write
+
+    def gated_write(prepared):
+        entered.set()
+        release.wait(30)
+        return write(prepared)
+
+    q.log.write = gated_write
+    big = _batch([b"x" * 1024] * (INLINE_WRITE_BYTES // 1024 + 1))
+
+    async def main():
+        q.start()
+        send = asyncio.ensure_future(q.send_batch(big))
+        await asyncio.to_thread(entered.wait, 30)
+        busy = q.busy()
+        closing = asyncio.ensure_future(q.close())
+        release.set()  # the close's first step ran before the write could end
+        first, stored = await send
+        await closing
+        return busy, first, stored
+
+    assert asyncio.run(main()) == (True, 0, len(big))
+    reopened = _core(tmp_path)
+    try:
+        assert reopened.stats().depth == len(big)
+    finally:
+        asyncio.run(reopened.close())

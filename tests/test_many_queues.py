@@ -83,6 +83,24 @@ def test_busy_queues_do_not_hibernate_and_idle_ones_do_after_the_timeout(broker)
     assert _receive_all(broker.get_queue("idle"), 1) == [b"kept"]
 
 
+def test_a_transient_queue_with_messages_and_a_redelivered_message_stay_running(broker):
+    """What a new process would not have: a transient queue's messages (its files are
+    emptied at a start) and a delivery count (kept only in memory)."""
+    transient = broker.create_queue("transient", durable=False)
+    transient.send_batch([b"a", b"b", b"c"])
+    redelivered = broker.create_queue("redelivered", max_delivery_attempts=2)
+    redelivered.send(b"poison")
+    with redelivered.consumer(prefetch=1) as consumer:
+        consumer.nack(consumer.receive(1, timeout=30))
+    assert not broker.hibernate("transient") and not broker.hibernate("redelivered")
+    assert transient.stats()["depth"] == 3
+    with redelivered.consumer(prefetch=1) as consumer:
+        (again,) = consumer.receive(1, timeout=30)
+        assert again.delivery_count == 2
+        consumer.ack([again])
+    assert broker.hibernate("redelivered")
+
+
 def test_a_queue_written_only_over_its_send_channel_is_not_idle(broker):
     """Sends travel over the queue's SendChannel, not Ray calls: they count as use."""
     fed = broker.create_queue("fed")
@@ -170,11 +188,11 @@ def test_a_handle_remembers_the_fetch_channel_and_asks_again_once_it_is_stale(br
     asked = []
     invoke = q._invoke
     q._invoke = lambda method, *args: asked.append(method) or invoke(method, *args)
-    with q.consumer() as c:
-        assert c.receive(timeout=30)  # not acked
-    with q.consumer() as c:  # remembered: the new consumer costs no call to the queue
-        assert c.receive(timeout=30)
+    for _ in range(2):  # the second consumer costs no call to the queue: remembered
+        with q.consumer() as c:
+            c.ack(c.receive(timeout=30), wait=True)
     assert asked.count("fetch_endpoint") == 1
+    q.send_batch([b"c", b"d"])
     old = q._fetch_endpoint_of
     assert broker.hibernate("remembered") and not _running(broker, "remembered")
     with q.consumer() as c:  # the remembered channel is the old actor's: asked again
@@ -183,7 +201,7 @@ def test_a_handle_remembers_the_fetch_channel_and_asks_again_once_it_is_stale(br
             more = c.receive(2 - len(got), timeout=30)
             assert more, f"{len(got)} of 2 messages"
             got += more
-        assert sorted(m.body for m in got) == [b"a", b"b"]
+        assert sorted(m.body for m in got) == [b"c", b"d"]
         c.ack(got, wait=True)
         stats = c.stats()
     assert asked.count("fetch_endpoint") == 2 and q._fetch_endpoint_of != old

@@ -7,8 +7,9 @@ for ``hibernate_after_seconds`` hibernates (its actor closes its files and ends;
 files stay), and when a node is full the least recently used idle queue hibernates to
 make room. The next call to a hibernated queue revives it (``BrokerActor.get_queue``).
 
-A queue that is busy (consumers registered, sends or acks not yet durable, deliveries
-not acknowledged, blocked producers, dead letters waiting, or replicated) never
+A queue that is busy (``QueueCore.busy``: consumers registered, sends or acks not yet
+durable, deliveries not acknowledged, blocked producers, dead letters waiting, delivery
+counts only its process knows, a transient queue holding messages; or replicated) never
 hibernates: the cap is then exceeded rather than a call refused (counted in
 ``HibernationStats.over_cap``). The queue actor reports its own idleness (it sees every
 call; the broker sees only lookups); this module only decides.
@@ -23,8 +24,7 @@ from dataclasses import dataclass
 from raymq.errors import InvalidSetting
 
 #: Default cap of running queue actors per node: none. Hibernation is opt-in
-#: (``Broker.set_hibernation``) until every client path follows a revived queue (a
-#: consumer made through a handle of a hibernated queue does not yet).
+#: (``Broker.set_hibernation``): it costs a queue's next caller a process start.
 DEFAULT_MAX_ACTIVE_QUEUES: int | None = None
 #: Default idle time after which a queue hibernates even below the cap (seconds; None:
 #: never for idleness alone).

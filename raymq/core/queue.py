@@ -233,6 +233,9 @@ class QueueCore:
         self._peak_transient = 0  # most bytes of messages held since the governor asked
         self._ack_waiters: list[asyncio.Future] = []
         self._kick: asyncio.Event | None = None
+        #: True while a group commit runs (its batches are out of ``_pending`` then, and
+        #: a large write awaits a thread): ``close`` and ``busy`` must wait for it.
+        self._committing = False
         self._tasks = Supervisor(f"queue {config.name!r}", log)
         #: Failures after a commit was durable (deriving indexes, unlinking files): the
         #: sends succeeded; each is logged. Counted here.
@@ -322,6 +325,24 @@ class QueueCore:
         for sub in self.all_subscriptions():
             sub.start()
 
+    def busy(self) -> bool:
+        """True if closing this queue now (to hibernate it) could cost a client more than
+        a delay: consumers registered, sends admitted or blocked and not yet published,
+        a commit under way, acks not yet durable, deliveries not acknowledged, dead
+        letters waiting, delivery counts that only this process remembers (they would
+        start again from 0: ``max_delivery_attempts`` never reached), or a transient
+        queue holding messages (its files are emptied when it starts again)."""
+        if self._pending or self._reserved or self._committing or self._blocked:
+            return True
+        if self.log.has_pending_acks:
+            return True
+        if not self.config.durable and self.log.bytes_queued:
+            return True
+        return any(
+            area.consumers or area.in_flight or area.dead_letters or area.remembers_deliveries
+            for area in (sub.area for sub in self.all_subscriptions())
+        )
+
     def supervise(self, name: str, run) -> asyncio.Task:
         """Run ``run()`` as one of this queue's supervised tasks (restarted if it raises,
         counted in ``task_restarts``, cancelled by ``close``); for the actor shell's own
@@ -332,7 +353,9 @@ class QueueCore:
         """Flush what is pending, stop the tasks and close the files."""
         if self._closed:
             return
-        if self._pending or self.log.has_pending_acks:
+        # A commit under way took its sends out of ``_pending``: the flush queued behind
+        # it waits for it too (cancelling it would fail sends it may have written).
+        while self._pending or self.log.has_pending_acks or self._committing:
             flushed = asyncio.get_running_loop().create_future()
             self._ack_waiters.append(flushed)  # resolved by the commit that takes them all
             self._kick.set()
@@ -471,6 +494,7 @@ class QueueCore:
         on it gets an answer (an error at worst): none waits for ever."""
         pending, self._pending = self._pending, []
         waiters, self._ack_waiters = self._ack_waiters, []
+        self._committing = True
         try:
             await self._commit(pending, waiters)
         except BaseException as exc:
@@ -481,6 +505,8 @@ class QueueCore:
                     else:
                         fut.cancel()
             raise
+        finally:
+            self._committing = False
 
     async def _commit(self, pending: list, waiters: list[asyncio.Future]) -> None:
         if self.replication is None:

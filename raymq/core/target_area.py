@@ -185,6 +185,12 @@ class TargetArea:
         ]
         return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
 
+    @property
+    def remembers_deliveries(self) -> bool:
+        """True while a message not yet acknowledged has been delivered and given back:
+        its delivery count lives only in this process."""
+        return bool(self._previous)
+
     def previous_deliveries(self, offsets: np.ndarray) -> np.ndarray:
         """How many times each offset was delivered and given back (int32)."""
         prev = self._previous
