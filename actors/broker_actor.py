@@ -107,6 +107,9 @@ class BrokerActor:
         self._exporter: asyncio.Task | None = None
         self._counts = {"hibernations": 0, "revivals": 0, "refused": 0, "over_cap": 0}
         self._revival_seconds = 0.0
+        #: Set by ``stop_queues``: nothing is started from then on (no revival, leader,
+        #: follower or epoch), so no actor outlives the stop.
+        self._stopping = False
         self._find_running()
 
     def config(self) -> BrokerConfig:
@@ -183,6 +186,7 @@ class BrokerActor:
         """The running actor of a queue (its leader's, if replicated), started if need be
         (``new``: a queue being created, not a revival). Starting one on a node at its
         ``max_active_queues`` hibernates an idle queue there meanwhile."""
+        self._refuse_if_stopping(name)
         entry = self._queues[name]
         if entry.config.replicas > 1:
             return await self._replicated(name)
@@ -256,7 +260,15 @@ class BrokerActor:
 
     # -- replicated queues: the controller ----------------------------------------------
 
+    def _refuse_if_stopping(self, name: str) -> None:
+        """``BrokerUnavailable`` once ``stop_queues`` began: a queue (re)started now
+        would outlive the stop."""
+        if self._stopping:
+            raise BrokerUnavailable(f"queue {name!r}: the broker is stopping")
+
     def _ensure_monitor(self) -> None:
+        if self._stopping:
+            return
         if self._monitor is None or self._monitor.done():
             self._monitor = asyncio.get_running_loop().create_task(self._monitor_loop())
 
@@ -301,6 +313,7 @@ class BrokerActor:
         return handle
 
     def _follower(self, name: str, rid: str, node: str, epoch: int):
+        self._refuse_if_stopping(name)
         return ReplicaActor.options(
             name=replica_actor_name(name, rid),
             namespace=self.namespace,
@@ -319,6 +332,7 @@ class BrokerActor:
         (``BrokerUnavailable`` after: it is checked, and failed over, meanwhile); one
         started here is not checked until it is up (it answers nothing while it
         recovers)."""
+        self._refuse_if_stopping(name)
         self._ensure_monitor()
         running = False
         if not fresh:
@@ -382,6 +396,7 @@ class BrokerActor:
             # (a leader restarted in place while its failover fences the followers would
             # get the epoch they are fenced with)
             raise NotLeader(f"queue {name!r}: replica {replica_id} no longer leads it")
+        self._refuse_if_stopping(name)
         rs.epoch += 1
         self._save(name)
         followers = tuple(
@@ -687,31 +702,51 @@ class BrokerActor:
 
     async def stop_queues(self, timeout: float = STOP_SECONDS) -> None:
         """Stop every queue actor, keeping the files (``raymq stop``, test teardown).
-        A queue whose ``shutdown`` (flush and close) takes over ``timeout`` seconds is
-        ended all the same, logged: one stuck queue (a paused process, a leader waiting
-        for replicas) must not hang the stop, nor one that fails stop the others. What
-        it had not flushed is acknowledged sends' acks at most: those messages are
-        delivered again."""
-        if self._monitor is not None:  # stopped queues are not failed over
-            self._monitor.cancel()
-        if self._sweeper is not None:  # nor hibernated meanwhile
-            self._sweeper.cancel()
+        From the first moment nothing starts any more (``_refuse_if_stopping``): no
+        revival, failover, rejoin, follower or epoch. Each queue waits up to ``timeout``
+        seconds for a revival or failover under way, then has ``timeout`` seconds to
+        flush and close (``shutdown``); one that takes longer (a paused process, a leader
+        waiting for replicas) is ended all the same, logged: one stuck queue must not
+        hang the stop, nor one that fails stop the others. What it had not flushed is
+        acknowledged sends' acks at most: those messages are delivered again."""
+        self._stopping = True
+        background = [self._monitor, self._sweeper, *self._rejoins.values()]
+        for task in background:  # stopped queues are not failed over nor hibernated
+            if task is not None:
+                task.cancel()
         async with self._lock:
             for name in list(self._queues):
+                entry = self._queues[name]
+                lock = self._lock_of(name) if entry.replicas else self._queue_lock(name)
                 try:
-                    handle = ray.get_actor(queue_actor_name(name), namespace=self.namespace)
-                except ValueError:
-                    continue
+                    async with asyncio.timeout(timeout):
+                        await lock.acquire()
+                except TimeoutError:  # stopped all the same: the broker ends next
+                    log.warning("queue %r: its lock still held after %.0f s", name, timeout)
+                    lock = None
                 try:
-                    await self._stop_followers(name)
-                    await asyncio.wait_for(handle.shutdown.remote(), timeout)
-                except TimeoutError:
-                    log.warning("queue %r: no shutdown within %.0f s; ended", name, timeout)
-                except Exception as exc:  # (a dead actor, a moved leader): the next queue
-                    log.warning("queue %r: shutdown failed: %r; ended", name, exc)
+                    await self._stop_queue(name, timeout)
                 finally:
-                    ray.kill(handle, no_restart=True)
-                    self._hibernation.stopped(name)
+                    if lock is not None:
+                        lock.release()
+
+    async def _stop_queue(self, name: str, timeout: float) -> None:
+        """Stop one queue's actors (``stop_queues``)."""
+        try:
+            handle = ray.get_actor(queue_actor_name(name), namespace=self.namespace)
+        except ValueError:  # hibernated, or never started since the broker started
+            await self._stop_followers(name)
+            return
+        try:
+            await self._stop_followers(name)
+            await asyncio.wait_for(handle.shutdown.remote(), timeout)
+        except TimeoutError:
+            log.warning("queue %r: no shutdown within %.0f s; ended", name, timeout)
+        except Exception as exc:  # (a dead actor, a moved leader): the next queue
+            log.warning("queue %r: shutdown failed: %r; ended", name, exc)
+        finally:
+            ray.kill(handle, no_restart=True)
+            self._hibernation.stopped(name)
 
     async def _stop_followers(self, name: str, delete_files: bool = False) -> None:
         """Stop a replicated queue's follower actors (and delete their copies)."""
@@ -758,7 +793,7 @@ class BrokerActor:
         """Start the metrics export and (with ``hibernate_after_seconds``) the sweep."""
         if self._exporter is None or self._exporter.done():
             self._exporter = asyncio.get_running_loop().create_task(self._export_metrics())
-        if self._hibernation.settings.hibernate_after_seconds is None:
+        if self._hibernation.settings.hibernate_after_seconds is None or self._stopping:
             return
         if self._sweeper is None or self._sweeper.done():
             self._sweeper = asyncio.get_running_loop().create_task(self._sweep_loop())

@@ -34,7 +34,7 @@ from raymq.core.queue import QueueCore, QueueStats
 from raymq.core.replication import ReplicationLeader
 from raymq.core.subscription import Delivery
 from raymq.core.target_list import FetchAnswer
-from raymq.errors import NotLeader
+from raymq.errors import BrokerUnavailable, NotLeader
 from raymq.fetch_channel import FetchChannelServer
 from raymq.send_channel import SendChannelServer
 from raymq.storage.mirror import read_epochs, write_epochs
@@ -58,7 +58,8 @@ UNWATCHED_GRACE_SECONDS = 2.0
 DEAD_LETTER_SEND_TIMEOUT_SECONDS = 5.0
 _ACTOR_GONE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 #: Longest a replicated queue's leader waits for the controller (seconds): a commit
-#: that needs it is refused after that (``NotEnoughReplicas``), not held for ever.
+#: that needs it is refused after that (``NotEnoughReplicas``), a start
+#: ``BrokerUnavailable``: neither is held for ever.
 CONTROLLER_SECONDS = 10.0
 
 log = logging.getLogger("raymq.queue")
@@ -161,10 +162,9 @@ class QueueActor:
         arguments). Followers holding records this copy lost (its unsynced tail torn
         by a crash) are then cut back by the epoch history; this copy's epoch starts
         where its recovered log ends."""
-        from raymq.actors.broker_actor import BROKER_ACTOR_NAME  # it imports this module
-
-        broker = ray.get_actor(BROKER_ACTOR_NAME, namespace=self.namespace)
-        epoch, followers = await broker.begin_epoch.remote(self.core.name, self.role.replica_id)
+        epoch, followers = await self._ask_controller(
+            "begin_epoch", self.core.name, self.role.replica_id
+        )
         self.role = LeaderRole(self.role.replica_id, self.role.directory, epoch, followers)
         rep = self.core.replication
         rep.epoch = epoch
@@ -193,23 +193,31 @@ class QueueActor:
                     metrics.export_queue_consumers(sub.name, consumers, node_id, broker)
             await asyncio.sleep(metrics.EXPORT_PERIOD_SECONDS)
 
+    async def _ask_controller(self, method: str, *args):
+        """Call ``method`` of the controller (the broker actor), waiting at most
+        ``CONTROLLER_SECONDS``: ``BrokerUnavailable`` naming the queue after that, or if
+        the broker actor cannot be found or reached (a start waiting on a paused broker
+        would otherwise hold every call to this queue)."""
+        from raymq.actors.broker_actor import BROKER_ACTOR_NAME  # it imports this module
+
+        try:
+            broker = ray.get_actor(BROKER_ACTOR_NAME, namespace=self.namespace)
+            return await asyncio.wait_for(getattr(broker, method).remote(*args), CONTROLLER_SECONDS)
+        except (TimeoutError, ValueError, *_ACTOR_GONE) as exc:
+            raise BrokerUnavailable(
+                f"queue {self.core.name!r}: no answer from the broker to {method}"
+                f" ({exc!r}; waited at most {CONTROLLER_SECONDS:.0f} s)"
+            ) from None
+
     async def _report_in_sync(self, epoch: int, in_sync: list[str]) -> bool:
         """Tell the controller (the broker actor) this leader's in-sync replicas;
         False if ``epoch`` is no longer the queue's."""
-        from raymq.actors.broker_actor import BROKER_ACTOR_NAME  # it imports this module
-
-        broker = ray.get_actor(BROKER_ACTOR_NAME, namespace=self.namespace)
-        return await asyncio.wait_for(
-            broker.update_in_sync.remote(self.core.name, epoch, in_sync), CONTROLLER_SECONDS
-        )
+        return await self._ask_controller("update_in_sync", self.core.name, epoch, in_sync)
 
     async def _next_epoch(self) -> int:
         """The controller's next epoch for this leader (after a cut-back commit)."""
-        from raymq.actors.broker_actor import BROKER_ACTOR_NAME  # it imports this module
-
-        broker = ray.get_actor(BROKER_ACTOR_NAME, namespace=self.namespace)
-        epoch, _followers = await asyncio.wait_for(
-            broker.begin_epoch.remote(self.core.name, self.role.replica_id), CONTROLLER_SECONDS
+        epoch, _followers = await self._ask_controller(
+            "begin_epoch", self.core.name, self.role.replica_id
         )
         return epoch
 

@@ -14,6 +14,12 @@ Scenarios, each on the cluster as the previous one left it (nodes added back):
   until a new follower has caught up, then resume.
 - ``paused``: the leader's process is paused (SIGSTOP) until the broker failed over,
   then resumed: a send to it is not acknowledged.
+- ``broker``: the broker's process is paused while a leader restarts in place: the
+  leader's start ends in ``BrokerUnavailable`` (it waits on the controller a bounded
+  time), and once the broker is resumed the queue has every message.
+
+Then the broker stops its queues: from then on it starts nothing (an epoch asked for
+by a restarting leader, a revival), and no queue or replica actor is left.
 
 Usage: python tests/replication_scenario.py PAGING_DIR RAY_TEMP_DIR [SCENARIO ...]
 """
@@ -331,6 +337,72 @@ class Scenario:
             "count": len(consumed),
         }
 
+    def paused_broker(self) -> dict:
+        self.top_up()
+        q = self.create("controller")
+        q.send_batch([b"c-before"] * 10)
+        broker_pid = ray.get(self.broker._actor.pid.remote())
+        os.kill(broker_pid, signal.SIGSTOP)
+        try:
+            os.kill(self.leader_pid(q), signal.SIGKILL)  # Ray restarts it in place
+            t0 = time.monotonic()
+            while True:  # until the restarted process takes calls (as clients retry)
+                start = _answer(ray.get, q._actor.ready.remote(), timeout=DEADLINE_SECONDS)
+                if start != "ActorUnavailableError" or time.monotonic() - t0 > DEADLINE_SECONDS:
+                    break
+                time.sleep(0.1)  # the pace of tries, not a wait for anything
+            start_seconds = time.monotonic() - t0
+        finally:
+            os.kill(broker_pid, signal.SIGCONT)
+        refused: dict[str, int] = {}
+        send_once_in_sync(q, b"c-after", refused)
+        consumed = consume_all(q)
+        return {
+            "start": start,
+            "start_seconds": start_seconds,
+            "refused": refused,
+            "consumed": sorted(b.decode() for b in consumed),
+        }
+
+
+def _answer(call, *args, **kwargs) -> str:
+    """What ``call(*args, **kwargs)`` ended in: "given", or the name of its error."""
+    try:
+        call(*args, **kwargs)
+        return "given"
+    except BrokerUnavailable:  # (Ray's error for it is one too)
+        return "BrokerUnavailable"
+    except Exception as exc:
+        return type(exc).__name__
+
+
+def stop(broker) -> dict:
+    """Stop the queues with the broker kept running, then ask it to start things: a
+    restarting leader's epoch, a queue's revival."""
+    from raymq.actors.queue_actor import QUEUE_ACTOR_PREFIX
+    from raymq.actors.replica_actor import REPLICA_ACTOR_PREFIX
+
+    sets = ray.get(broker._actor.replica_sets.remote())
+    ray.get(broker._actor.stop_queues.remote())
+    asked: dict[str, set[str]] = {"begin_epoch": set(), "get_queue": set()}
+    for name, rs in sorted(sets.items()):
+        epoch = broker._actor.begin_epoch.remote(name, rs["leader"])
+        asked["begin_epoch"].add(_answer(ray.get, epoch))
+        asked["get_queue"].add(_answer(broker.get_queue, name))
+
+    def left() -> list[str]:
+        return sorted(
+            a["name"]
+            for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["namespace"] == "replication"
+            and a["name"].startswith((QUEUE_ACTOR_PREFIX, REPLICA_ACTOR_PREFIX))
+        )
+
+    t0 = time.monotonic()
+    while left() and time.monotonic() - t0 < DEADLINE_SECONDS:  # killed: names freed soon
+        time.sleep(0.1)  # polling a condition, with a deadline
+    return {"asked": {k: sorted(v) for k, v in asked.items()}, "left": left()}
+
 
 def send_once_in_sync(q, body: bytes, refused: dict[str, int]) -> None:
     """Send ``body`` once enough replicas are in sync: a refusal (the typed error, counted
@@ -383,6 +455,7 @@ SCENARIOS = {
     "follower": Scenario.follower_loss,
     "two": Scenario.two_of_three,
     "paused": Scenario.paused_leader,
+    "broker": Scenario.paused_broker,
 }
 
 
@@ -411,6 +484,7 @@ def main(paging_dir: str, temp_dir: str, names: list[str]) -> dict:
             out[name] = SCENARIOS[name](s)
             out[name]["scenario_seconds"] = time.monotonic() - t
         out["failovers"] = ray.get(broker._actor.failover_log.remote())
+        out["stop"] = stop(broker)
         broker.shutdown()
     finally:
         ray.shutdown()

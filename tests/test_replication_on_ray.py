@@ -130,3 +130,18 @@ def test_raymq_status_shows_each_replica(observed):
     assert sum("leader" in row for row in rows) == 1
     for replica in r["replicas"]:
         assert any(replica["node_id"][:12] in row for row in rows), table
+
+
+def test_a_leader_restarting_beside_a_paused_broker_gives_up_in_bounded_time(observed):
+    r = observed["broker"]
+    # Its start asks the controller for an epoch for at most CONTROLLER_SECONDS (10 s):
+    # a typed error, not a call (and every call behind it) held for ever.
+    assert r["start"] == "BrokerUnavailable", r
+    assert r["start_seconds"] < 40, r
+    assert r["consumed"] == ["c-after"] + ["c-before"] * 10, r
+
+
+def test_a_stopped_broker_starts_nothing_and_leaves_no_actor(observed):
+    r = observed["stop"]
+    assert r["asked"] == {"begin_epoch": ["BrokerUnavailable"], "get_queue": ["BrokerUnavailable"]}
+    assert r["left"] == [], r
