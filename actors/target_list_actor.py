@@ -70,6 +70,9 @@ LOADER_POLL_SECONDS = 1.0
 #: A fetch not answered in this long counts as a failure of a restarting queue actor;
 #: the loader waits for the same fetch again rather than ask twice (seconds).
 FETCH_ANSWER_SECONDS = LOADER_POLL_SECONDS + 10.0
+#: Longest a TargetList waits for its broker to start its queue's actor again (seconds):
+#: a revival is a process start, a second or two here.
+REVIVE_SECONDS = 60.0
 #: Longest a TargetList registered over the FetchChannel puts off its Ray registration
 #: (the queue's death watch), unless its first delivery comes sooner (seconds).
 WATCH_DELAY_SECONDS = 0.1
@@ -581,15 +584,28 @@ class TargetListActor:
         log.warning("consumer %s: fetching through Ray calls: %s", self.consumer_id, exc)
 
     async def _find_queue(self):
-        """The queue's actor, looked up by name: started again (by the broker, on the
-        next ``get_queue``) it is a new actor. Raises ``FetchFailed`` if none runs."""
+        """The queue's actor, looked up by name: started again (a restart, a revival)
+        it is a new actor. If none runs (it hibernated, after dropping us as silent,
+        say), the broker starts it again (``get_queue``; at most ``REVIVE_SECONDS``):
+        a consumer that lives is never left on a queue nobody revives. Raises
+        ``FetchFailed`` with the broker's typed error, or ``BrokerUnavailable``."""
         name = queue_actor_name(self.queue)
         namespace = await self._broker_namespace()
         try:
             return await asyncio.to_thread(ray.get_actor, name, namespace)
         except ValueError:
+            pass
+        from raymq.actors.broker_actor import BROKER_ACTOR_NAME  # (rarely needed here)
+
+        try:
+            broker = await asyncio.to_thread(ray.get_actor, BROKER_ACTOR_NAME, namespace)
+            return await asyncio.wait_for(broker.get_queue.remote(self.queue), REVIVE_SECONDS)
+        except RayMQError as exc:  # (Ray's error for a typed one is one too)
+            raise FetchFailed(getattr(exc, "cause", exc)) from None
+        except (ValueError, TimeoutError, ray.exceptions.RayError) as exc:
             error = BrokerUnavailable(
                 f"queue {self.queue!r} is not running (no actor {name!r}; {self._death})"
+                f" and its broker did not start it: {exc!r}"
             )
             raise FetchFailed(error) from None
 
