@@ -163,33 +163,42 @@ def check_auth(env: dict) -> dict:
 
 
 def submit_jobs(env: dict, dashboard: str, examples: list[str]) -> dict:
-    """Each example as a Ray job (working dir examples/), one after the other."""
+    """Each example as a Ray job (working dir examples/), all submitted at once (as a
+    team's jobs arrive) and waited for together."""
     from ray.job_submission import JobStatus, JobSubmissionClient
 
     with open(os.path.join(env["HOME"], ".ray", "auth_token")) as f:
         token = f.read().strip()
     client = JobSubmissionClient(dashboard, headers={"Authorization": f"Bearer {token}"})
     runtime_env = {"working_dir": os.path.join(ROOT, "examples")}
-    jobs = {}
-    for name in examples:
-        t0 = time.monotonic()
-        job = client.submit_job(entrypoint=f"python {name}.py", runtime_env=runtime_env)
-        while True:
+    t0 = time.monotonic()
+    submitted = {
+        name: client.submit_job(entrypoint=f"python {name}.py", runtime_env=runtime_env)
+        for name in examples
+    }
+    ended = (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED)
+    states: dict[str, object] = {}
+    seconds: dict[str, float] = {}
+    while len(states) < len(submitted):
+        for name, job in submitted.items():
+            if name in states:
+                continue
             state = client.get_job_status(job)
-            if state in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED):
-                break
-            if time.monotonic() - t0 > JOB_SECONDS:
+            if state not in ended and time.monotonic() - t0 > JOB_SECONDS:
                 client.stop_job(job)
                 state = "TIMEOUT"
-                break
-            time.sleep(0.5)
+            if state in ended or state == "TIMEOUT":
+                states[name], seconds[name] = state, round(time.monotonic() - t0, 1)
+        time.sleep(0.5)  # the pace of polling the job server
+    jobs = {}
+    for name, job in submitted.items():
         info = client.get_job_info(job)
         logs = client.get_job_logs(job)
         jobs[name] = {
             "joined": "joined the running RayMQ broker" in logs,
-            "status": str(state),
+            "status": str(states[name]),
             "exit_code": getattr(info, "driver_exit_code", None),
-            "seconds": round(time.monotonic() - t0, 1),
+            "seconds": seconds[name],
             "logs": logs[-3000:],
         }
     return jobs
@@ -312,7 +321,9 @@ def main(examples: list[str], home: str, ray_tmp: str) -> dict:
             "names": sorted(set(re.findall(r"\braymq\.[\w.]+", actors.stdout))),
             "err": actors.stderr[-2000:],
         }
-        joined = subprocess.run(  # not a job: a driver on the head's machine, --join
+        # A driver on the head's machine (not a job), after the metrics were read: it
+        # adds to the quickstart job's queue.
+        joined = subprocess.run(
             [os.path.join(BIN, "python"), "examples/quickstart.py", "--join"],
             capture_output=True,
             text=True,
