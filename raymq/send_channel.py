@@ -79,6 +79,11 @@ MAX_CONNECTIONS = 256
 #: A client waiting this long for an answer pings the server; a ping unanswered as long
 #: again breaks the channel (seconds). A BLOCKed send may wait for ever, a dead peer not.
 REPLY_PATIENCE_SECONDS = 30.0
+#: Longest a client's write may wait for the server to take bytes (seconds): a peer
+#: that reads nothing for that long (its process paused, a partition) breaks the
+#: channel, and the sends go again by Ray, where a write could otherwise wait for ever
+#: holding the channel's lock (and with it every sender and the liveness ping).
+SEND_TIMEOUT_SECONDS = REPLY_PATIENCE_SECONDS
 #: After ``SendChannelServer.close``, open connections are closed once the stores under
 #: way are answered, or after this long at most (seconds): a client still waiting then
 #: gets ``ChannelBroken`` and sends again.
@@ -562,10 +567,15 @@ class _AsyncReply:
         self.answer: tuple[Any, BaseException | None] | None = None
 
     def set_result(self, value: Any) -> None:
-        self._loop.call_soon_threadsafe(self._resolve, value, None)
+        self._call_soon(value, None)
 
     def set_exception(self, error: BaseException) -> None:
-        self._loop.call_soon_threadsafe(self._resolve, None, error)
+        self._call_soon(None, error)
+
+    def _call_soon(self, value: Any, error: BaseException | None) -> None:
+        if self._loop.is_closed():  # its awaiter went with its loop (a timed-out
+            return  # send in an ``asyncio.run`` that ended): nobody to tell
+        self._loop.call_soon_threadsafe(self._resolve, value, error)
 
     def _resolve(self, value: Any, error: BaseException | None) -> None:
         self.answer = (value, error)
@@ -574,6 +584,19 @@ class _AsyncReply:
     def wake(self) -> None:
         if not self.future.done():
             self.future.set_result(None)
+
+
+def _tell(reply: Any, value: Any, error: BaseException | None) -> None:
+    """Give a reply its answer; one that cannot take it (its asyncio loop closed, its
+    awaiter gone) is logged and left, never breaking the channel nor the replies after
+    it."""
+    try:
+        if error is None:
+            reply.set_result(value)
+        else:
+            reply.set_exception(error)
+    except Exception:
+        log.warning("send channel: a reply could not be told its answer", exc_info=True)
 
 
 class SendChannel:
@@ -598,6 +621,11 @@ class SendChannel:
             if self._read() != [True]:
                 raise ChannelBroken(f"queue {queue!r} refused the send channel")
             sock.settimeout(None)
+            # Writes only (the reader thread waits on this socket for as long as need be).
+            seconds = int(SEND_TIMEOUT_SECONDS)
+            micros = int((SEND_TIMEOUT_SECONDS - seconds) * 1e6)
+            timeval = struct.pack("ll", seconds, micros)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
         except BaseException:
             sock.close()
             raise
@@ -725,10 +753,13 @@ class SendChannel:
                     for part in parts:  # large: no copy
                         self._sock.sendall(part)
                 return
-            except OSError as exc:
+            except BaseException as exc:  # (a KeyboardInterrupt too: part of a frame may
+                # be written, and the next frame would be read as its rest)
                 self._waiting.pop(req_id, None)
                 error = exc
         self._break(error)  # outside the lock: replies may take locks of their own
+        if not isinstance(error, Exception):
+            raise error
         raise ChannelBroken(f"send channel of queue {self.queue!r}: {error}") from error
 
     def close(self) -> None:
@@ -755,10 +786,8 @@ class SendChannel:
                     fut = self._waiting.pop(req_id, None)
                 if fut is None:
                     continue
-                if error is None:
-                    fut.set_result(offset)
-                else:
-                    fut.set_exception(error_of(error, message))
+                answer = None if error is None else error_of(error, message)
+                _tell(fut, offset, answer)
         except Exception as exc:  # whatever ends the reader breaks the channel
             self._break(exc)
 
@@ -769,7 +798,10 @@ class SendChannel:
             if self.broken is None:
                 self.broken = exc
             waiting, self._waiting = self._waiting, {}
+            with contextlib.suppress(OSError):  # (close alone leaves the reader's file
+                # open: the connection would live on, its reader thread blocked)
+                self._sock.shutdown(socket.SHUT_RDWR)
             with contextlib.suppress(OSError):
                 self._sock.close()
         for fut in waiting.values():  # ids ascend: dict order is the order sent
-            fut.set_exception(ChannelBroken(f"send channel of queue {self.queue!r}: {exc}"))
+            _tell(fut, None, ChannelBroken(f"send channel of queue {self.queue!r}: {exc}"))

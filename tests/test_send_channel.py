@@ -7,13 +7,14 @@ import asyncio
 import socket
 import sys
 import threading
+import time
 
 import msgpack
 import pytest
 
 from raymq.batch import MessageBatch
 from raymq.errors import AddressFull
-from raymq.send_channel import ChannelBroken, SendChannel, SendChannelServer, frame
+from raymq.send_channel import ChannelBroken, SendChannel, SendChannelServer, _Reply, frame
 
 MAX_MESSAGE = 1024
 
@@ -328,6 +329,68 @@ def test_a_client_waiting_on_a_dead_server_gets_channel_broken(served, monkeypat
     for sock in [*accepted, listener]:
         sock.close()
     loop.call_soon_threadsafe(store.release.set)
+
+
+def _mute_peer() -> tuple[socket.socket, list[socket.socket], threading.Thread]:
+    """A peer that authenticates one client and then reads and answers nothing."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+
+    def mute() -> None:
+        conn, _ = listener.accept()
+        accepted.append(conn)
+        conn.recv(1024)
+        conn.sendall(frame([True]))
+
+    t = threading.Thread(target=mute)
+    t.start()
+    return listener, accepted, t
+
+
+def test_a_write_to_a_peer_that_reads_nothing_breaks_the_channel_in_bounded_time(monkeypatch):
+    """A paused queue actor takes no bytes: a write (under the channel's lock, which
+    every sender and the liveness ping need) must not wait for ever. The broken
+    channel's connection is closed for real: its reader thread ends."""
+    from raymq import send_channel
+
+    monkeypatch.setattr(send_channel, "SEND_TIMEOUT_SECONDS", 0.3)
+    listener, accepted, t = _mute_peer()
+    channel = SendChannel("127.0.0.1", listener.getsockname()[1], "s", "q")
+    t.join(10)
+    # More than any socket buffer holds: the write must wait for the peer.
+    batch = MessageBatch.from_bodies([b"x" * 2**20] * 64, max_message_size=2**21)
+    started = time.monotonic()
+    with pytest.raises(ChannelBroken):
+        channel.send_batch(batch, None)
+    assert time.monotonic() - started < 20
+    channel._reader.join(10)
+    assert not channel._reader.is_alive()
+    with pytest.raises(ChannelBroken):  # broken for good: the sender goes by Ray
+        channel.send(b"after", b"", None)
+    for sock in [*accepted, listener]:
+        sock.close()
+
+
+def test_an_answer_for_a_send_whose_event_loop_ended_leaves_the_channel_working(served):
+    """A timed-out ``send_async`` in an ``asyncio.run`` that has returned: its answer
+    comes later, to a closed loop. The channel and the sends after it go on."""
+    store, _, (host, port, secret), loop = served
+    store.hold = True
+    channel = SendChannel(host, port, secret, "q")
+
+    async def impatient() -> None:
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(channel.send_async(b"late", b"", None), 0.05)
+
+    asyncio.run(impatient())
+    asyncio.run(impatient())  # two stale replies: neither may stop the others
+    later = _Reply()
+    channel.submit_one(b"next", b"", None, later)
+    loop.call_soon_threadsafe(store.release.set)
+    assert later.result(timeout=30) == 2
+    assert channel.broken is None
+    assert channel.send(b"and on", b"", None) == 3
+    channel.close()
 
 
 def test_a_blocked_send_outlives_the_reply_patience_while_the_server_answers_pings(
