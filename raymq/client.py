@@ -388,7 +388,9 @@ def _send_channel(queue: Queue, *, connect: bool = True) -> SendChannel | None:
         endpoint = queue._invoke("send_endpoint")  # follows a revived queue's new actor
         if endpoint is not None:
             channel = SendChannel(*endpoint, queue=queue.name)
-    except (OSError, RayMQError):  # unreachable port, refused, or the actor is gone
+    except Exception as exc:  # unreachable port, refused, the actor gone...: whatever it
+        # is, Ray carries the sends, and the key must not stay None (connecting) for good
+        _log.info("queue %r: no send channel: %r", queue.name, exc)
         channel = None
     new_key = (key[0], queue._actor._actor_id.hex())
     with _channels_lock:

@@ -420,9 +420,8 @@ class Producer:
                         self._ship()  # what gathered meanwhile goes over a channel again
                     return
                 _, batch = heapq.heappop(self._lane)
-                wire = self._wire(batch)
-            try:
-                value: Any = self._ray_send(wire, batch.timeout)
+            try:  # whatever fails, the batch's futures are told and the lane goes on
+                value: Any = self._ray_send(self._wire(batch), batch.timeout)
                 error = None
             except Exception as exc:  # the queue's typed error, for each of its futures
                 value, error = None, exc
