@@ -114,8 +114,15 @@ class QueueActor:
         self._death_watches: dict[str, asyncio.Task] = {}
         self._started = False
         self._metrics_task: asyncio.Task | None = None
+        judged_whole = config.max_size_bytes > 0 and config.address_full_policy in (
+            "FAIL",
+            "BLOCK",
+        )
         self._channel = SendChannelServer(
-            self._channel_send_batch, config.name, broker.max_message_size
+            self._channel_send_batch,
+            config.name,
+            broker.max_message_size,
+            gather=not judged_whole,  # each client's send judged alone by its policy
         )
         self._endpoint: tuple[str, int, str] | None = None
         #: Its last call, for the broker's hibernation (``idle_seconds``).

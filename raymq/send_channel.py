@@ -125,10 +125,18 @@ SendBatch = Callable[[MessageBatch, "float | None"], Awaitable[tuple[int, int]]]
 
 class SendChannelServer:
     """Serves single sends for one queue: ``send_batch(batch, timeout)`` stores a batch
-    and returns (first offset, count stored), as ``QueueCore.send_batch`` does."""
+    and returns (first offset, count stored), as ``QueueCore.send_batch`` does.
 
-    def __init__(self, send_batch: SendBatch, queue: str, max_message_size: int):
+    ``gather`` False: each single send is stored as a batch of its own, never with
+    other clients' sends (a queue whose ``address_full_policy`` FAIL or BLOCK judges a
+    batch whole must not refuse a send that fits because another shared its batch; the
+    queue's group commit still writes them together)."""
+
+    def __init__(
+        self, send_batch: SendBatch, queue: str, max_message_size: int, *, gather: bool = True
+    ):
         self._send_batch = send_batch
+        self._gathers = gather
         self._queue = queue
         self._max_message_size = max_message_size
         self._frame_limit = max_message_size + FRAME_OVERHEAD
@@ -312,6 +320,10 @@ class SendChannelServer:
     def _flush(self) -> None:
         gathered, self._gathered = self._gathered, []
         if not gathered:  # refused by close() meanwhile
+            return
+        if not self._gathers:
+            for item in gathered:  # in the order received: the queue keeps it
+                self._spawn(self._store([item], item[2]))
             return
         timeout = gathered[0][2]
         if all(item[2] == timeout for item in gathered):  # the usual case: one group

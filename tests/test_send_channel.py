@@ -59,6 +59,16 @@ class Store:
 @pytest.fixture
 def served():
     """(store, server, (host, port, secret), loop) with the loop running in a thread."""
+    yield from _serve(gather=True)
+
+
+@pytest.fixture
+def served_apart():
+    """``served`` with a server that stores each single send alone (``gather=False``)."""
+    yield from _serve(gather=False)
+
+
+def _serve(gather: bool):
     store = Store()
     loop = asyncio.new_event_loop()
     ready = threading.Event()
@@ -66,7 +76,7 @@ def served():
 
     def run():
         asyncio.set_event_loop(loop)
-        server = SendChannelServer(store.send_batch, "q", MAX_MESSAGE)
+        server = SendChannelServer(store.send_batch, "q", MAX_MESSAGE, gather=gather)
         out["server"] = server
         out["endpoint"] = loop.run_until_complete(server.start("127.0.0.1"))
         ready.set()
@@ -113,6 +123,19 @@ def test_sends_from_many_threads_come_back_with_their_offsets(served):
     assert sorted(got.values()) == list(range(400))
     assert all(store.bodies[offset] == body for body, offset in got.items())
     assert len(store.batches) < 400  # requests arriving together share a batch
+
+
+def test_a_server_that_does_not_gather_stores_each_send_alone(served_apart):
+    """A queue that judges batches whole (FAIL, BLOCK) judges, and stores, each
+    client's send alone, even when many arrive in one read."""
+    store, _, (host, port, secret), _ = served_apart
+    sock = raw_client(host, port, secret)
+    sock.sendall(b"".join(frame([k, f"m{k}".encode(), b"", None]) for k in range(50)))
+    answers = sorted(read_frame(sock)[:2] for _ in range(50))
+    assert answers == [[k, k] for k in range(50)]
+    assert store.bodies == [f"m{k}".encode() for k in range(50)]
+    assert store.batches == [1] * 50
+    sock.close()
 
 
 def test_errors_come_back_typed_and_drops_as_none(served):
