@@ -1411,7 +1411,10 @@ class Consumer:
         self._acks.collect(block=full, raise_errors=False)
 
     def _send_ack_call(self, offsets: np.ndarray) -> concurrent.futures.Future:
-        return self._actor.ack.remote(self.consumer_id, offsets, self._subscription).future()
+        actor = self._actor
+        fut = actor.ack.remote(self.consumer_id, offsets, self._subscription).future()
+        fut.raymq_actor = actor  # (whom it went to: _follow_queue)
+        return fut
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every pipelined ack is durable, at most ``timeout`` seconds (None:
@@ -1441,10 +1444,19 @@ class Consumer:
                     error = self._ack_apart(offsets) or error
             if isinstance(error, NotLeader):
                 self._ack_lost(parts, error)
+                self._follow_queue(fut)
                 return
             raise error from None
         except _RETRYABLE as exc:
             self._ack_lost(parts, exc)
+            self._follow_queue(fut)
+
+    def _follow_queue(self, failed: concurrent.futures.Future) -> None:
+        """An ack call failed because its queue actor is gone or leads no more: the
+        next acks go to the queue's current actor (a replicated queue's new leader, a
+        revived one), as the TargetList's fetches do, once per actor lost."""
+        if getattr(failed, "raymq_actor", None) is self.queue._actor:
+            self.queue._refresh("ack")
 
     def _ack_lost(self, parts: list[np.ndarray], why: object) -> None:
         """Pipelined acks whose outcome is unknown (the queue's actor died, restarts, a
@@ -1490,7 +1502,8 @@ class Consumer:
         """Give messages back: they are delivered again with ``delivery_count`` + 1."""
         self._check_open()
         self._send_acks()  # in order: what was acked before is not given back
-        return _call(self._actor.nack, self.consumer_id, _offsets_of(messages), self._subscription)
+        offsets = _offsets_of(messages)
+        return self.queue._invoke("nack", self.consumer_id, offsets, self._subscription)
 
     def reject(self, messages: Message | int | Iterable | pa.RecordBatch | pa.Table) -> int:
         """Give up on messages: they go to the queue's dead-letter queue (with
@@ -1501,9 +1514,8 @@ class Consumer:
         """
         self._check_open()
         self._send_acks()  # in order, as for nack
-        return _call(
-            self._actor.reject, self.consumer_id, _offsets_of(messages), self._subscription
-        )
+        offsets = _offsets_of(messages)
+        return self.queue._invoke("reject", self.consumer_id, offsets, self._subscription)
 
     def backlog(self) -> int:
         """Messages the queue has for this consumer that it has not received yet.

@@ -130,6 +130,28 @@ def test_a_consumer_its_queue_dropped_starts_the_hibernated_queue_again(broker):
     assert _running(broker, "dropped")
 
 
+def test_a_consumer_whose_queue_actor_was_ended_acks_to_the_new_one(broker):
+    """The queue's actor is ended for good under a living consumer (an operator's
+    ``ray kill``, say): its TargetList has the broker start the queue again, and its
+    pipelined acks follow to the new actor, where they went on failing on the old
+    handle (counted as lost) until the consumer stalled at its prefetch."""
+    q = broker.create_queue("ended")
+    q.send_batch([str(i).encode() for i in range(50)])
+    with q.consumer(prefetch=10) as c:
+        first = c.receive(5, timeout=30)
+        c.ack(first, wait=True)
+        ray.kill(q._actor, no_restart=True)
+        got = {m.body for m in first}
+        deadline = time.monotonic() + 90
+        while len(got) < 50 and time.monotonic() < deadline:
+            batch = c.receive(10, timeout=5)
+            got |= {m.body for m in batch}
+            c.ack(batch)
+        c.flush()
+    assert len(got) == 50, sorted(got)
+    assert q.stats()["depth"] == 0
+
+
 def test_a_queue_written_only_over_its_send_channel_is_not_idle(broker):
     """Sends travel over the queue's SendChannel, not Ray calls: they count as use."""
     fed = broker.create_queue("fed")
