@@ -581,6 +581,10 @@ class TargetListActor:
         if self._fetch_channel is not None:
             self._fetch_channel.close()
         self._fetch_channel, self._fetch_endpoint = None, None
+        # A queue actor restarted in place knows us only once a fetch registers us, and
+        # then without our handle: nothing would watch for our death (what we hold would
+        # stay held until its next restart). Registering hands it over again.
+        self._register_again = True
         log.warning("consumer %s: fetching through Ray calls: %s", self.consumer_id, exc)
 
     async def _find_queue(self):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 
 import pytest
 import ray
@@ -84,3 +85,32 @@ def _connect_again(broker):
     return raymq.connect(
         namespace=broker.namespace, paging_directory=broker.config.paging_directory
     )
+
+
+def test_a_consumer_is_watched_again_by_a_queue_restarted_in_place(broker):
+    """A queue actor restarted after a crash learns of a living consumer from its next
+    fetch; it must also get the consumer's handle back, to watch for its death (else
+    what a consumer that dies later held stays held until the queue restarts again).
+    Here the consumer's TargetList is full while the queue restarts: its next fetch
+    finds the FetchChannel broken and the actor already up again."""
+    q = broker.create_queue("watched-again")
+    q.send_batch([b"before", b"held"])
+    with q.consumer(prefetch=1) as c:
+        c.ack(c.receive(1, timeout=30), wait=True)
+        deadline = time.monotonic() + 60
+        side: dict = {}
+        while side.get("delivered") != 2 and time.monotonic() < deadline:
+            side = _call(q._actor.consumer_stats, c.consumer_id)  # "held" loaded eagerly
+            time.sleep(0.02)  # polling a condition, with a deadline
+        assert side["delivered"] == 2, side
+        os.kill(_call(q._actor.pid), signal.SIGKILL)
+        assert q.stats()["depth"] == 1  # restarted (the call waits for it)
+        got = c.receive(1, timeout=30)  # from the TargetList's buffer: room for one more
+        assert [m.body for m in got] == [b"held"]
+        # Its next fetch finds the channel broken, and goes by Ray to the restarted
+        # actor, which delivers offset 1 again (it knows of no delivery before it).
+        side = {}
+        while not side.get("delivered") and time.monotonic() < deadline:
+            side = _call(q._actor.consumer_stats, c.consumer_id)
+            time.sleep(0.02)  # polling a condition, with a deadline
+        assert side.get("delivered") == 1 and side["death_watch"], side

@@ -512,6 +512,8 @@ class Subscription:
             "cache_references": self.area.deliverable_estimate(consumer_id),
             "cache_reference_bytes": 0 if t.candidates is None else t.candidates.nbytes,
             "scan_remaining": max(0, t.scan_end - t.scan_pos),
+            # The queue can tell its death (and deliver again what it holds).
+            "death_watch": t.watch is not None,
             "messages_scanned": t.messages_scanned,
             "segments_skipped": t.segments_skipped,
         }
