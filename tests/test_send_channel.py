@@ -327,33 +327,6 @@ def test_a_silent_connection_is_closed_and_connections_are_capped(served, monkey
         sock.close()
 
 
-def test_a_client_waiting_on_a_dead_server_gets_channel_broken(served, monkeypatch):
-    from raymq import send_channel
-
-    store, _, _endpoint, loop = served
-    monkeypatch.setattr(send_channel, "REPLY_PATIENCE_SECONDS", 0.3)
-    # A peer that authenticates clients and then answers nothing, not even pings.
-    listener = socket.create_server(("127.0.0.1", 0))
-    accepted: list[socket.socket] = []
-
-    def mute() -> None:
-        conn, _ = listener.accept()
-        accepted.append(conn)
-        conn.recv(1024)
-        conn.sendall(frame([True]))
-
-    t = threading.Thread(target=mute)
-    t.start()
-    channel = SendChannel("127.0.0.1", listener.getsockname()[1], "s", "q")
-    t.join(10)
-    with pytest.raises(ChannelBroken, match="ping"):
-        channel.send(b"lost?", b"", None)
-    channel.close()
-    for sock in [*accepted, listener]:
-        sock.close()
-    loop.call_soon_threadsafe(store.release.set)
-
-
 def _mute_peer() -> tuple[socket.socket, list[socket.socket], threading.Thread]:
     """A peer that authenticates one client and then reads and answers nothing."""
     listener = socket.create_server(("127.0.0.1", 0))
@@ -368,6 +341,23 @@ def _mute_peer() -> tuple[socket.socket, list[socket.socket], threading.Thread]:
     t = threading.Thread(target=mute)
     t.start()
     return listener, accepted, t
+
+
+def test_a_client_waiting_on_a_dead_server_gets_channel_broken(served, monkeypatch):
+    from raymq import send_channel
+
+    store, _, _endpoint, loop = served
+    monkeypatch.setattr(send_channel, "REPLY_PATIENCE_SECONDS", 0.3)
+    # A peer that authenticates clients and then answers nothing, not even pings.
+    listener, accepted, t = _mute_peer()
+    channel = SendChannel("127.0.0.1", listener.getsockname()[1], "s", "q")
+    t.join(10)
+    with pytest.raises(ChannelBroken, match="ping"):
+        channel.send(b"lost?", b"", None)
+    channel.close()
+    for sock in [*accepted, listener]:
+        sock.close()
+    loop.call_soon_threadsafe(store.release.set)
 
 
 def test_a_write_to_a_peer_that_reads_nothing_breaks_the_channel_in_bounded_time(monkeypatch):
