@@ -85,12 +85,19 @@ def _unwrap(exc: BaseException) -> BaseException:
 
 
 def _call(
-    method, *args, retry: bool = True, refresh: Callable[[], Any] | None = None, **kwargs
+    method,
+    *args,
+    retry: bool = True,
+    refresh: Callable[[], Any] | None = None,
+    about: str = "the broker",
+    **kwargs,
 ) -> Any:
     """Call an actor method and wait; typed errors unwrapped, restarts waited out.
 
     ``refresh`` gives the method again on a new actor when this one is unavailable or
     answers ``NotLeader`` (a replicated queue's leader moved): the call goes there.
+    ``about`` names what the actor serves in the ``BrokerUnavailable`` raised when it
+    cannot be reached ("queue 'orders'", say).
     """
     deadline = time.monotonic() + RESTART_GRACE_SECONDS
     delay = 0.05
@@ -108,7 +115,7 @@ def _call(
             if not retry or time.monotonic() > deadline:
                 if isinstance(exc, NotLeader):
                     raise
-                raise BrokerUnavailable(f"actor unavailable: {exc}") from exc
+                raise BrokerUnavailable(f"{about}: actor unavailable: {exc}") from exc
             if refresh is not None:
                 method = refresh()
                 delay = min(delay, 0.2)
@@ -702,7 +709,12 @@ class Queue:
     def _invoke(self, method: str, *args) -> Any:
         """Call the queue actor's ``method`` (``_call``), following a replicated
         queue's leader to its new actor when it moves."""
-        return _call(getattr(self._actor, method), *args, refresh=lambda: self._refresh(method))
+        return _call(
+            getattr(self._actor, method),
+            *args,
+            refresh=lambda: self._refresh(method),
+            about=f"queue {self.name!r}",
+        )
 
     def _refresh(self, method: str):
         """The queue's current actor, asked of the broker, as ``method``: a replicated
@@ -1065,7 +1077,9 @@ class Consumer:
         ``STALE_FETCH_ENDPOINT`` (a ``cached`` endpoint that failed: nothing started)."""
         named = {**settings, "fetch_endpoint": fetch_endpoint, "endpoint_cached": cached}
         if self._channel is None:
-            return _call(self.target_list.start, self.queue._actor, **named, retry=False)
+            return _call(
+                self.target_list.start, self.queue._actor, **named, retry=False, about=self._about
+            )
         try:
             return self._channel.start(named, CLOSE_TIMEOUT_SECONDS)
         except DeliveryBroken as exc:  # it may have started or not: not ours to use
@@ -1105,6 +1119,11 @@ class Consumer:
 
     def __enter__(self) -> Consumer:
         return self
+
+    @property
+    def _about(self) -> str:
+        """This consumer, as errors name it."""
+        return f"queue {self.queue.name!r}: consumer {self.consumer_id[:8]}"
 
     @property
     def _actor(self):
@@ -1261,7 +1280,7 @@ class Consumer:
                 if got is not BY_REFERENCE:
                     return got if got is not None and got.num_rows else None
                 wait = 0.0  # BY_REFERENCE: they are ready
-        entries = _call(self.target_list.take, self.prefetch, wait, retry=False)
+        entries = _call(self.target_list.take, self.prefetch, wait, retry=False, about=self._about)
         parts = []
         for (_ref, start, n), batch in zip(
             entries, _get_batches([e[0] for e in entries]), strict=True
@@ -1544,7 +1563,7 @@ class Consumer:
         ``client_buffered``: messages this client took from the TargetList (counted in
         its ``handed_out``) that no receive has returned yet (a receive over the
         DeliveryChannel takes up to ``CHANNEL_TAKE_MESSAGES`` at once)."""
-        s = _call(self.target_list.stats, retry=False)
+        s = _call(self.target_list.stats, retry=False, about=self._about)
         buffer = self._buffer
         s["client_buffered"] = 0 if buffer is None else buffer.num_rows
         return s

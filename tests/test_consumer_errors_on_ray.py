@@ -70,3 +70,21 @@ def test_a_queue_that_cannot_restart_fails_receive_until_it_is_back(broker, pagi
         # Unacknowledged messages are delivered again, from the files.
         assert set(again) <= {b"m%02d" % i for i in range(5, 20)}
         assert not consumer.stats()["loader_error_persistent"]
+
+
+def test_a_consumer_whose_target_list_died_gets_an_error_naming_its_queue(broker):
+    """Its TargetList actor killed for good (its node lost, say): receive raises
+    ``BrokerUnavailable`` naming the queue and the consumer, not only "actor
+    unavailable"."""
+    import ray
+
+    q = broker.create_queue("orphaned")
+    q.send(b"one")
+    c = q.consumer(prefetch=1)
+    try:
+        assert [m.body for m in c.receive(1, timeout=30)] == [b"one"]
+        ray.kill(c.target_list, no_restart=True)
+        _, error = receive_until_it_raises(c)
+        assert f"queue 'orphaned': consumer {c.consumer_id[:8]}" in str(error), error
+    finally:
+        c.close()
