@@ -21,8 +21,13 @@ import shutil
 import time
 
 import ray
-from raymq.actors.queue_actor import QueueActor, queue_actor_name
-from raymq.actors.replica_actor import LeaderRole, ReplicaActor, replica_actor_name
+from raymq.actors.queue_actor import QUEUE_ACTOR_PREFIX, QueueActor, queue_actor_name
+from raymq.actors.replica_actor import (
+    REPLICA_ACTOR_PREFIX,
+    LeaderRole,
+    ReplicaActor,
+    replica_actor_name,
+)
 from raymq.placement.nodes import alive_nodes, choose_queue_node, pinned_to
 
 from raymq import metrics
@@ -729,6 +734,29 @@ class BrokerActor:
                 finally:
                     if lock is not None:
                         lock.release()
+            await asyncio.to_thread(self._end_strays)
+
+    def _end_strays(self) -> None:
+        """End any queue or replica actor of this broker still running after the stop:
+        one its bookkeeping lost track of in a race, which would outlive ``raymq stop``
+        holding its files (a follower was left so in 1 of 4 runs of the replication
+        scenario; its cause is not found yet). Logged; blocking GCS calls: run off the
+        event loop."""
+        try:
+            named = ray.util.list_named_actors(all_namespaces=True)
+        except Exception as exc:  # the stop itself is done: logged
+            log.warning("stop: running actors not listed: %r", exc)
+            return
+        prefixes = (QUEUE_ACTOR_PREFIX, REPLICA_ACTOR_PREFIX)
+        ended = []
+        for actor in named:
+            if actor["namespace"] != self.namespace or not actor["name"].startswith(prefixes):
+                continue
+            with contextlib.suppress(ValueError):  # gone meanwhile
+                ray.kill(ray.get_actor(actor["name"], namespace=self.namespace), no_restart=True)
+                ended.append(actor["name"])
+        if ended:  # (one killed a moment ago may still be listed while it ends)
+            log.info("stop: ended the actors still listed after the queues stopped: %s", ended)
 
     async def _stop_queue(self, name: str, timeout: float) -> None:
         """Stop one queue's actors (``stop_queues``)."""
