@@ -759,21 +759,23 @@ class BrokerActor:
             log.info("stop: ended the actors still listed after the queues stopped: %s", ended)
 
     async def _stop_queue(self, name: str, timeout: float) -> None:
-        """Stop one queue's actors (``stop_queues``)."""
+        """Stop one queue's actors (``stop_queues``): its followers, then its actor if
+        it runs (not if hibernated, or never started since the broker started)."""
         try:
             handle = ray.get_actor(queue_actor_name(name), namespace=self.namespace)
-        except ValueError:  # hibernated, or never started since the broker started
-            await self._stop_followers(name)
-            return
+        except ValueError:
+            handle = None
         try:
             await self._stop_followers(name)
-            await asyncio.wait_for(handle.shutdown.remote(), timeout)
+            if handle is not None:
+                await asyncio.wait_for(handle.shutdown.remote(), timeout)
         except TimeoutError:
             log.warning("queue %r: no shutdown within %.0f s; ended", name, timeout)
         except Exception as exc:  # (a dead actor, a moved leader): the next queue
             log.warning("queue %r: shutdown failed: %r; ended", name, exc)
         finally:
-            ray.kill(handle, no_restart=True)
+            if handle is not None:
+                ray.kill(handle, no_restart=True)
             self._hibernation.stopped(name)
 
     async def _stop_followers(self, name: str, delete_files: bool = False) -> None:

@@ -89,7 +89,7 @@ def _call(
     *args,
     retry: bool = True,
     refresh: Callable[[], Any] | None = None,
-    about: str = "the broker",
+    about: str | None = None,
     **kwargs,
 ) -> Any:
     """Call an actor method and wait; typed errors unwrapped, restarts waited out.
@@ -115,7 +115,8 @@ def _call(
             if not retry or time.monotonic() > deadline:
                 if isinstance(exc, NotLeader):
                     raise
-                raise BrokerUnavailable(f"{about}: actor unavailable: {exc}") from exc
+                what = "actor unavailable" if about is None else f"{about}: actor unavailable"
+                raise BrokerUnavailable(f"{what}: {exc}") from exc
             if refresh is not None:
                 method = refresh()
                 delay = min(delay, 0.2)

@@ -775,10 +775,13 @@ class SendChannel:
         raise ChannelBroken(f"send channel of queue {self.queue!r}: {error}") from error
 
     def close(self) -> None:
-        """Close the connection; waiting sends raise ``ChannelBroken``."""
+        """Close the connection; waiting sends raise ``ChannelBroken``. Shut down first:
+        ``close`` alone leaves the reader's file open, and with it the connection and
+        the reader thread blocked on it."""
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
-        self._sock.close()
+        with contextlib.suppress(OSError):
+            self._sock.close()
 
     def _read(self) -> object:
         head = self._file.read(_LENGTH.size)
@@ -810,10 +813,6 @@ class SendChannel:
             if self.broken is None:
                 self.broken = exc
             waiting, self._waiting = self._waiting, {}
-            with contextlib.suppress(OSError):  # (close alone leaves the reader's file
-                # open: the connection would live on, its reader thread blocked)
-                self._sock.shutdown(socket.SHUT_RDWR)
-            with contextlib.suppress(OSError):
-                self._sock.close()
+            self.close()
         for fut in waiting.values():  # ids ascend: dict order is the order sent
             _tell(fut, None, ChannelBroken(f"send channel of queue {self.queue!r}: {exc}"))

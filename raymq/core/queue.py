@@ -354,8 +354,10 @@ class QueueCore:
         if self._closed:
             return
         # A commit under way took its sends out of ``_pending``: the flush queued behind
-        # it waits for it too (cancelling it would fail sends it may have written).
-        while self._pending or self.log.has_pending_acks or self._committing:
+        # it waits for it too (cancelling it would fail sends it may have written). One
+        # flush, not a loop: acks whose write failed stay pending (retried by later
+        # commits), and a close must not wait for a disk to heal.
+        if self._pending or self.log.has_pending_acks or self._committing:
             flushed = asyncio.get_running_loop().create_future()
             self._ack_waiters.append(flushed)  # resolved by the commit that takes them all
             self._kick.set()
