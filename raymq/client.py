@@ -161,14 +161,24 @@ def connect(
                 f"no RayMQ broker in namespace {namespace!r} on this Ray cluster;"
                 " start one with `raymq start`"
             ) from None
-    actor = BrokerActor.options(
-        name=BROKER_ACTOR_NAME,
-        namespace=namespace,
-        lifetime="detached",
-        get_if_exists=True,
-        scheduling_strategy=pinned_to(current_node_id()),
-    ).remote(config, namespace)
-    running: BrokerConfig = _call(actor.config)
+
+    def broker_actor():
+        return BrokerActor.options(
+            name=BROKER_ACTOR_NAME,
+            namespace=namespace,
+            lifetime="detached",
+            get_if_exists=True,
+            scheduling_strategy=pinned_to(current_node_id()),
+        ).remote(config, namespace)
+
+    found = [broker_actor()]
+
+    def again():  # a broker just stopped (killed) keeps its name a moment: ask anew
+        found[0] = broker_actor()
+        return found[0].config
+
+    running: BrokerConfig = _call(found[0].config, refresh=again, about="the broker")
+    actor = found[0]
     if broker_config and running != config:
         raise InvalidSetting(f"broker in namespace {namespace!r} runs with {running}, not {config}")
     spares.warm(current_node_id())  # the first consumer need not wait for a process
