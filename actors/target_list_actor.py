@@ -91,6 +91,8 @@ class TargetListActor:
     #: The queue actor's lookup by name under way (``_queue_actor``).
     _finding: asyncio.Future | None = None
     _starting = False  # a start under way or done (``start``)
+    _queue_process: str | None = None  # (``_note_queue_process``)
+    stale_dropped = 0
 
     def __init__(self):
         # Created blank, as a warm spare (``raymq.placement.spares``): starting a
@@ -122,6 +124,10 @@ class TargetListActor:
         #: The consumer's receives come over this socket (``raymq.delivery_channel``).
         self._channel: DeliveryChannelServer | None = None
         self.channel_lost_batches = 0  # batches lost with a restarted queue, skipped
+        #: The secret of the queue process's FetchChannel we registered with last: it
+        #: tells a new process (``_note_queue_process``).
+        self._queue_process: str | None = None
+        self.stale_dropped = 0  # messages loaded from a queue process since replaced
         #: The loader's fetches go over this socket to the queue actor
         #: (``raymq.fetch_channel``); its (host, port, secret) from our registration.
         self._fetch_endpoint: tuple[str, int, str] | None = None
@@ -539,6 +545,7 @@ class TargetListActor:
                 return False
             raise
         self._fetch_channel, self._fetch_endpoint = channel, tuple(endpoint)
+        self._note_queue_process(self._fetch_endpoint)
         return True
 
     async def _watched_by_queue(self) -> None:
@@ -573,6 +580,31 @@ class TargetListActor:
             self._fetch_channel.close()  # a channel to a queue actor that was replaced
             self._fetch_channel = None
         self._fetch_endpoint = endpoint
+        self._note_queue_process(endpoint)
+
+    def _note_queue_process(self, endpoint: tuple[str, int, str] | None) -> None:
+        """A registration answered ``endpoint``. Its secret is made anew by each queue
+        process (one FetchChannel server each): a new one means the queue actor we
+        loaded from is gone (restarted in place, revived, a new leader), and with it
+        its record of what it delivered to us. It delivers those messages again, so
+        what we still hold from the old process is dropped, never handed out: a stale
+        copy could otherwise reach the application after the fresh one was acked
+        (counted in ``stale_dropped``; the messages come again)."""
+        if endpoint is None:  # fetching by Ray: the old process's references are lost
+            return
+        process = endpoint[2]
+        if self._queue_process is not None and process != self._queue_process:
+            dropped = len(self.targets.drain())
+            if dropped:
+                self.stale_dropped += dropped
+                log.warning(
+                    "consumer %s: queue %r is a new process: %d messages loaded from the"
+                    " old one dropped (delivered again)",
+                    self.consumer_id,
+                    self.queue,
+                    dropped,
+                )
+        self._queue_process = process
 
     def _fetch_channel_broke(self, exc: ChannelBroken) -> None:
         """The FetchChannel failed: fetch through Ray until we register again (after a
@@ -703,6 +735,7 @@ class TargetListActor:
             "fetches_parked": self.fetched["parked"],
             "fetches_by_ray": self.fetched["ray"],
             "stale_fetches_given_back": self.loader.stale_fetches,
+            "stale_dropped": self.stale_dropped,
         }
 
     async def _queue_side(self) -> dict:
