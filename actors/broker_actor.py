@@ -112,6 +112,7 @@ class BrokerActor:
         self._room_locks: dict[str, asyncio.Lock] = {}
         self._sweeper: asyncio.Task | None = None
         self._trimmer: asyncio.Task | None = None  # (``_trim_soon``)
+        self._trim_again = False  # a start over the cap asked the trimmer for a sweep
         self._exporter: asyncio.Task | None = None
         self._counts = {"hibernations": 0, "revivals": 0, "refused": 0, "over_cap": 0}
         self._revival_seconds = 0.0
@@ -927,10 +928,27 @@ class BrokerActor:
     def _trim_soon(self) -> None:
         """Queues started side by side passed a node's cap (the others were starting
         too, so none was idle to make room): hibernate the least recently used idle
-        ones in the background, one sweep at a time."""
+        ones in the background, one trimmer at a time (``_trim``)."""
+        self._trim_again = True
         if self._stopping or (self._trimmer is not None and not self._trimmer.done()):
             return
-        self._trimmer = asyncio.get_running_loop().create_task(self._sweep())
+        self._trimmer = asyncio.get_running_loop().create_task(self._trim())
+
+    async def _trim(self) -> None:
+        """Sweep until no node is over its cap, or a sweep hibernates nothing and no
+        start asked for another meanwhile (the queues over it are busy or starting:
+        the start of the last of them asks again)."""
+        while self._trim_again:
+            self._trim_again = False
+            before = self._counts["hibernations"]
+            try:
+                await self._sweep()
+            except Exception:  # logged: the next start over the cap trims again
+                log.exception("trimming the queues over max_active_queues failed")
+                return
+            over = any(self._hibernation.over_cap(n) for n in self._hibernation.active_per_node())
+            if over and self._counts["hibernations"] > before:
+                self._trim_again = True
 
     async def _hibernate(self, name: str) -> bool:
         """Hibernate one queue if it is still idle: its actor closes its files, is

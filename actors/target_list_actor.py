@@ -92,6 +92,7 @@ class TargetListActor:
     _finding: asyncio.Future | None = None
     _starting = False  # a start under way or done (``start``)
     _queue_process: str | None = None  # (``_note_queue_process``)
+    _stale_give_back: asyncio.Future | None = None
     stale_dropped = 0
 
     def __init__(self):
@@ -585,26 +586,44 @@ class TargetListActor:
     def _note_queue_process(self, endpoint: tuple[str, int, str] | None) -> None:
         """A registration answered ``endpoint``. Its secret is made anew by each queue
         process (one FetchChannel server each): a new one means the queue actor we
-        loaded from is gone (restarted in place, revived, a new leader), and with it
-        its record of what it delivered to us. It delivers those messages again, so
-        what we still hold from the old process is dropped, never handed out: a stale
-        copy could otherwise reach the application after the fresh one was acked
-        (counted in ``stale_dropped``; the messages come again)."""
+        loaded from was replaced (restarted in place, revived, a new leader), and with
+        it its record of what it delivered to us. It delivers those messages again,
+        so what we still hold is not handed out: a stale copy could otherwise reach
+        the application after the fresh one was acked. It goes back to the queue
+        instead of being dropped: a fetch by Ray may have been answered by the new
+        process before this registration, and the queue releases only what it counts
+        as ours (``TargetArea.release``), ignoring the old process's offsets. Counted
+        in ``stale_dropped``."""
         if endpoint is None:  # fetching by Ray: the old process's references are lost
             return
         process = endpoint[2]
         if self._queue_process is not None and process != self._queue_process:
-            dropped = len(self.targets.drain())
-            if dropped:
-                self.stale_dropped += dropped
+            offsets = self.targets.drain()
+            if len(offsets):
+                self.stale_dropped += len(offsets)
                 log.warning(
-                    "consumer %s: queue %r is a new process: %d messages loaded from the"
-                    " old one dropped (delivered again)",
+                    "consumer %s: queue %r is a new process: %d messages loaded before"
+                    " not handed out (delivered again)",
                     self.consumer_id,
                     self.queue,
-                    dropped,
+                    len(offsets),
                 )
+                self._stale_give_back = asyncio.ensure_future(self._give_back_stale(offsets))
+            self.loader.wake()  # room again
         self._queue_process = process
+
+    async def _give_back_stale(self, offsets: np.ndarray) -> None:
+        """``_note_queue_process``'s give-back (in order with fetches: the loader's).
+        Failed, they stay held by us in the queue until we close or die (logged)."""
+        try:
+            await self.loader.give_back(offsets)
+        except Exception as exc:
+            log.warning(
+                "consumer %s: %d messages loaded from a replaced queue process not given back: %r",
+                self.consumer_id,
+                len(offsets),
+                exc,
+            )
 
     def _fetch_channel_broke(self, exc: ChannelBroken) -> None:
         """The FetchChannel failed: fetch through Ray until we register again (after a
