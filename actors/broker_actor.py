@@ -108,11 +108,7 @@ class BrokerActor:
         self._hibernation = HibernationPolicy(_hibernation_settings(config))
         #: Unreplicated queue -> lock around its revival and hibernation.
         self._queue_locks: dict[str, asyncio.Lock] = {}
-        #: Node -> lock around making room there (``_room_lock``).
-        self._room_locks: dict[str, asyncio.Lock] = {}
         self._sweeper: asyncio.Task | None = None
-        self._trimmer: asyncio.Task | None = None  # (``_trim_soon``)
-        self._trim_again = False  # a start over the cap asked the trimmer for a sweep
         self._exporter: asyncio.Task | None = None
         self._counts = {"hibernations": 0, "revivals": 0, "refused": 0, "over_cap": 0}
         self._revival_seconds = 0.0
@@ -158,8 +154,7 @@ class BrokerActor:
 
     async def create_queue(self, cfg: QueueConfig, node_id: str | None = None):
         """Create (or return, for equal settings) a queue; returns its actor handle."""
-        handle = None
-        async with self._lock:  # the registry only: queues' processes start side by side
+        async with self._lock:
             existing = self._queues.get(cfg.name)
             if existing is not None:
                 if existing.config != cfg:
@@ -168,6 +163,7 @@ class BrokerActor:
                         f"{cfg.name!r} exists, as {kind} with settings"
                         f" {existing.config.to_dict()}, not {cfg.to_dict()}"
                     )
+                handle = await self._handle(cfg.name)
             elif cfg.replicas > 1:
                 handle = await self._create_replicated(cfg, node_id)
             else:
@@ -177,10 +173,9 @@ class BrokerActor:
                 node = choose_queue_node(node_id, per_node)
                 self._queues[cfg.name] = QueueEntry(cfg, node)
                 self._registry.save(self._queues[cfg.name])
-        if handle is None:
-            handle = await self._handle(cfg.name, new=existing is None)
-        await handle.ready.remote()
-        return handle
+                handle = await self._handle(cfg.name, new=True)
+            await handle.ready.remote()
+            return handle
 
     async def get_queue(self, name: str):
         """The actor handle of an existing queue (started if its actor is not running)."""
@@ -197,40 +192,29 @@ class BrokerActor:
         (``new``: a queue being created, not a revival). Starting one on a node at its
         ``max_active_queues`` hibernates an idle queue there meanwhile."""
         self._refuse_if_stopping(name)
-        entry = self._entry(name)
+        entry = self._queues[name]
         if entry.config.replicas > 1:
             return await self._replicated(name)
         self._ensure_sweeper()
         async with self._queue_lock(name):  # not while it hibernates
-            entry = self._entry(name)  # (it may have moved, or been deleted)
+            entry = self._queues[name]  # (it may have moved)
             reviving = not self._hibernation.is_active(name)
             t0 = time.monotonic()
             handle = self._actor(name, entry.config, entry.node_id)
             if reviving:  # while its process starts (a second of CPU): its ready comes later
-                node = self._queues[name].node_id
-                async with self._room_lock(node):
-                    await self._make_room(node, name)
-                    # Counted from now: a start beside it makes room for both.
-                    self._hibernation.started(name, node)
+                await self._make_room(self._queues[name].node_id, name)
             try:
-                try:
-                    await handle.ready.remote()
-                except (NotLeader, ray.exceptions.RayTaskError) as exc:
-                    if not isinstance(getattr(exc, "cause", exc), NotLeader):
-                        raise
-                    # Closed for a hibernation that its broker did not finish (it died,
-                    # or gave up waiting): end it and start the queue anew.
-                    log.warning("queue %r: ending an actor left hibernating", name)
-                    await self._end_actor(name, handle)
-                    handle = self._actor(name, entry.config, self._queues[name].node_id)
-                    await handle.ready.remote()
-            except BaseException:
-                if reviving:
-                    self._hibernation.stopped(name)
-                raise
+                await handle.ready.remote()
+            except (NotLeader, ray.exceptions.RayTaskError) as exc:
+                if not isinstance(getattr(exc, "cause", exc), NotLeader):
+                    raise
+                # Closed for a hibernation that its broker did not finish (it died, or
+                # gave up waiting): end it and start the queue anew.
+                log.warning("queue %r: ending an actor left hibernating", name)
+                await self._end_actor(name, handle)
+                handle = self._actor(name, entry.config, self._queues[name].node_id)
+                await handle.ready.remote()
             self._hibernation.started(name, self._queues[name].node_id)
-            if self._hibernation.over_cap(self._queues[name].node_id):
-                self._trim_soon()
             if reviving and not new:
                 self._counts["revivals"] += 1
                 self._revival_seconds += time.monotonic() - t0
@@ -731,7 +715,7 @@ class BrokerActor:
         hang the stop, nor one that fails stop the others. What it had not flushed is
         acknowledged sends' acks at most: those messages are delivered again."""
         self._stopping = True
-        background = [self._monitor, self._sweeper, self._trimmer, *self._rejoins.values()]
+        background = [self._monitor, self._sweeper, *self._rejoins.values()]
         for task in background:  # stopped queues are not failed over nor hibernated
             if task is not None:
                 task.cancel()
@@ -835,19 +819,6 @@ class BrokerActor:
     def _queue_lock(self, name: str) -> asyncio.Lock:
         return self._queue_locks.setdefault(name, asyncio.Lock())
 
-    def _room_lock(self, node: str) -> asyncio.Lock:
-        """Around one queue's making room on ``node`` and being counted there: queues
-        starting side by side would otherwise hibernate the same idle queue, and pass
-        the cap together."""
-        return self._room_locks.setdefault(node, asyncio.Lock())
-
-    def _entry(self, name: str) -> QueueEntry:
-        """A queue's registry entry; ``QueueNotFound`` if it was deleted meanwhile."""
-        entry = self._queues.get(name)
-        if entry is None:
-            raise QueueNotFound(f"queue {name!r} does not exist (deleted)")
-        return entry
-
     def _ensure_sweeper(self) -> None:
         """Start the metrics export and (with ``hibernate_after_seconds``) the sweep."""
         if self._exporter is None or self._exporter.done():
@@ -924,31 +895,6 @@ class BrokerActor:
                 node[:12],
                 self._hibernation.settings.max_active_queues,
             )
-
-    def _trim_soon(self) -> None:
-        """Queues started side by side passed a node's cap (the others were starting
-        too, so none was idle to make room): hibernate the least recently used idle
-        ones in the background, one trimmer at a time (``_trim``)."""
-        self._trim_again = True
-        if self._stopping or (self._trimmer is not None and not self._trimmer.done()):
-            return
-        self._trimmer = asyncio.get_running_loop().create_task(self._trim())
-
-    async def _trim(self) -> None:
-        """Sweep until no node is over its cap, or a sweep hibernates nothing and no
-        start asked for another meanwhile (the queues over it are busy or starting:
-        the start of the last of them asks again)."""
-        while self._trim_again:
-            self._trim_again = False
-            before = self._counts["hibernations"]
-            try:
-                await self._sweep()
-            except Exception:  # logged: the next start over the cap trims again
-                log.exception("trimming the queues over max_active_queues failed")
-                return
-            over = any(self._hibernation.over_cap(n) for n in self._hibernation.active_per_node())
-            if over and self._counts["hibernations"] > before:
-                self._trim_again = True
 
     async def _hibernate(self, name: str) -> bool:
         """Hibernate one queue if it is still idle: its actor closes its files, is

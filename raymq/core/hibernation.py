@@ -140,12 +140,6 @@ class HibernationPolicy:
         cap = self.settings.max_active_queues
         return cap is not None and self.active_per_node().get(node, 0) + 1 > cap
 
-    def over_cap(self, node: str) -> bool:
-        """True if more queue actors run on ``node`` than the cap allows (queues that
-        started side by side found no idle one to make room)."""
-        cap = self.settings.max_active_queues
-        return cap is not None and self.active_per_node().get(node, 0) > cap
-
     def choose(self, idle: dict[str, float | None], room_on: str | None = None) -> list[str]:
         """The running queues to hibernate, given each one's idle time (seconds since
         its last call; None: busy, or it did not answer). Those idle for
