@@ -162,34 +162,29 @@ def connect(
                 " start one with `raymq start`"
             ) from None
 
-    def broker_actor():
-        return BrokerActor.options(
-            name=BROKER_ACTOR_NAME,
+    def here(actor_class, name: str):
+        """``actor_class``'s detached actor ``name`` on this node, made if missing."""
+        return actor_class.options(
+            name=name,
             namespace=namespace,
             lifetime="detached",
             get_if_exists=True,
             scheduling_strategy=pinned_to(current_node_id()),
-        ).remote(config, namespace)
+        )
 
-    found = [broker_actor()]
+    actor = here(BrokerActor, BROKER_ACTOR_NAME).remote(config, namespace)
 
     def again():  # a broker just stopped (killed) keeps its name a moment: ask anew
-        found[0] = broker_actor()
-        return found[0].config
+        nonlocal actor
+        actor = here(BrokerActor, BROKER_ACTOR_NAME).remote(config, namespace)
+        return actor.config
 
-    running: BrokerConfig = _call(found[0].config, refresh=again, about="the broker")
-    actor = found[0]
+    running: BrokerConfig = _call(actor.config, refresh=again, about="the broker")
     if broker_config and running != config:
         raise InvalidSetting(f"broker in namespace {namespace!r} runs with {running}, not {config}")
     spares.warm(current_node_id())  # the first consumer need not wait for a process
     warm_arrow_conversions()  # nor its first receive for pyarrow's lazy imports
-    governor = MemoryGovernorActor.options(
-        name=GOVERNOR_ACTOR_NAME,
-        namespace=namespace,
-        lifetime="detached",
-        get_if_exists=True,
-        scheduling_strategy=pinned_to(current_node_id()),
-    ).remote(running, namespace)
+    governor = here(MemoryGovernorActor, GOVERNOR_ACTOR_NAME).remote(running, namespace)
     return Broker(actor, running, namespace, governor)
 
 
