@@ -17,9 +17,11 @@ The linger thread never waits: not for a call's answer, nor for a consumer that 
 its pipeline's lock (that consumer is sending or waiting itself; the linger tries again
 a linger later). So one consumer whose queue does not answer delays no other's acks.
 
-An ack that never reached the queue (the process crashed first, or the call failed)
-leaves its message unacknowledged: it is delivered again. Delivery is at-least-once
-either way.
+A call that failed because the queue's actor died or moved is given back
+(``requeue``) and sent again to the queue's current actor by the consumer's next send,
+for as long as the consumer allows (``raymq.client``: the restart grace); an ack that
+never reached the queue after that, or because this process died first, leaves its
+message unacknowledged: it is delivered again. Delivery is at-least-once either way.
 
 Ray-free: the call is a function returning a ``concurrent.futures.Future``-like object.
 """
@@ -47,6 +49,9 @@ MAX_PIPELINED_ACKS = 8
 #: Longest a pipelined ack waits in the client before it is sent (seconds): a consumer
 #: acking one message at a time, slowly, still has its acks at the queue promptly.
 ACK_LINGER_SECONDS = 0.02
+#: Pause before a flush sends again the acks of a call that did not reach the queue
+#: (``requeue``): the queue's actor is restarting or moving (seconds).
+RESEND_PAUSE_SECONDS = 0.05
 #: Longest ``flush``, ``close`` or a send into a full window waits for the queue to
 #: answer pipelined ack calls (seconds): as long as a call waits out a restarting actor.
 ACK_ANSWER_SECONDS = 60.0
@@ -157,6 +162,16 @@ class AckPipeline:
                 raise
             self._in_flight.append((fut, parts))
 
+    def requeue(self, parts: list[np.ndarray]) -> None:
+        """Gather again the offsets of a call that did not reach the queue (its actor
+        died or moved): the next send carries them, to the queue's current actor. Sent
+        after a linger at the latest."""
+        with self._lock:
+            self._unsent[:0] = parts
+            self._unsent_count += sum(len(p) for p in parts)
+        if not self.lingering:
+            _lingerer.schedule(self, self.linger_seconds)
+
     def try_send(self) -> bool:
         """``send`` unless another thread holds the pipeline (it is adding, sending or
         waiting for answers): False then, at once. For the linger thread."""
@@ -192,9 +207,13 @@ class AckPipeline:
         later): the caller decides whether that is an error or a loss."""
         deadline = time.monotonic() + (self._answer_seconds() if timeout is None else timeout)
         with self._lock:
-            self.send()
-            unanswered = self._wait(list(self._in_flight), deadline)
-            self._check_done()
+            while True:
+                self.send()
+                unanswered = self._wait(list(self._in_flight), deadline)
+                self._check_done()  # a call that did not reach the queue is requeued:
+                if unanswered or not self.unsent or time.monotonic() >= deadline:
+                    break
+                time.sleep(min(RESEND_PAUSE_SECONDS, max(deadline - time.monotonic(), 0.0)))
             if raise_errors:
                 self._raise_first()
             return unanswered

@@ -40,6 +40,7 @@ from raymq.config import (
     apply_ray_env_defaults,
     validate_queue_name,
 )
+from raymq.core.link import Fault, LinkFault, QueueLink
 from raymq.delivery_channel import BY_REFERENCE, DeliveryChannel
 from raymq.delivery_channel import ChannelBroken as DeliveryBroken
 from raymq.errors import (
@@ -71,6 +72,24 @@ ITER_CHUNK_MESSAGES = 1024
 #: prefetch's worth to be read into this process (messages).
 CHANNEL_TAKE_MESSAGES = 128
 _RETRYABLE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+#: Ray's errors of an actor that cannot be reached: ``LinkFault``s of a queue's link.
+_FAULTS = (*_RETRYABLE, ray.exceptions.ActorUnschedulableError)
+
+
+def fault_of(exc: BaseException) -> Fault:
+    """The ``LinkFault`` kind of one of Ray's ``_FAULTS``: restarting in place (the
+    same actor comes back), moved (its node is gone), gone (dead)."""
+    if isinstance(exc, ray.exceptions.ActorUnavailableError):
+        return Fault.RESTARTING
+    if isinstance(exc, ray.exceptions.ActorUnschedulableError):
+        return Fault.MOVED
+    return Fault.GONE
+
+
+def _reason(exc: BaseException) -> str:
+    """The first line of a Ray error's message (they run to many lines)."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
 def _unwrap(exc: BaseException) -> BaseException:
@@ -79,8 +98,8 @@ def _unwrap(exc: BaseException) -> BaseException:
     cause = getattr(exc, "cause", None)
     if isinstance(cause, RayMQError | TypeError | ValueError):
         return cause
-    if isinstance(cause, _RETRYABLE):
-        return BrokerUnavailable(f"actor unavailable: {cause}")
+    if isinstance(cause, _FAULTS):
+        return BrokerUnavailable(f"actor unavailable: {_reason(cause)}")
     return exc
 
 
@@ -108,10 +127,10 @@ def _call(
             except ray.exceptions.RayTaskError as exc:
                 if isinstance(exc.cause, NotLeader) and refresh is not None:
                     raise exc.cause from None
-                if not isinstance(exc.cause, _RETRYABLE):
+                if not isinstance(exc.cause, _FAULTS):
                     raise _unwrap(exc) from None
                 raise exc.cause from None  # an actor it called restarts: wait as for ours
-        except (*_RETRYABLE, NotLeader) as exc:
+        except (*_FAULTS, NotLeader) as exc:
             if not retry or time.monotonic() > deadline:
                 if isinstance(exc, NotLeader):
                     raise
@@ -423,7 +442,14 @@ class Queue:
         self.name = name
         #: The name of the actor's queue or address (what a TargetList finds it by).
         self.actor_name = name
-        self._actor = actor
+        #: How this handle reaches the queue's current actor (``raymq.core.link``).
+        self._link = QueueLink(
+            f"queue {name!r}",
+            actor,
+            _RAY_TRANSPORT,
+            _BrokerLocator(self),
+            grace_seconds=lambda: RESTART_GRACE_SECONDS,
+        )
         #: Open consumers made through this handle: ``stats`` and ``browse`` send their
         #: pipelined acks first, so a handle reads its own acks.
         self._consumers: weakref.WeakSet[Consumer] = weakref.WeakSet()
@@ -433,6 +459,12 @@ class Queue:
 
     def __repr__(self) -> str:
         return f"Queue({self.name!r})"
+
+    @property
+    def _actor(self):
+        """The queue's actor, as this handle last found it (a replicated queue's
+        leader; a revived queue's new actor)."""
+        return self._link.handle
 
     def _check_body(self, body: object) -> bytes:
         if not isinstance(body, bytes | bytearray | memoryview):
@@ -537,7 +569,7 @@ class Queue:
                 return list(range(first, first + count))
             except (ChannelBroken, NotLeader):
                 pass  # as in ``send``: Ray calls follow a restart or a new leader
-        first, count = self._invoke("send_batch", batch, timeout)
+        first, count = self._invoke("send_batch", batch, timeout, answer_seconds=timeout)
         return list(range(first, first + count))
 
     async def send_async(
@@ -592,7 +624,9 @@ class Queue:
     async def _send_batch_by_ray(self, batch: MessageBatch, timeout: float | None):
         """The async sends' Ray path, as the blocking sends' (``_invoke``: it follows a
         revived or moved queue and waits out a restart), in a worker thread."""
-        return await asyncio.to_thread(self._invoke, "send_batch", batch, timeout)
+        return await asyncio.to_thread(
+            functools.partial(self._invoke, "send_batch", batch, timeout, answer_seconds=timeout)
+        )
 
     async def _send_channel_async(self) -> SendChannel | None:
         """``_send_channel`` without blocking the event loop: opening one (a Ray call
@@ -624,7 +658,9 @@ class Queue:
                 self._producer = Producer(
                     self.name,
                     lambda: _send_channel(self),
-                    lambda batch, timeout: self._invoke("send_batch", batch, timeout),
+                    lambda batch, timeout: self._invoke(
+                        "send_batch", batch, timeout, answer_seconds=timeout
+                    ),
                     # The channel refuses frames over max_message_size (and framing).
                     max_batch_bytes=min(MAX_BATCH_BYTES, self.broker.config.max_message_size),
                 )
@@ -712,29 +748,57 @@ class Queue:
         for consumer in list(self._consumers):
             consumer._acks.flush(raise_errors=False)
 
-    def _invoke(self, method: str, *args) -> Any:
-        """Call the queue actor's ``method`` (``_call``), following a replicated
-        queue's leader to its new actor when it moves."""
-        return _call(
-            getattr(self._actor, method),
-            *args,
-            refresh=lambda: self._refresh(method),
-            about=f"queue {self.name!r}",
-        )
+    def _invoke(self, method: str, *args, answer_seconds: float | None = -1.0) -> Any:
+        """Call the queue actor's ``method``; follows the queue to its current actor
+        (restarted, failed over, revived) or raises a typed error naming it
+        (``raymq.core.link.QueueLink.call``, which says what ``answer_seconds`` is)."""
+        return self._link.call(method, *args, answer_seconds=answer_seconds)
 
-    def _refresh(self, method: str):
-        """The queue's current actor, asked of the broker, as ``method``: a replicated
-        queue's leader (the broker checks one that does not answer, and fails over);
-        an unreplicated queue's actor, revived if it hibernated (one restarting in
-        place after a crash is the same actor: the broker waits for it)."""
-        old = self._actor
+    def _follow(self, failed) -> None:
+        """``failed`` (an actor of this queue) failed a call made outside ``_invoke``
+        (a pipelined ack): the next calls go to the queue's current actor."""
+        self._link.follow(failed)
+
+
+class _RayTransport:
+    """``QueueLink``'s transport: one Ray actor call, Ray's failures as ``LinkFault``."""
+
+    def call(self, handle: Any, method: str, args: tuple, timeout: float | None) -> Any:
+        """``method(*args)`` on ``handle`` (``raymq.core.link.Transport``)."""
+        ref = getattr(handle, method).remote(*args)
         try:
-            actor_id = old._actor_id.hex()
-            _call(self.broker._actor.suspect_leader, self.actor_name, actor_id, retry=False)
-            self._actor = _call(self.broker._actor.get_queue, self.actor_name, retry=False)
-        except RayMQError:  # the broker restarts, say: the old one again, later
-            pass
-        return getattr(self._actor, method)
+            return ray.get(ref, timeout=timeout)
+        except ray.exceptions.RayTaskError as exc:  # (first: it is an instance of its cause)
+            if isinstance(exc.cause, _FAULTS):  # an actor it called restarts or died
+                raise LinkFault(fault_of(exc.cause), _reason(exc.cause)) from None
+            raise _unwrap(exc) from None
+        except ray.exceptions.GetTimeoutError:
+            with contextlib.suppress(Exception):
+                ray.cancel(ref)
+            raise LinkFault(Fault.SILENT, f"no answer in {timeout:g} s") from None
+        except _FAULTS as exc:
+            raise LinkFault(fault_of(exc), _reason(exc)) from None
+
+
+_RAY_TRANSPORT = _RayTransport()
+
+
+class _BrokerLocator:
+    """``QueueLink``'s locator: the broker names a queue's current actor."""
+
+    def __init__(self, queue: Queue):
+        self._queue = weakref.ref(queue)
+
+    def locate(self, failed: Any) -> Any:
+        """The broker checks a leader suspected this way (fails over), revives a
+        hibernated queue, and names the queue's actor (``raymq.core.link.Locator``)."""
+        queue = self._queue()
+        if queue is None:
+            raise BrokerUnavailable("the queue handle was dropped")
+        broker = queue.broker._actor
+        name = queue.actor_name
+        _call(broker.suspect_leader, name, failed._actor_id.hex(), retry=False)
+        return _call(broker.get_queue, name, retry=False)
 
 
 class Address(Queue):
@@ -763,8 +827,8 @@ class Address(Queue):
         Raises ``SubscriptionExists``, ``SelectorError``, ``InvalidQueueName`` or
         ``InvalidSetting``.
         """
-        _call(
-            self._actor.create_subscription,
+        self._invoke(
+            "create_subscription",
             name,
             selector,
             start,
@@ -786,7 +850,7 @@ class Address(Queue):
     def delete_subscription(self, name: str) -> None:
         """Unbind a subscription: its consumers are closed, its hold on every stored
         message is released."""
-        _call(self._actor.delete_subscription, name)
+        self._invoke("delete_subscription", name)
 
     def consumer(self, *args, **kwargs) -> Consumer:
         """Addresses are consumed through their subscriptions."""
@@ -1001,9 +1065,14 @@ class Consumer:
         )
         self._ack_singles = self._acks._singles  # ack(message) appends here (never replaced)
         queue._consumers.add(self)  # its stats() and browse() see our acks
-        #: Pipelined acks whose call failed with the queue's actor, or that the queue
-        #: had not answered when the consumer closed (see ``ack``).
+        #: Pipelined acks whose call failed with the queue's actor for longer than the
+        #: restart grace, or that the queue had not answered when the consumer closed
+        #: (see ``ack``).
         self.acks_lost = 0
+        #: Pipelined acks sent again to the queue's current actor after their call
+        #: failed with its old one (``_resend_acks``).
+        self.acks_resent = 0
+        self._acks_failing_since: float | None = None  # monotonic seconds
         #: Failures of ``close`` giving back what the TargetList held (logged; the
         #: TargetList is killed anyway, and the queue delivers its messages again).
         self.close_failures = 0
@@ -1438,7 +1507,7 @@ class Consumer:
     def _send_ack_call(self, offsets: np.ndarray) -> concurrent.futures.Future:
         actor = self._actor
         fut = actor.ack.remote(self.consumer_id, offsets, self._subscription).future()
-        fut.raymq_actor = actor  # (whom it went to: _follow_queue)
+        fut.raymq_actor = actor  # (whom it went to: _resend_acks)
         return fut
 
     def flush(self, timeout: float | None = None) -> None:
@@ -1459,7 +1528,10 @@ class Consumer:
         """
         try:
             fut.result()
-        except ray.exceptions.RayTaskError as exc:
+        except ray.exceptions.RayTaskError as exc:  # (first: it is an instance of its cause)
+            if isinstance(exc.cause, _FAULTS):  # an actor the queue called: as ours
+                self._resend_acks(fut, parts, _reason(exc.cause))
+                return
             error = _unwrap(exc)
             if isinstance(error, InvalidAck):
                 # The queue refused the whole gathered call for some offsets it does not
@@ -1468,20 +1540,31 @@ class Consumer:
                 if len(offsets) > 1:
                     error = self._ack_apart(offsets) or error
             if isinstance(error, NotLeader):
-                self._ack_lost(parts, error)
-                self._follow_queue(fut)
+                self._resend_acks(fut, parts, error)
                 return
             raise error from None
-        except _RETRYABLE as exc:
-            self._ack_lost(parts, exc)
-            self._follow_queue(fut)
+        except _FAULTS as exc:
+            self._resend_acks(fut, parts, _reason(exc))
+            return
+        self._acks_failing_since = None
 
-    def _follow_queue(self, failed: concurrent.futures.Future) -> None:
-        """An ack call failed because its queue actor is gone or leads no more: the
-        next acks go to the queue's current actor (a replicated queue's new leader, a
-        revived one), as the TargetList's fetches do, once per actor lost."""
-        if getattr(failed, "raymq_actor", None) is self.queue._actor:
-            self.queue._refresh("ack")
+    def _resend_acks(
+        self, failed: concurrent.futures.Future, parts: list[np.ndarray], why: object
+    ) -> None:
+        """An ack call did not reach the queue: its actor died, restarts or leads no
+        more. The handle follows the queue to its current actor and the offsets go
+        again with the next send (the new actor acks them, or drops stale copies:
+        ``TargetArea.drop_stale``), for ``RESTART_GRACE_SECONDS`` from the first
+        failure of a row; after that they are counted lost (``_ack_lost``)."""
+        now = time.monotonic()
+        if self._acks_failing_since is None:
+            self._acks_failing_since = now
+        self.queue._follow(getattr(failed, "raymq_actor", None))
+        if now - self._acks_failing_since > RESTART_GRACE_SECONDS:
+            self._ack_lost(parts, why)
+            return
+        self.acks_resent += sum(len(p) for p in parts)
+        self._acks.requeue(parts)
 
     def _ack_lost(self, parts: list[np.ndarray], why: object) -> None:
         """Pipelined acks whose outcome is unknown (the queue's actor died, restarts, a

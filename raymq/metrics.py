@@ -86,6 +86,11 @@ QUEUE_METRICS: list[MetricSpec] = _specs(
             "Messages delivered again (nack, close, dead consumer) since start (messages)",
         ),
         (
+            "stale_acks",
+            "stale_acks",
+            "Acks of stale copies (delivered by an earlier queue process) dropped (messages)",
+        ),
+        (
             "messages_dropped",
             "messages_dropped",
             "Messages dropped by address_full_policy=DROP since start (messages)",

@@ -406,3 +406,41 @@ def test_close_always_kills_the_target_list_whatever_giving_back_raised(monkeypa
     c.close()
     assert asked == ["target list close", "queue close_consumer"]
     assert killed == [c.target_list] and c.close_failures == 1 and c._closed
+
+
+def test_acks_of_a_call_that_did_not_reach_the_queue_are_sent_again():
+    """Issue 28, Observed 4: a pipelined ack call that failed because the queue's
+    actor is gone is sent again (to the queue's current actor), not counted lost: else
+    the consumer stalls at its prefetch with those messages held."""
+    q = FakeQueue(answer_at_once=False)
+    failures = {"left": 2}
+
+    def resend_on_failure(fut: cf.Future, parts: list[np.ndarray]) -> None:
+        try:
+            fut.result()
+        except BrokerUnavailable:
+            p.requeue(parts)
+
+    p = AckPipeline(q.send, resend_on_failure, batch_messages=3, linger_seconds=3600)
+
+    def answer():
+        while True:  # the first two calls fail as a dead actor's would; then stored
+            for fut in list(q.futures):
+                if not fut.done():
+                    if failures["left"]:
+                        failures["left"] -= 1
+                        fut.set_exception(BrokerUnavailable("queue 'q': actor died"))
+                    else:
+                        fut.set_result(3)
+            if q.futures and all(f.done() for f in q.futures) and not failures["left"]:
+                if len(q.futures) >= 3:
+                    return
+            q.sent.wait(0.01)
+
+    answering = threading.Thread(target=answer, daemon=True)
+    answering.start()
+    p.add(np.array([1, 2, 3]))
+    assert p.flush(timeout=30) == 0
+    answering.join(timeout=30)
+    assert [c.tolist() for c in q.calls] == [[1, 2, 3]] * 3  # sent three times
+    assert p.unsent == 0 and p.in_flight == 0

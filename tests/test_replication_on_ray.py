@@ -57,6 +57,14 @@ def test_every_acknowledged_message_survives_the_loss_of_the_leaders_node(observ
     assert r["distinct_offsets"] == r["consumed"]
 
 
+def test_a_handle_idle_across_a_failover_follows_the_new_leader_for_every_call(observed):
+    """Issue 28, Observed 1: ``consumer()`` on such a handle raised Ray's
+    ``ActorUnschedulableError``."""
+    idle = observed["leader"]["idle_handle"]
+    assert idle["errors"] == {}, idle
+    assert idle["consumer"] >= 0 and idle["send"] >= 0 and idle["stats"] >= 0
+
+
 def test_messages_held_unacknowledged_across_a_failover_are_delivered_again(observed):
     r = observed["leader"]
     assert r["held"] >= 300

@@ -557,3 +557,23 @@ def test_taken_messages_given_back_come_again_before_those_held_after_them():
             await asyncio.gather(task, return_exceptions=True)
 
     assert asyncio.run(main()) == list(range(15))
+
+
+def test_a_restart_keeps_its_patience_while_the_queue_answers_other_errors():
+    """Issue 28, Observed 2: a queue restarting in place answers with other errors as it
+    comes back (its actor not found by name yet, say). The row keeps the restart's
+    patience: the consumer sees no error before ``RESTART_PATIENCE_SECONDS``."""
+    quick = FakeTime()
+    streak = FailureStreak(quick.clock)
+    streak.failed(FetchFailed(BrokerUnavailable("q restarting"), restarting=True))
+    for _ in range(5):
+        streak.failed(FetchFailed(BrokerUnavailable("q: no actor named 'q' yet")))
+    quick.now = QUEUE_ERROR_PATIENCE_SECONDS * 2
+    assert streak.persistent() is None
+    quick.now = RESTART_PATIENCE_SECONDS
+    assert isinstance(streak.persistent(), BrokerUnavailable)
+    streak.succeeded()
+    for _ in range(PERSISTENT_FAILURES):  # a new row starts with its own kind's patience
+        streak.failed(FetchFailed(storage_error()))
+    quick.now += QUEUE_ERROR_PATIENCE_SECONDS
+    assert isinstance(streak.persistent(), StorageError)

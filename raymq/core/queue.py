@@ -98,6 +98,10 @@ class QueueStats:
     messages_out: int
     messages_acked: int
     messages_redelivered: int
+    #: Acks, nacks and rejects of stale copies, dropped: a copy an earlier process of
+    #: the queue (or this one, before the consumer left) delivered, that another
+    #: consumer holds now (``TargetArea.drop_stale``) (messages).
+    stale_acks: int
     #: Bytes of messages stored (bodies, properties, offsets and timestamps) and delivered.
     bytes_in: int
     bytes_out: int
@@ -1041,6 +1045,7 @@ class QueueCore:
             messages_out=c["out"],
             messages_acked=c["acked"],
             messages_redelivered=sum(s.area.redelivered_total for s in subs),
+            stale_acks=sum(s.area.stale_acks for s in subs),
             bytes_in=c["bytes_in"],
             bytes_out=c["bytes_out"],
             in_rate=(c["in"] - c0["in"]) / span,

@@ -358,8 +358,7 @@ class Subscription:
 
     async def ack(self, consumer_id: str, offsets: np.ndarray) -> int:
         """Acknowledge offsets; returns once the acks are durable (for a durable queue)."""
-        offsets = self._offsets(offsets)
-        self.area.check_ack(consumer_id, offsets)
+        offsets = self._checked(consumer_id, offsets)
         fresh = self.area.ack(consumer_id, offsets)
         self._count("acked", fresh)
         if fresh:
@@ -374,6 +373,9 @@ class Subscription:
         returns (how many were newly acked, the refusal of the others: "" if none)."""
         offsets = self._offsets(offsets)
         refused = self.area.refused(consumer_id, offsets)
+        if len(refused):
+            offsets = self.area.drop_stale(consumer_id, offsets)
+            refused = self.area.refused(consumer_id, offsets)
         refusal = ""
         if len(refused):
             try:
@@ -385,8 +387,7 @@ class Subscription:
 
     def nack(self, consumer_id: str, offsets: np.ndarray) -> int:
         """Release offsets for redelivery with their delivery count raised."""
-        offsets = self._offsets(offsets)
-        self.area.check_ack(consumer_id, offsets)
+        offsets = self._checked(consumer_id, offsets)
         n = self.area.release(consumer_id, offsets)
         if n:
             self.wake()
@@ -422,6 +423,18 @@ class Subscription:
             self._mover.cancel()
         self.wake()
 
+    def _checked(self, consumer_id: str, offsets: object) -> np.ndarray:
+        """``offsets`` that ``consumer_id`` may ack, nack or reject, stale copies left
+        out (``TargetArea.drop_stale``); ``InvalidAck`` (changing nothing) if any other
+        is not its to ack."""
+        offsets = self._offsets(offsets)
+        try:
+            self.area.check_ack(consumer_id, offsets)
+        except InvalidAck:  # (rare: the fast check first)
+            offsets = self.area.drop_stale(consumer_id, offsets)
+            self.area.check_ack(consumer_id, offsets)
+        return offsets
+
     def _offsets(self, offsets: object) -> np.ndarray:
         """``offsets`` as int64; ``TypeError`` naming the queue for anything but integers
         (a float would otherwise be truncated to another message's offset)."""
@@ -435,8 +448,7 @@ class Subscription:
     def reject(self, consumer_id: str, offsets: np.ndarray) -> int:
         """Dead-letter messages the consumer holds (reason ``"rejected"``) instead of
         delivering them again; returns how many. The move happens in the background."""
-        offsets = self._offsets(offsets)
-        self.area.check_ack(consumer_id, offsets)
+        offsets = self._checked(consumer_id, offsets)
         n = self.area.dead_letter(consumer_id, offsets, REASON_REJECTED)
         self._signal_dead_letters()
         return n

@@ -26,6 +26,7 @@ from __future__ import annotations
 import heapq
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -38,6 +39,9 @@ from raymq.selector import HEADER_DELIVERY_COUNT, HEADER_OFFSET, HEADER_TIMESTAM
 from raymq.storage import SegmentLog
 
 log = logging.getLogger("raymq.queue")
+
+#: Departed consumers remembered (``TargetArea.drop_stale``): a consumer id each.
+DEPARTED_REMEMBERED = 10_000
 
 #: Offsets a late consumer's scan examines per step before yielding (messages).
 SCAN_STEP_MESSAGES = 200_000
@@ -69,6 +73,9 @@ class ConsumerTarget:
     last_seen: float = field(default_factory=time.monotonic)
     #: Opaque handle the shell uses to check the consumer is alive (its actor).
     watch: object = None
+    #: Offsets below this may have reached this consumer's application before (it
+    #: left and came back with the same id: its queue side was released meanwhile).
+    stale_below: int = 0
 
     @property
     def scanning(self) -> bool:
@@ -107,6 +114,16 @@ class TargetArea:
         self.dead_letters: dict[int, str] = {}
         self.consumers: dict[str, ConsumerTarget] = {}
         self.redelivered_total = 0
+        #: Offsets below this existed before this process: an earlier process of the
+        #: queue may have delivered them to any consumer, whose application may ack
+        #: that copy after this process delivered the message again.
+        self.recovered_end = log.next_offset
+        #: consumer id -> ``next_offset`` when it was unregistered (the newest
+        #: ``DEPARTED_REMEMBERED``): one that comes back may ack copies it had then.
+        self._departed: OrderedDict[str, int] = OrderedDict()
+        #: Acks, nacks and rejects of stale copies: dropped, not refused (see
+        #: ``drop_stale``).
+        self.stale_acks = 0
 
     def head(self) -> int:
         """The first unacknowledged offset (``next_offset`` when there is none)."""
@@ -129,6 +146,7 @@ class TargetArea:
         target = self.consumers.get(consumer_id)
         if target is None:
             target = ConsumerTarget(consumer_id, prefetch, selector, watch=watch)
+            target.stale_below = self._departed.pop(consumer_id, 0)
             if selector is not None:
                 target.candidates = OffsetSet()
                 target.scan_pos, target.scan_end = self.head(), self.log.next_offset
@@ -354,6 +372,47 @@ class TargetArea:
 
     # -- acknowledging and releasing -------------------------------------------------
 
+    def drop_stale(self, consumer_id: str, offsets: np.ndarray) -> np.ndarray:
+        """``offsets`` less the stale copies among them (counted in ``stale_acks``).
+
+        A stale copy is a message another consumer holds now that this consumer's
+        application may have received before: from an earlier process of the queue
+        (an offset below ``recovered_end``), or before this consumer was released and
+        came back (below its ``stale_below``); from a consumer this process does not
+        know, any. Its ack, nack or reject is dropped: refusing it would fail an
+        application that acked what it was given, and the holder's copy decides.
+        Everything else is left for ``check_ack``.
+        """
+        holder = self._holder
+        target = self.consumers.get(consumer_id)
+        if target is None:
+            below = self.log.next_offset
+        else:
+            below = max(self.recovered_end, target.stale_below)
+        if below <= 0:
+            return offsets
+        stale = np.fromiter(
+            (
+                o < below and holder.get(o, consumer_id) != consumer_id
+                for o in offsets.tolist()
+            ),
+            bool,
+            len(offsets),
+        )
+        n = int(stale.sum())
+        if not n:
+            return offsets
+        self.stale_acks += n
+        log.info(
+            "queue %r: dropped %d stale copies acked by consumer %s (first %d): another"
+            " consumer holds them now",
+            self.queue,
+            n,
+            consumer_id,
+            int(offsets[stale][0]),
+        )
+        return offsets[~stale]
+
     def check_ack(self, consumer_id: str, offsets: np.ndarray) -> None:
         """Raise ``InvalidAck`` (changing nothing) unless ``consumer_id`` may ack ``offsets``.
 
@@ -518,7 +577,10 @@ class TargetArea:
         if not_received is not None and len(not_received):
             n += self.release(consumer_id, not_received, count_delivery=False)
         n += self.release(consumer_id)
-        self.consumers.pop(consumer_id, None)
+        if self.consumers.pop(consumer_id, None) is not None:
+            self._departed[consumer_id] = self.log.next_offset
+            if len(self._departed) > DEPARTED_REMEMBERED:
+                self._departed.popitem(last=False)
         return n
 
     def housekeeping(self) -> None:

@@ -328,8 +328,8 @@ class LoaderStats:
 
 class FailureStreak:
     """Consecutive failed fetches, and when they persist: at least
-    ``PERSISTENT_FAILURES`` in a row, the first at least the patience of the last one's
-    kind ago. One failure then a success never persists. ``clock`` gives seconds."""
+    ``PERSISTENT_FAILURES`` in a row, the first at least the longest patience of their
+    kinds ago. One failure then a success never persists. ``clock`` gives seconds."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         self._clock = clock
@@ -347,8 +347,11 @@ class FailureStreak:
         self.count += 1
         self.total += 1
         self.error = failure.error
-        restarting = failure.restarting
-        self.patience = RESTART_PATIENCE_SECONDS if restarting else QUEUE_ERROR_PATIENCE_SECONDS
+        # A queue that was restarting answers with other errors while it comes back
+        # (its name not registered yet, its broker reviving it): the whole row gets the
+        # restart's patience, or a consumer sees errors during a restart in place.
+        patience = RESTART_PATIENCE_SECONDS if failure.restarting else QUEUE_ERROR_PATIENCE_SECONDS
+        self.patience = patience if self.count == 1 else max(self.patience, patience)
         return min(RETRY_BACKOFF_SECONDS * 2 ** min(self.count - 1, 16), RETRY_BACKOFF_MAX_SECONDS)
 
     def succeeded(self) -> None:
