@@ -21,13 +21,14 @@ import shutil
 import time
 
 import ray
-from raymq.actors.queue_actor import QUEUE_ACTOR_PREFIX, QueueActor, queue_actor_name
-from raymq.actors.replica_actor import (
+from raymq.actors.names import (
+    QUEUE_ACTOR_PREFIX,
     REPLICA_ACTOR_PREFIX,
-    LeaderRole,
-    ReplicaActor,
+    queue_actor_name,
     replica_actor_name,
 )
+from raymq.actors.queue_actor import QueueActor
+from raymq.actors.replica_actor import LeaderRole, ReplicaActor
 from raymq.placement.nodes import alive_nodes, choose_queue_node, pinned_to
 
 from raymq import metrics
@@ -41,7 +42,6 @@ from raymq.core.hibernation import (
 from raymq.core.registry import QueueEntry, QueueRegistry
 from raymq.errors import BrokerUnavailable, NotLeader, QueueExists, QueueNotFound
 
-BROKER_ACTOR_NAME = "raymq.broker"
 #: How often the controller checks the leaders and followers of replicated queues
 #: (seconds); followers and clients report a silent leader sooner.
 MONITOR_PERIOD_SECONDS = 1.0

@@ -18,15 +18,13 @@ import logging
 import time
 
 import ray
-from raymq.actors.broker_actor import BROKER_ACTOR_NAME
-from raymq.actors.queue_actor import queue_actor_name
+from raymq.actors.names import BROKER_ACTOR_NAME, queue_actor_name
 from raymq.placement.nodes import object_store_by_node
 
 from raymq import metrics
 from raymq.config import BrokerConfig
 from raymq.core.budget import BudgetPlanner, ConsumerUsage, Plan, QueueUsage
 
-GOVERNOR_ACTOR_NAME = "raymq.governor"
 log = logging.getLogger("raymq.governor")
 
 

@@ -23,6 +23,7 @@ import os
 import numpy as np
 import pyarrow as pa
 import ray
+from raymq.actors.names import BROKER_ACTOR_NAME, queue_actor_name
 from raymq.actors.replica_actor import LeaderRole
 
 from raymq import metrics
@@ -40,7 +41,6 @@ from raymq.send_channel import SendChannelServer
 from raymq.storage.mirror import read_epochs, write_epochs
 from raymq.storage.subscriptions import SubscriptionSpec
 
-QUEUE_ACTOR_PREFIX = "raymq.queue."
 #: How often the back-up to the death watches looks for silent consumers (seconds).
 #: Rare: the pending ``until_closed`` call tells of a death at once (bench.redelivery).
 WATCH_PERIOD_SECONDS = 10.0
@@ -63,11 +63,6 @@ _ACTOR_GONE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableErro
 CONTROLLER_SECONDS = 10.0
 
 log = logging.getLogger("raymq.queue")
-
-
-def queue_actor_name(queue: str) -> str:
-    """Ray actor name of a queue's actor."""
-    return QUEUE_ACTOR_PREFIX + queue
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=1000)
@@ -205,8 +200,6 @@ class QueueActor:
         ``CONTROLLER_SECONDS``: ``BrokerUnavailable`` naming the queue after that, or if
         the broker actor cannot be found or reached (a start waiting on a paused broker
         would otherwise hold every call to this queue)."""
-        from raymq.actors.broker_actor import BROKER_ACTOR_NAME  # it imports this module
-
         try:
             broker = ray.get_actor(BROKER_ACTOR_NAME, namespace=self.namespace)
             return await asyncio.wait_for(getattr(broker, method).remote(*args), CONTROLLER_SECONDS)
@@ -262,8 +255,6 @@ class QueueActor:
         """The QueueCore's dead-letter sink: append ``batch`` durably to the dead-letter
         queue, which the broker actor creates if it does not exist."""
         if self._dead_letter_queue is None:
-            from raymq.actors.broker_actor import BROKER_ACTOR_NAME  # it imports this module
-
             broker = ray.get_actor(BROKER_ACTOR_NAME, namespace=self.namespace)
             self._dead_letter_queue = await broker.dead_letter_queue.remote(
                 dead_letter_queue, self.core.config.durable

@@ -20,22 +20,17 @@ from dataclasses import dataclass
 
 import numpy as np
 import ray
+from raymq.actors.names import BROKER_ACTOR_NAME
 
 from raymq.core.replication import ReplicationFollower
 from raymq.replica_channel import ChannelFailed, ReplicaChannel, ReplicaChannelServer
 from raymq.storage.mirror import MirrorState, MirrorWrite, ReplicaFiles
 
-REPLICA_ACTOR_PREFIX = "raymq.replica."
 #: A leader silent this long is reported to the controller (seconds); it writes to
 #: idle followers every ``replication.HEARTBEAT_SECONDS``.
 LEADER_SILENCE_SECONDS = 1.5
 
 log = logging.getLogger("raymq.replica")
-
-
-def replica_actor_name(queue: str, replica_id: str) -> str:
-    """Ray actor name of one follower of a replicated queue."""
-    return f"{REPLICA_ACTOR_PREFIX}{queue}.{replica_id}"
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=1000)
@@ -59,8 +54,6 @@ class ReplicaActor:
     async def _watch_leader(self) -> None:
         """Report a silent leader to the controller (which checks it and fails over);
         again every ``LEADER_SILENCE_SECONDS`` while it stays silent."""
-        from raymq.actors.broker_actor import BROKER_ACTOR_NAME  # it imports this module
-
         while True:
             await asyncio.sleep(LEADER_SILENCE_SECONDS / 3)
             if self.follower.silent_for() < LEADER_SILENCE_SECONDS:

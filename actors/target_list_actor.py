@@ -40,7 +40,7 @@ import time
 import numpy as np
 import pyarrow as pa
 import ray
-from raymq.actors.queue_actor import queue_actor_name
+from raymq.actors.names import queue_actor_name
 
 from raymq import metrics
 from raymq.batch import offsets_of

@@ -127,7 +127,7 @@ def rss(pid: int) -> int:
 def target_list_memory(broker, n: int) -> list[list[str]]:
     """RSS of a real TargetList actor (and its queue actor) before and after ``n``
     matching messages pile up beyond its watermark (1,000): rows for the table."""
-    from raymq.client import _call
+    from raymq.client.calls import _call
 
     console.print(f"a TargetList with {n:,} matching messages beyond its watermark ...")
     q = broker.create_queue("bench-tl")

@@ -20,8 +20,7 @@ import os
 import time
 
 import ray
-from raymq.actors.broker_actor import BROKER_ACTOR_NAME
-from raymq.actors.governor_actor import GOVERNOR_ACTOR_NAME
+from raymq.actors.names import BROKER_ACTOR_NAME, GOVERNOR_ACTOR_NAME
 
 from bench.common import (
     Sampler,

@@ -44,9 +44,9 @@ def broker_pids(broker) -> dict[str, int]:
     sibling workers by its process title), each running queue actor."""
     import psutil
     import ray
-    from raymq.actors.queue_actor import queue_actor_name
+    from raymq.actors.names import queue_actor_name
 
-    from raymq.client import _call
+    from raymq.client.calls import _call
 
     pids = {"broker": _call(broker._actor.pid)}
     with contextlib.suppress(psutil.Error):

@@ -71,7 +71,7 @@ import time
 import numpy as np
 import ray
 from ray.cluster_utils import Cluster
-from raymq.actors.replica_actor import replica_actor_name
+from raymq.actors.names import replica_actor_name
 from raymq.placement import spares
 from raymq.placement.nodes import pinned_to
 

@@ -35,7 +35,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.common import console, print_table, process_cpu_seconds, start_broker, stop_broker
-from raymq.client import _send_channel
+from raymq.client.handles import _send_channel
 
 BODY = b"x" * 1024
 

@@ -37,7 +37,7 @@ serving (its queue hibernates or stops) answers ``NotLeader`` and then closes.
 The server parses frames in the event-loop callback that receives their bytes (an
 asyncio Protocol, not a stream reader: no task is woken per request), and gathers the
 requests that arrive together into one ``MessageBatch`` (one record on disk, one group
-commit), as a client's producer (``raymq.producer``) gathers its threads' sends.
+commit), as a client's producer (``raymq.client.producer``) gathers its threads' sends.
 """
 
 from __future__ import annotations

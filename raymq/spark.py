@@ -30,7 +30,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import ray
 
-from raymq.client import Broker, Queue, _call
+from raymq.client import Broker, Queue
+from raymq.client.calls import _call
 from raymq.config import apply_ray_env_defaults
 from raymq.data import DEFAULT_BATCH_ROWS, drain, encode_arrow, progress_bar, resolve_queue
 from raymq.errors import InvalidSetting, RayMQError

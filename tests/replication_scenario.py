@@ -197,7 +197,7 @@ class Scenario:
         return ray.get(q._actor.pid.remote())
 
     def follower_pid(self, name: str, rid: str) -> int:
-        from raymq.actors.replica_actor import replica_actor_name
+        from raymq.actors.names import replica_actor_name
 
         return ray.get(ray.get_actor(replica_actor_name(name, rid), "replication").pid.remote())
 
@@ -409,8 +409,7 @@ def _answer(call, *args, **kwargs) -> str:
 def stop(broker) -> dict:
     """Stop the queues with the broker kept running, then ask it to start things: a
     restarting leader's epoch, a queue's revival."""
-    from raymq.actors.queue_actor import QUEUE_ACTOR_PREFIX
-    from raymq.actors.replica_actor import REPLICA_ACTOR_PREFIX
+    from raymq.actors.names import QUEUE_ACTOR_PREFIX, REPLICA_ACTOR_PREFIX
 
     sets = ray.get(broker._actor.replica_sets.remote())
     ray.get(broker._actor.stop_queues.remote())

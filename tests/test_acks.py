@@ -1,4 +1,4 @@
-"""AckPipeline (raymq.acks) without Ray: gathering, linger, windows, errors, bounded
+"""AckPipeline (raymq.client.acks) without Ray: gathering, linger, windows, errors, bounded
 waits; and the Consumer's client-side logic (its buffer, close from another thread,
 async receives, received lists) with a fake TargetList."""
 
@@ -16,9 +16,9 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from raymq.acks import AckPipeline
 from raymq.batch import EMPTY_DELIVERY
 from raymq.client import Consumer, Message, Messages
+from raymq.client.acks import AckPipeline
 from raymq.errors import BrokerUnavailable, ConsumerClosed, InvalidAck
 
 
@@ -432,9 +432,9 @@ def test_acks_of_a_call_that_did_not_reach_the_queue_are_sent_again():
                         fut.set_exception(BrokerUnavailable("queue 'q': actor died"))
                     else:
                         fut.set_result(3)
-            if q.futures and all(f.done() for f in q.futures) and not failures["left"]:
-                if len(q.futures) >= 3:
-                    return
+            done = q.futures and all(f.done() for f in q.futures)
+            if done and not failures["left"] and len(q.futures) >= 3:
+                return
             q.sent.wait(0.01)
 
     answering = threading.Thread(target=answer, daemon=True)

@@ -9,7 +9,7 @@ import signal
 
 import pytest
 
-from raymq.client import _call
+from raymq.client.calls import _call
 from raymq.errors import QueueExists, QueueNotFound, SubscriptionExists, SubscriptionNotFound
 from tests.consumer_helpers import receive_all
 

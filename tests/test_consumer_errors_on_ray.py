@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from raymq.client import _call
+from raymq.client.calls import _call
 from raymq.errors import BrokerUnavailable
 
 #: Bound on waiting for what must happen: only a wedge takes this long (seconds).

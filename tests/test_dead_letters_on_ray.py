@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from raymq.client import _call
+from raymq.client.calls import _call
 from raymq.core.dead_letter import DEAD_LETTER_REASON, ORIGINAL_OFFSET, ORIGINAL_QUEUE
 
 #: Bound on a background move after a restart (seconds): a wedge fails, not a timing.

@@ -25,9 +25,9 @@ class AckingProcess:
 
     def __init__(self, namespace: str, queue: str):
         import raymq
-        import raymq.acks
+        import raymq.client.acks
 
-        raymq.acks.ACK_LINGER_SECONDS = 3600.0  # no linger send before the kill
+        raymq.client.acks.ACK_LINGER_SECONDS = 3600.0  # no linger send before the kill
         self.c = raymq.connect(namespace=namespace).get_queue(queue).consumer()
         assert self.c._acks.linger_seconds == 3600.0
 

@@ -100,7 +100,7 @@ def test_unknown_broker_setting():
 def test_a_send_to_a_killed_queue_actor_fails_typed_or_is_stored(broker, monkeypatch):
     import ray
 
-    import raymq.client as client
+    from raymq.client import calls as client
 
     q = broker.create_queue("dead")
     q.send(b"before")

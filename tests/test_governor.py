@@ -9,7 +9,7 @@ import time
 
 import pytest
 import ray
-from raymq.actors.governor_actor import GOVERNOR_ACTOR_NAME
+from raymq.actors.names import GOVERNOR_ACTOR_NAME
 
 from raymq.errors import AddressFull
 

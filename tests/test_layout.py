@@ -55,3 +55,68 @@ def test_every_package_is_installed_by_a_non_editable_install():
         if "__init__.py" in files and "__pycache__" not in dirpath:
             found.add(os.path.relpath(dirpath, root).replace(os.sep, "."))
     assert found <= listed, f"not in pyproject.toml's packages: {sorted(found - listed)}"
+
+
+def _raymq_modules(root: str) -> dict[str, str]:
+    """Module name -> file, for raymq and its mapped packages (actors, placement)."""
+    import os
+
+    mapped = {"raymq": "raymq", "raymq.actors": "actors", "raymq.placement": "placement"}
+    out: dict[str, str] = {}
+    for package, folder in mapped.items():
+        base = os.path.join(root, folder)
+        for dirpath, _dirs, files in os.walk(base):
+            if "__pycache__" in dirpath:
+                continue
+            for f in files:
+                if f.endswith(".py"):
+                    rel = os.path.relpath(os.path.join(dirpath, f), base)[:-3]
+                    rel = rel.replace(os.sep, ".").removesuffix("__init__").rstrip(".")
+                    out[f"{package}.{rel}" if rel else package] = os.path.join(dirpath, f)
+    return out
+
+
+def _import_graph(root: str) -> dict[str, set[str]]:
+    """Module -> the raymq modules it imports anywhere in its text: at the top, inside
+    functions, under ``TYPE_CHECKING`` (``from package import module`` names the
+    module, not the package)."""
+    import ast
+
+    modules = _raymq_modules(root)
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        deps: set[str] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                subs = {f"{node.module}.{a.name}" for a in node.names} & modules.keys()
+                deps |= subs or ({node.module} & modules.keys())
+            elif isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names} & modules.keys()
+        graph[name] = deps - {name}
+    return graph
+
+
+def test_no_import_cycle_nested_imports_included():
+    """Issue 28: the actors imported each other through nested imports, the queue's core
+    and its subscriptions through ``TYPE_CHECKING``; a cycle hides a layering mistake."""
+    import os
+
+    graph = _import_graph(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cycles = []
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for dep in sorted(graph[node]):
+            if state.get(dep) == 1:
+                cycles.append(path[path.index(dep) :] + [dep])
+            elif dep not in state:
+                visit(dep, [*path, dep])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, cycles

@@ -1,4 +1,4 @@
-"""Pipelined sends (``send(wait=False)``, ``raymq.producer``) and asyncio sends over the
+"""Pipelined sends (``send(wait=False)``, ``raymq.client.producer``) and asyncio sends over the
 send channel: Ray-free against a real socket and a fake store, then a few on real Ray."""
 
 # ruff: noqa: F811 - tests take the imported fixture "served" as their argument
@@ -13,8 +13,8 @@ import time
 import pytest
 
 from raymq.batch import MessageBatch
+from raymq.client.producer import Producer, SendFuture
 from raymq.errors import AddressFull, NotLeader
-from raymq.producer import Producer, SendFuture
 from raymq.send_channel import ChannelBroken, SendChannel
 from tests.test_send_channel import MAX_MESSAGE, served  # noqa: F401 - the fixture
 
@@ -199,7 +199,7 @@ def test_asyncio_sends_over_the_channel_do_not_block_the_loop(served):
 
 
 def test_a_resolved_future_survives_a_kill_of_the_queue_process(broker):
-    from raymq.client import _call
+    from raymq.client.calls import _call
 
     q = broker.create_queue("pipelined")
     futures = [q.send(b"%d" % i, {"i": i}, wait=False) for i in range(3000)]
@@ -250,7 +250,7 @@ def test_async_sends_on_ray_go_over_the_channel(broker):
 
     singles, offsets = asyncio.run(main())
     assert sorted(singles) == list(range(10)) and offsets == [10, 11, 12]
-    from raymq.client import _send_channel
+    from raymq.client.handles import _send_channel
 
     assert _send_channel(q, connect=False) is not None  # they opened and used it
 
@@ -281,7 +281,7 @@ def test_channel_sends_into_a_queue_that_hibernates_go_to_its_revived_actor(brok
     a queue actor that closed for hibernation (left so by a broker that died before
     ending it), each reach the queue's next actor; nothing is lost or hangs. (An actor
     the broker ended breaks the channel: test_many_queues revives through old handles.)"""
-    from raymq.client import _call
+    from raymq.client.calls import _call
 
     q = broker.create_queue("sleepy")
     assert q.send(b"0") == 0  # the channel is open
@@ -526,7 +526,7 @@ def fake_queue(endpoint, store, monkeypatch):
     server; its Ray calls store into ``store`` too (max_message_size ``MAX_MESSAGE``)."""
     from types import SimpleNamespace
 
-    from raymq import client
+    from raymq.client import handles as client
     from raymq.config import BrokerConfig
 
     channel = SendChannel(*endpoint, "q")
@@ -536,7 +536,7 @@ def fake_queue(endpoint, store, monkeypatch):
     broker = SimpleNamespace(config=BrokerConfig(max_message_size=MAX_MESSAGE))
     q = client.Queue(broker, "q", None)
     ray_send = RaySend(store)
-    q._invoke = lambda method, batch, timeout: ray_send(batch, timeout)
+    q._invoke = lambda method, batch, timeout, **_: ray_send(batch, timeout)
     return q, channel
 
 

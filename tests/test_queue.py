@@ -13,7 +13,7 @@ import pytest
 import ray
 
 import raymq
-from raymq.client import _call
+from raymq.client.calls import _call
 
 DURABILITY = pytest.mark.parametrize("durable", [True, False], ids=["durable", "memory"])
 
@@ -261,7 +261,7 @@ def test_sigkill_of_the_queue_actor_loses_no_acknowledged_send(broker):
 
 
 def test_single_sends_go_over_the_send_channel_and_survive_a_sigkill(broker):
-    from raymq import client
+    from raymq.client import handles as client
     from raymq.send_channel import SendChannel
 
     q = broker.create_queue("crash-single")

@@ -9,9 +9,9 @@ import time
 
 import pytest
 import ray
-from raymq.actors.broker_actor import BROKER_ACTOR_NAME
+from raymq.actors.names import BROKER_ACTOR_NAME
 
-from raymq.client import _call
+from raymq.client.calls import _call
 from raymq.errors import BrokerUnavailable
 
 

@@ -19,21 +19,40 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import pyarrow as pa
 
 from raymq.batch import EMPTY_DELIVERY, MessageBatch, PropertyGroups, fixed_array, offsets_of
+from raymq.config import QueueConfig
 from raymq.core.dead_letter import MOVE_BATCH_MESSAGES, REASON_REJECTED, dead_letter_batch
-from raymq.core.head_cache import SharedPart
+from raymq.core.head_cache import HeadQueueCache, SharedPart
 from raymq.core.target_area import DEAD_LETTER_HOLDER, TargetArea
 from raymq.errors import ConsumerClosed, InvalidAck
 from raymq.selector import Selector
 
-if TYPE_CHECKING:
-    from raymq.core.queue import QueueCore
+
+class SubscriptionHost(Protocol):
+    """What a subscription needs of the queue that hosts it (``QueueCore``): named
+    here so that this module does not import the queue's (no import cycle)."""
+
+    config: QueueConfig
+    head_cache: HeadQueueCache
+    #: Moves a batch of dead letters to their address (None: the queue has none).
+    dead_letter_sink: Callable[[str, MessageBatch], Awaitable[None]] | None
+
+    @property
+    def shares_deliveries(self) -> bool: ...
+    def supervise(self, name: str, run: Callable[[], Awaitable[None]]) -> asyncio.Task: ...
+    def forget_damaged(self) -> None: ...
+    def count(self, counter: str, n: int) -> None: ...
+    def shared_delivery(self, start: int, end: int) -> list[SharedPart]: ...
+    def signal_freed(self) -> None: ...
+    async def flush_acks(self) -> None: ...
+
 
 log = logging.getLogger("raymq.queue")
 
@@ -79,7 +98,7 @@ class Subscription:
 
     def __init__(
         self,
-        host: QueueCore,
+        host: SubscriptionHost,
         name: str,
         log,
         *,

@@ -392,10 +392,7 @@ class TargetArea:
         if below <= 0:
             return offsets
         stale = np.fromiter(
-            (
-                o < below and holder.get(o, consumer_id) != consumer_id
-                for o in offsets.tolist()
-            ),
+            (o < below and holder.get(o, consumer_id) != consumer_id for o in offsets.tolist()),
             bool,
             len(offsets),
         )

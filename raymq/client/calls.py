@@ -1,0 +1,90 @@
+"""Calls to RayMQ's actors: Ray's failures become the typed errors of
+``raymq.errors`` (``_call``), and the restart grace every retry respects."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ray
+
+from raymq.core.link import Fault
+from raymq.errors import (
+    BrokerUnavailable,
+    NotLeader,
+    RayMQError,
+)
+
+#: How long a call keeps retrying while an actor restarts (seconds).
+RESTART_GRACE_SECONDS = 60.0
+_RETRYABLE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+#: Ray's errors of an actor that cannot be reached: ``LinkFault``s of a queue's link.
+_FAULTS = (*_RETRYABLE, ray.exceptions.ActorUnschedulableError)
+
+
+def fault_of(exc: BaseException) -> Fault:
+    """The ``LinkFault`` kind of one of Ray's ``_FAULTS``: restarting in place (the
+    same actor comes back), moved (its node is gone), gone (dead)."""
+    if isinstance(exc, ray.exceptions.ActorUnavailableError):
+        return Fault.RESTARTING
+    if isinstance(exc, ray.exceptions.ActorUnschedulableError):
+        return Fault.MOVED
+    return Fault.GONE
+
+
+def _reason(exc: BaseException) -> str:
+    """The first line of a Ray error's message (they run to many lines)."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+def _unwrap(exc: BaseException) -> BaseException:
+    """The typed error inside a RayTaskError; ``BrokerUnavailable`` where the actor
+    called (or one it called) was unavailable."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, RayMQError | TypeError | ValueError):
+        return cause
+    if isinstance(cause, _FAULTS):
+        return BrokerUnavailable(f"actor unavailable: {_reason(cause)}")
+    return exc
+
+
+def _call(
+    method,
+    *args,
+    retry: bool = True,
+    refresh: Callable[[], Any] | None = None,
+    about: str | None = None,
+    **kwargs,
+) -> Any:
+    """Call an actor method and wait; typed errors unwrapped, restarts waited out.
+
+    ``refresh`` gives the method again on a new actor when this one is unavailable or
+    answers ``NotLeader`` (a replicated queue's leader moved): the call goes there.
+    ``about`` names what the actor serves in the ``BrokerUnavailable`` raised when it
+    cannot be reached ("queue 'orders'", say).
+    """
+    deadline = time.monotonic() + RESTART_GRACE_SECONDS
+    delay = 0.05
+    while True:
+        try:
+            try:
+                return ray.get(method.remote(*args, **kwargs))
+            except ray.exceptions.RayTaskError as exc:
+                if isinstance(exc.cause, NotLeader) and refresh is not None:
+                    raise exc.cause from None
+                if not isinstance(exc.cause, _FAULTS):
+                    raise _unwrap(exc) from None
+                raise exc.cause from None  # an actor it called restarts: wait as for ours
+        except (*_FAULTS, NotLeader) as exc:
+            if not retry or time.monotonic() > deadline:
+                if isinstance(exc, NotLeader):
+                    raise
+                what = "actor unavailable" if about is None else f"{about}: actor unavailable"
+                raise BrokerUnavailable(f"{what}: {exc}") from exc
+            if refresh is not None:
+                method = refresh()
+                delay = min(delay, 0.2)
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)

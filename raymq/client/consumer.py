@@ -1,0 +1,790 @@
+"""``Consumer``: receives through its TargetList actor (a DeliveryChannel, else
+Ray calls), acks through its ``AckPipeline`` to the queue's current actor."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import functools
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from typing import Any, Protocol
+
+import numpy as np
+import pyarrow as pa
+import ray
+
+from raymq import delivery_channel
+from raymq.batch import (
+    EMPTY_DELIVERY,
+    warm_arrow_conversions,
+)
+from raymq.client import acks, calls
+from raymq.client.acks import AckPipeline
+from raymq.client.calls import _FAULTS, _RETRYABLE, _call, _reason, _unwrap
+from raymq.client.messages import (
+    ITER_CHUNK_MESSAGES,
+    Message,
+    Messages,
+    _get_batches,
+    _messages,
+    _offsets_of,
+)
+from raymq.delivery_channel import BY_REFERENCE, DeliveryChannel
+from raymq.delivery_channel import ChannelBroken as DeliveryBroken
+from raymq.errors import (
+    BrokerUnavailable,
+    ConsumerClosed,
+    InvalidAck,
+    InvalidSetting,
+    NotLeader,
+    RayMQError,
+)
+from raymq.fetch_channel import STALE_FETCH_ENDPOINT
+
+
+class ConsumedQueue(Protocol):
+    """What a consumer uses of its queue's handle (``raymq.client.handles.Queue``):
+    named here so that this module does not import the handles'."""
+
+    name: str
+    actor_name: str
+    subscription_name: str | None
+    broker: Any
+    _actor: Any
+    _consumers: Any
+
+    def _invoke(self, method: str, *args: Any, answer_seconds: float | None = -1.0) -> Any: ...
+    def _fetch_endpoint(self, fresh: bool = False) -> tuple[Any, bool]: ...
+    def _follow(self, failed: Any) -> None: ...
+
+
+_log = logging.getLogger("raymq.client")
+
+#: Fewest messages a receive asks the DeliveryChannel for: one round trip brings a
+#: few receive()s' worth, and a deep queue's first message does not wait for a
+#: prefetch's worth to be read into this process (messages).
+CHANNEL_TAKE_MESSAGES = 128
+#: (seconds); past it the TargetList is killed, and the queue, watching it, delivers
+#: again what it held.
+CLOSE_TIMEOUT_SECONDS = 60.0
+#: Longest an async receive waits, in the receive thread, for the one before it to be
+#: settled (its caller resumed, or its rows put back): only a loop that stopped with
+#: that caller suspended takes this long (seconds).
+SETTLE_WAIT_SECONDS = 30.0
+
+
+class Consumer:
+    """Receives messages of one queue through its TargetList actor; usable as a context
+    manager (closes on exit). Acks go straight to the queue actor.
+
+    Thread-safe: ``close`` from another thread ends a receive waiting there
+    (``ConsumerClosed``) and a ``for message in consumer`` loop.
+    """
+
+    def __init__(
+        self,
+        queue: ConsumedQueue,
+        prefetch: int,
+        selector: str | None = None,
+        high_watermark: int | None = None,
+        high_watermark_bytes: int = 64 * 2**20,
+        pending_cache_bytes: int = 16 * 2**20,
+        node_id: str | None = None,
+    ):
+        from raymq.placement import spares
+        from raymq.placement.nodes import near
+
+        self.queue = queue
+        self.prefetch = prefetch
+        self.selector = selector
+        self.consumer_id = uuid.uuid4().hex
+        self._subscription = queue.subscription_name
+        self._buffer: pa.RecordBatch | None = None  # taken from the TargetList, not yet handed out
+        #: Guards ``_buffer`` (receives in several threads, receive_async's thread, close).
+        self._buffer_lock = threading.Lock()
+        self._closed = False
+        # ack(wait=False): gathered, one call per half prefetch (at most 1,000 offsets).
+        self._acks = AckPipeline(
+            self._send_ack_call,
+            self._check_ack_call,
+            min(max(prefetch // 2, 1), 1000),
+            what=f"queue {queue.name!r}",
+        )
+        self._ack_singles = self._acks._singles  # ack(message) appends here (never replaced)
+        queue._consumers.add(self)  # its stats() and browse() see our acks
+        #: Pipelined acks whose call failed with the queue's actor for longer than the
+        #: restart grace, or that the queue had not answered when the consumer closed
+        #: (see ``ack``).
+        self.acks_lost = 0
+        #: Pipelined acks sent again to the queue's current actor after their call
+        #: failed with its old one (``_resend_acks``).
+        self.acks_resent = 0
+        self._acks_failing_since: float | None = None  # monotonic seconds
+        #: Failures of ``close`` giving back what the TargetList held (logged; the
+        #: TargetList is killed anyway, and the queue delivers its messages again).
+        self.close_failures = 0
+        # Asked first: it also follows an old handle to its queue's current actor (a
+        # revived hibernated queue), and the TargetList then needs no first Ray call.
+        fetch_endpoint, cached = queue._fetch_endpoint()
+        node = near(node_id).node_id
+        self.target_list, spare_channel = spares.take(node)
+        warm_arrow_conversions()  # a process that did not connect() (once per process)
+        self._channel: DeliveryChannel | None = None  # receives over a socket, if it opens
+        self.delivery_channel_failures = 0  # channels that broke or did not open: Ray then
+        #: Channel breaks whose unread answer could not be given back (``_channel_broke``).
+        self.delivery_channel_unread = 0
+        #: receive_async's thread: one per consumer, so a receive waiting for messages
+        #: holds no thread of the loop's default pool; it runs the takes in order.
+        self._receiver: concurrent.futures.ThreadPoolExecutor | None = None
+        self._async_takes = 0  # takes under way in that thread (or not settled yet)
+        #: Set once the latest async take's rows are settled: handed to its caller, or
+        #: back in the buffer (its caller was cancelled). The next take waits for it.
+        self._async_settled: threading.Event | None = None
+        #: Set at this consumer's first answer from its TargetList, or its close: the
+        #: next spare starts then (``spares.warm``).
+        self._first_answer = threading.Event()
+        settings = {  # ``TargetListActor.start``'s, by name
+            "queue": queue.actor_name,
+            "consumer_id": self.consumer_id,
+            "prefetch": prefetch,
+            "selector": selector,
+            "high_watermark": prefetch if high_watermark is None else high_watermark,
+            "high_watermark_bytes": high_watermark_bytes,
+            "pending_cache_bytes": pending_cache_bytes,
+            "subscription": queue.subscription_name,
+            "namespace": queue.broker.namespace,
+        }
+        try:
+            if spare_channel is not None and delivery_channel.USE_CHANNEL:
+                # Started over its channel, not by a Ray call (``raymq.delivery_channel``).
+                try:
+                    self._channel = DeliveryChannel(*spare_channel, queue.name)
+                except DeliveryBroken as exc:  # the spare died since it was up, say
+                    _log.warning(
+                        "queue %r: a new TargetList for consumer %s: %s",
+                        queue.name,
+                        self.consumer_id,
+                        exc,
+                    )
+                    with contextlib.suppress(Exception):
+                        ray.kill(self.target_list, no_restart=True)
+                    self.target_list, _ = spares.take(node)  # a new one (none is warm)
+                    spare_channel = None  # its channel: once Ray started it
+            endpoint = self._start(fetch_endpoint, cached, settings)
+            if endpoint == STALE_FETCH_ENDPOINT:  # the queue's actor was replaced
+                fetch_endpoint, _ = queue._fetch_endpoint(fresh=True)
+                endpoint = self._start(fetch_endpoint, False, settings)
+        except BaseException:
+            if self._channel is not None:
+                self._channel.close()
+                self._channel = None
+            with contextlib.suppress(Exception):  # never a consumer's: not a spare again
+                ray.kill(self.target_list, no_restart=True)
+            spares.warm(node)
+            raise
+        connect = spare_channel is None and delivery_channel.USE_CHANNEL  # (not tried yet)
+        if self._channel is None and endpoint is not None and connect:
+            try:
+                self._channel = DeliveryChannel(*endpoint, queue.name)
+            except DeliveryBroken as exc:
+                self._channel_broke(exc)
+        # The next consumer's spare: once this one has its first answer, not before.
+        spares.warm(node, after=self._first_answer)
+
+    def _start(
+        self, fetch_endpoint: tuple[str, int, str] | None, cached: bool, settings: dict
+    ) -> tuple[str, int, str] | str | None:
+        """``TargetListActor.start`` with ``settings``, over the DeliveryChannel if it
+        is connected, else by a Ray call: its DeliveryChannel, None, or
+        ``STALE_FETCH_ENDPOINT`` (a ``cached`` endpoint that failed: nothing started)."""
+        named = {**settings, "fetch_endpoint": fetch_endpoint, "endpoint_cached": cached}
+        if self._channel is None:
+            return _call(
+                self.target_list.start, self.queue._actor, **named, retry=False, about=self._about
+            )
+        try:
+            return self._channel.start(named, CLOSE_TIMEOUT_SECONDS)
+        except DeliveryBroken as exc:  # it may have started or not: not ours to use
+            raise BrokerUnavailable(
+                f"queue {self.queue.name!r}: consumer {self.consumer_id}: its TargetList"
+                f" did not start: {exc}"
+            ) from exc
+
+    def _channel_broke(self, exc: DeliveryBroken, channel: DeliveryChannel | None = None) -> None:
+        """The DeliveryChannel failed: receive through Ray from now on (counted, logged).
+
+        If it broke with a request under way, the TargetList may have written rows this
+        client never read: it is asked to give back the rows of any answer it wrote
+        beyond the ``answers_read`` this client read whole (``channel_broke``), so the
+        queue delivers them again rather than holding them (and this consumer's
+        prefetch credit) until the consumer closes. Counted in
+        ``delivery_channel_unread`` when that fails (logged; close gives them back)."""
+        self._channel = None
+        if self._closed:  # close() shut it: not a failure
+            return
+        self.delivery_channel_failures += 1
+        _log.warning("consumer %s: receiving through Ray calls: %s", self.consumer_id, exc)
+        if not exc.answer_pending or channel is None:
+            return
+        try:
+            ref = self.target_list.channel_broke.remote(channel.answers_read)
+            ray.get(ref, timeout=CLOSE_TIMEOUT_SECONDS)
+        except Exception as exc2:  # noqa: BLE001 - held until close, which gives them back
+            self.delivery_channel_unread += 1
+            _log.warning(
+                "queue %r: consumer %s: an answer of its broken delivery channel may stay"
+                " held until the consumer closes: %r",
+                self.queue.name,
+                self.consumer_id,
+                exc2,
+            )
+
+    def __enter__(self) -> Consumer:
+        return self
+
+    @property
+    def _about(self) -> str:
+        """This consumer, as errors name it."""
+        return f"queue {self.queue.name!r}: consumer {self.consumer_id[:8]}"
+
+    @property
+    def _actor(self):
+        """The queue's actor (a replicated queue's current leader, as the queue handle
+        last found it)."""
+        return self.queue._actor
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise self._closed_error()
+
+    def _closed_error(self) -> ConsumerClosed:
+        return ConsumerClosed(f"consumer {self.consumer_id} of queue {self.queue.name!r} is closed")
+
+    def _fill(self, timeout: float | None, want: int = 1) -> pa.RecordBatch | None:
+        """Messages from the TargetList for a receive of ``want``, waiting up to
+        ``timeout`` seconds (None: until some come, or the consumer is closed: then
+        ``ConsumerClosed``)."""
+        self._send_acks()  # the credit they return lets the TargetList load more
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self._closed:  # by another thread: its receive ends here
+                raise self._closed_error()
+            wait = 1.0 if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                batch = self._take_batch(wait, want)
+            except RayMQError as exc:
+                if self._closed:  # the TargetList went with the close
+                    raise self._closed_error() from exc
+                raise
+            if batch is not None or (deadline is not None and time.monotonic() >= deadline):
+                return batch
+
+    async def receive_async(self, max_messages: int = 1, timeout: float | None = None) -> Messages:
+        """``receive`` for asyncio code (Ray Serve deployments, async actors): up to
+        ``max_messages`` messages, waiting up to ``timeout`` seconds (None: until some
+        arrive) without blocking the event loop. Cancelled while waiting, what it took
+        meanwhile stays in this consumer's buffer for the next receive (not lost)."""
+        batch = await self._take_async(max_messages, timeout)
+        return Messages() if batch is None else _messages(batch)
+
+    async def receive_batch_async(
+        self, max_messages: int, timeout: float | None = None
+    ) -> pa.RecordBatch:
+        """``receive_batch`` for asyncio code, as ``receive_async``: up to
+        ``max_messages`` as one Arrow RecordBatch, empty if none came within ``timeout``
+        seconds."""
+        batch = await self._take_async(max_messages, timeout)
+        return batch if batch is not None else EMPTY_DELIVERY
+
+    def __aiter__(self) -> Consumer:
+        """``async for message in consumer``: messages one at a time as they arrive,
+        until the consumer is closed; ack each or they are delivered again."""
+        return self
+
+    async def __anext__(self) -> Message:
+        while True:
+            try:
+                got = await self.receive_async(1, None)
+            except ConsumerClosed:
+                raise StopAsyncIteration from None
+            if got:
+                return got[0]
+
+    async def _take_async(self, max_messages: int, timeout: float | None) -> pa.RecordBatch | None:
+        """``_take`` off the event loop: from the buffer at once when it holds messages
+        (slicing it does not block), else in this consumer's receive thread.
+
+        Rows of a take whose caller was cancelled go back to the front of the buffer
+        before any later receive slices it: in the receive thread if the cancel came
+        first, else on the loop's thread (``_settle``). A later take waits in the receive
+        thread until the one before it is settled (its rows handed to its caller or put
+        back), and ``_async_takes`` stays raised until then, which keeps later receives
+        off the buffer's fast path."""
+        if self._buffer is not None and not self._async_takes:
+            # Never _take here: emptied by another thread meanwhile, it would fetch on
+            # the event loop's thread.
+            batch = self._take_buffered(max_messages)
+            if batch is not None:
+                return batch
+        self._check_open()
+        if self._receiver is None:
+            self._receiver = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix=f"raymq-consumer-{self.consumer_id[:8]}"
+            )
+        abandoned = threading.Event()
+        before, settled = self._async_settled, threading.Event()
+        self._async_settled = settled
+
+        def take() -> pa.RecordBatch | None:
+            if before is not None and not before.wait(SETTLE_WAIT_SECONDS):
+                # Its loop stopped before the earlier take's caller resumed: go on.
+                _log.warning("consumer %s: an async receive never settled", self.consumer_id)
+            batch = self._take(max_messages, timeout)
+            if abandoned.is_set() and batch is not None:
+                self._unget(batch)  # its caller was cancelled: the next receive has it
+                return None
+            return batch
+
+        self._async_takes += 1
+        fut = asyncio.get_running_loop().run_in_executor(self._receiver, take)
+        try:
+            batch = await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            abandoned.set()
+            if fut.done():  # finished before the cancel reached us: its rows come back
+                self._settle(settled, fut)
+            else:
+                fut.add_done_callback(functools.partial(self._settle, settled))
+            raise
+        except BaseException:
+            self._async_takes -= 1
+            settled.set()
+            raise
+        self._async_takes -= 1
+        settled.set()
+        return batch
+
+    def _settle(self, settled: threading.Event, fut: asyncio.Future) -> None:
+        """An abandoned async take finished: its rows (if it kept any) go back to the
+        front of the buffer; then later receives may slice the buffer again."""
+        try:
+            if not fut.cancelled() and fut.exception() is None and fut.result() is not None:
+                self._unget(fut.result())
+        finally:
+            self._async_takes -= 1
+            settled.set()
+
+    def _take_batch(self, wait: float, want: int = 1) -> pa.RecordBatch | None:
+        """Messages from the TargetList for a receive of ``want``, waiting up to
+        ``wait`` seconds for the first; None if none came. Over the DeliveryChannel
+        (one socket round trip, at least ``CHANNEL_TAKE_MESSAGES`` asked for, the rows
+        inline), unless it is broken or more than it sends inline is ready for the
+        receive: then a prefetch's worth through Ray (references read without a copy
+        from the object store)."""
+        try:
+            return self._take_from_target_list(wait, want)
+        finally:
+            self._first_answer.set()
+
+    def _take_from_target_list(self, wait: float, want: int) -> pa.RecordBatch | None:
+        channel = self._channel
+        if channel is not None:
+            try:
+                got = channel.take(min(max(want, CHANNEL_TAKE_MESSAGES), self.prefetch), wait)
+            except DeliveryBroken as exc:
+                self._channel_broke(exc, channel)  # the Ray call below raises the typed error
+                if self._closed:
+                    raise self._closed_error() from None
+            else:
+                if got is not BY_REFERENCE:
+                    return got if got is not None and got.num_rows else None
+                wait = 0.0  # BY_REFERENCE: they are ready
+        entries = _call(self.target_list.take, self.prefetch, wait, retry=False, about=self._about)
+        parts = []
+        for (_ref, start, n), batch in zip(
+            entries, _get_batches([e[0] for e in entries]), strict=True
+        ):
+            if batch is not None:  # None: lost with a restarted queue (comes again)
+                parts.append(batch.slice(start, n))
+        return None if not parts else parts[0] if len(parts) == 1 else pa.concat_batches(parts)
+
+    def _take_buffered(self, max_messages: int) -> pa.RecordBatch | None:
+        """Up to ``max_messages`` from the buffer, never waiting (None: it is empty)."""
+        if self._closed:
+            raise self._closed_error()
+        if isinstance(max_messages, bool) or not isinstance(max_messages, int) or max_messages < 1:
+            raise InvalidSetting(f"max_messages={max_messages!r} must be an int >= 1")
+        with self._buffer_lock:
+            buffer = self._buffer
+            return None if buffer is None else self._slice(buffer, max_messages)
+
+    def _take(self, max_messages: int, timeout: float | None) -> pa.RecordBatch | None:
+        batch = self._take_buffered(max_messages)
+        if batch is not None:
+            return batch
+        batch = self._fill(timeout, max_messages)  # waits: not under the lock
+        if batch is None:
+            return None
+        with self._buffer_lock:
+            if self._closed:  # the queue redelivers them: close released what we hold
+                raise self._closed_error()
+            if self._buffer is not None:  # another receive (or a give-back) filled it
+                batch = pa.concat_batches([self._buffer, batch])
+            return self._slice(batch, max_messages)
+
+    def _slice(self, buffer: pa.RecordBatch, max_messages: int) -> pa.RecordBatch:
+        """The first ``max_messages`` of ``buffer``; the rest stays buffered (under
+        ``_buffer_lock``)."""
+        if buffer.num_rows <= max_messages:
+            self._buffer = None
+            return buffer
+        self._buffer = buffer.slice(max_messages)
+        return buffer.slice(0, max_messages)
+
+    def receive(self, max_messages: int = 1, timeout: float | None = None) -> Messages:
+        """Up to ``max_messages`` messages, waiting up to ``timeout`` seconds (None:
+        until some come; ``ConsumerClosed`` if the consumer is closed meanwhile).
+
+        Returns a ``Messages`` sequence (a list's reading operations; each
+        ``Message`` made as it is reached); ``ack`` of it costs no work per message.
+        """
+        batch = self._take(max_messages, timeout)
+        return Messages() if batch is None else _messages(batch)
+
+    def __iter__(self) -> Iterator[Message]:
+        """Messages one at a time as they arrive, until the consumer is closed (from
+        another thread too); ack each (``consumer.ack(message)``, pipelined) or they are
+        delivered again.
+
+        Taken from the TargetList in chunks; leaving the loop early hands the rest of a
+        chunk back to this consumer's buffer, not received.
+        """
+        while True:
+            try:
+                batch = self._take(ITER_CHUNK_MESSAGES, None)
+            except ConsumerClosed:
+                return
+            if batch is None:
+                continue
+            messages = iter(Messages(batch))
+            for message in messages:
+                if self._closed:
+                    return
+                try:
+                    yield message
+                except GeneratorExit:  # the loop was left: the rest stays ours, in order
+                    rest = sum(1 for _ in messages)
+                    self._unget(batch.slice(batch.num_rows - rest))
+                    raise
+
+    def _unget(self, rows: pa.RecordBatch) -> None:
+        """Put rows taken but not handed out back in front of the buffer."""
+        if not rows.num_rows:
+            return
+        with self._buffer_lock:
+            if self._closed:
+                return
+            self._buffer = rows if self._buffer is None else pa.concat_batches([rows, self._buffer])
+
+    def receive_batch(self, max_messages: int, timeout: float | None = None) -> pa.RecordBatch:
+        """Up to ``max_messages`` as one Arrow RecordBatch read from the object store.
+
+        Columns: offset, timestamp, delivery_count, body, properties (msgpack). Empty
+        when nothing arrived within ``timeout`` seconds.
+        """
+        batch = self._take(max_messages, timeout)
+        return batch if batch is not None else EMPTY_DELIVERY
+
+    def ack(
+        self,
+        messages: Message | int | Iterable | pa.RecordBatch | pa.Table,
+        *,
+        wait: bool = False,
+    ) -> int | None:
+        """Acknowledge messages (``Message`` objects, offsets, or a received batch).
+
+        By default the ack is pipelined, as AMQP's are: it returns None at once and goes
+        out with others as one call and one fsync when 1,000 (or half the prefetch) are
+        gathered, after ``raymq.client.acks.ACK_LINGER_SECONDS``, before the consumer asks for
+        more messages, and on ``flush``, ``nack``, ``reject``, ``close`` and this queue
+        handle's ``stats``/``browse``. Its outcome is checked as later ones are sent and by
+        ``flush``/``close``, which raise the first error of an earlier one (such as
+        ``InvalidAck``). A message whose ack had not reached the queue when this process
+        died, or when the queue's actor died or moved, is delivered again (those are
+        counted in ``acks_lost`` and logged).
+
+        A pipelined offset the queue refuses (``InvalidAck``: never delivered, or held by
+        another consumer) is reported alone: the other offsets gathered into the same
+        call are acknowledged.
+
+        ``wait=True`` sends it (with any gathered before it) and returns how many
+        messages were newly acknowledged, once that is durable; refused, it raises
+        ``InvalidAck`` and acknowledges none of ``messages``.
+        """
+        if type(messages) is Message and not wait and not self._closed:
+            # The per-message loop: AckPipeline.add_one inlined (a call less per
+            # message); no lock (list.append is atomic), no array.
+            singles = self._ack_singles
+            singles.append(messages[0])
+            acks = self._acks
+            if len(singles) + acks._unsent_count >= acks.batch_messages or not acks.lingering:
+                acks._gathered()
+            return None
+        self._check_open()
+        offsets = _offsets_of(messages)
+        if wait:
+            self._acks.send()
+            self._acks.collect(block=False)
+            # Refused, it changes nothing (as every typed error): the caller decides.
+            return self.queue._invoke("ack", self.consumer_id, offsets, self._subscription)
+        self._acks.add(offsets)
+        return None
+
+    def _send_acks(self) -> None:
+        """Send the gathered pipelined acks as one call (not waiting for it), and check
+        the calls that finished (a failure is raised by the next ack, flush or close):
+        the linger thread only sends, so without this they would pile up."""
+        self._acks.send()
+        full = self._acks.in_flight > self._acks.max_in_flight
+        self._acks.collect(block=full, raise_errors=False)
+
+    def _send_ack_call(self, offsets: np.ndarray) -> concurrent.futures.Future:
+        actor = self._actor
+        fut = actor.ack.remote(self.consumer_id, offsets, self._subscription).future()
+        fut.raymq_actor = actor  # (whom it went to: _resend_acks)
+        return fut
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every pipelined ack is durable, at most ``timeout`` seconds (None:
+        ``raymq.acks.ACK_ANSWER_SECONDS``); raises the first error of an ack, then
+        ``BrokerUnavailable`` naming the queue if the queue has not answered them all
+        (those stay in flight: a later ``flush`` waits for them again)."""
+        unanswered = self._acks.flush(timeout)
+        if unanswered:
+            seconds = acks.ACK_ANSWER_SECONDS if timeout is None else timeout
+            raise acks.unanswered_error(f"queue {self.queue.name!r}", unanswered, seconds)
+
+    def _check_ack_call(self, fut: concurrent.futures.Future, parts: list[np.ndarray]) -> None:
+        """Raise the typed error of one finished ack call.
+
+        Pipelined acks are tracked as futures: asking a future whether it is done is
+        free, where ``ray.wait(..., timeout=0)`` costs about 2 ms a call here.
+        """
+        try:
+            fut.result()
+        except ray.exceptions.RayTaskError as exc:  # (first: it is an instance of its cause)
+            if isinstance(exc.cause, _FAULTS):  # an actor the queue called: as ours
+                self._resend_acks(fut, parts, _reason(exc.cause))
+                return
+            error = _unwrap(exc)
+            if isinstance(error, InvalidAck):
+                # The queue refused the whole gathered call for some offsets it does not
+                # let us ack: apply the others, report the first refused one.
+                offsets = parts[0] if len(parts) == 1 else np.concatenate(parts)
+                if len(offsets) > 1:
+                    error = self._ack_apart(offsets) or error
+            if isinstance(error, NotLeader):
+                self._resend_acks(fut, parts, error)
+                return
+            raise error from None
+        except _FAULTS as exc:
+            self._resend_acks(fut, parts, _reason(exc))
+            return
+        self._acks_failing_since = None
+
+    def _resend_acks(
+        self, failed: concurrent.futures.Future, parts: list[np.ndarray], why: object
+    ) -> None:
+        """An ack call did not reach the queue: its actor died, restarts or leads no
+        more. The handle follows the queue to its current actor and the offsets go
+        again with the next send (the new actor acks them, or drops stale copies:
+        ``TargetArea.drop_stale``), for ``calls.RESTART_GRACE_SECONDS`` from the first
+        failure of a row; after that they are counted lost (``_ack_lost``)."""
+        now = time.monotonic()
+        if self._acks_failing_since is None:
+            self._acks_failing_since = now
+        self.queue._follow(getattr(failed, "raymq_actor", None))
+        if now - self._acks_failing_since > calls.RESTART_GRACE_SECONDS:
+            self._ack_lost(parts, why)
+            return
+        self.acks_resent += sum(len(p) for p in parts)
+        self._acks.requeue(parts)
+
+    def _ack_lost(self, parts: list[np.ndarray], why: object) -> None:
+        """Pipelined acks whose outcome is unknown (the queue's actor died, restarts, a
+        replica took over, or it did not answer before the consumer closed): a message
+        they did not reach is delivered again, as at-least-once allows. Counted and
+        logged."""
+        lost = sum(len(p) for p in parts)
+        if not lost:
+            return
+        self.acks_lost += lost
+        _log.warning(
+            "queue %r: %d pipelined acks of consumer %s may be lost with the queue's actor"
+            " (%s); their messages are delivered again unless the ack was stored",
+            self.queue.name,
+            lost,
+            self.consumer_id,
+            why,
+        )
+
+    def _ack_apart(self, offsets: np.ndarray) -> InvalidAck | None:
+        """Ack ``offsets`` after the queue refused them together (changing nothing): one
+        call acks those it accepts; returns its refusal of the others, if any. A call
+        that fails otherwise is counted in ``acks_lost``."""
+        ref = self._actor.ack_acceptable.remote(self.consumer_id, offsets, self._subscription)
+        try:
+            _fresh, refusal = ray.get(ref, timeout=acks.ACK_ANSWER_SECONDS)
+        except ray.exceptions.GetTimeoutError:
+            ray.cancel(ref)
+            self._ack_lost([offsets], f"unanswered in {acks.ACK_ANSWER_SECONDS} s")
+            return None
+        except ray.exceptions.RayTaskError as exc:
+            error = _unwrap(exc)
+            if isinstance(error, InvalidAck):
+                return error
+            self._ack_lost([offsets], error)
+            return None
+        except _RETRYABLE as exc:
+            self._ack_lost([offsets], exc)
+            return None
+        return InvalidAck(refusal) if refusal else None
+
+    def nack(self, messages: Message | int | Iterable | pa.RecordBatch | pa.Table) -> int:
+        """Give messages back: they are delivered again with ``delivery_count`` + 1."""
+        self._check_open()
+        self._send_acks()  # in order: what was acked before is not given back
+        offsets = _offsets_of(messages)
+        return self.queue._invoke("nack", self.consumer_id, offsets, self._subscription)
+
+    def reject(self, messages: Message | int | Iterable | pa.RecordBatch | pa.Table) -> int:
+        """Give up on messages: they go to the queue's dead-letter queue (with
+        ``RayMQDeadLetterReason`` "rejected") and are not delivered again here.
+
+        Returns how many were taken; the move itself happens in the background (see
+        ``dead_letters_pending`` and ``messages_dead_lettered`` in ``Queue.stats()``).
+        """
+        self._check_open()
+        self._send_acks()  # in order, as for nack
+        offsets = _offsets_of(messages)
+        return self.queue._invoke("reject", self.consumer_id, offsets, self._subscription)
+
+    def backlog(self) -> int:
+        """Messages the queue has for this consumer that it has not received yet.
+
+        Counts what its TargetList holds or is loading, what the queue would deliver to
+        it next (matching its selector, not held by another consumer), and, while a
+        consumer that arrived at a deep queue still scans stored properties, the stored
+        messages left to examine (an upper bound then). Zero means a receive finds
+        nothing until new messages arrive: "drain until empty" is
+        ``while (got := c.receive(...)) or c.backlog(): ...``, which a short receive
+        timeout alone gets wrong on a busy machine.
+        """
+        self._check_open()
+        s = self.stats()
+        loading = s.get("delivered", 0) - s.get("handed_out", 0) - s.get("given_back", 0)
+        return (
+            max(loading, 0)
+            + s.get("cache_references", 0)
+            + s.get("scan_remaining", 0)
+            + s["client_buffered"]
+        )
+
+    def stats(self) -> dict[str, Any]:
+        """The TargetList: watermark, high watermark, direct and CacheReference counts and
+        bytes, PendingCache bytes, hits and misses, and what the consumer holds; and
+        ``client_buffered``: messages this client took from the TargetList (counted in
+        its ``handed_out``) that no receive has returned yet (a receive over the
+        DeliveryChannel takes up to ``CHANNEL_TAKE_MESSAGES`` at once)."""
+        s = _call(self.target_list.stats, retry=False, about=self._about)
+        buffer = self._buffer
+        s["client_buffered"] = 0 if buffer is None else buffer.num_rows
+        return s
+
+    def close(self) -> None:
+        """Close; unacknowledged messages are delivered again (to any consumer).
+
+        From another thread too: a receive waiting there ends with ``ConsumerClosed`` and
+        ``for message in consumer`` stops. Gathered acks are sent first and waited for
+        at most ``raymq.acks.ACK_ANSWER_SECONDS``; those the queue has not answered by
+        then are counted in ``acks_lost`` and logged (their messages are delivered
+        again unless the queue stored them). Raises the first refused ack (such as
+        ``InvalidAck``), after closing. The TargetList actor is always released: if
+        giving back what it held fails (logged, counted in ``close_failures``) it is
+        killed, and the queue, watching it, delivers its messages again.
+        """
+        if self._closed:
+            return
+        self._closed = True  # first: receives in other threads stop at their next check
+        self._first_answer.set()
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            channel.close()  # ends a take waiting on it in another thread, at once
+        ack_error: RayMQError | None = None
+        try:
+            unanswered = self._acks.flush()
+        except RayMQError as exc:  # close anyway; then report the failed ack
+            ack_error, unanswered = exc, self._acks.in_flight
+        except Exception as exc:  # noqa: BLE001 - sending failed: counted below
+            _log.warning("queue %r: sending acks on close failed: %r", self.queue.name, exc)
+            unanswered = self._acks.in_flight
+        left = self._acks.abandon()  # unanswered in flight, or unsent after a failure
+        if left:
+            why = f"{unanswered} ack calls not answered within {acks.ACK_ANSWER_SECONDS:g} s"
+            self._ack_lost(left, why if unanswered else "not sent")
+        with self._buffer_lock:
+            buffer, self._buffer = self._buffer, None
+        not_received = None if buffer is None else buffer.column("offset").to_numpy()
+        if self._receiver is not None:
+            self._receiver.shutdown(wait=False)
+        try:
+            self._release_target_list(not_received)
+        finally:
+            try:
+                ray.kill(self.target_list, no_restart=True)
+            except Exception as exc:  # noqa: BLE001 - a dead one: nothing left to release
+                _log.warning("consumer %s: killing its TargetList: %r", self.consumer_id, exc)
+        if ack_error is not None:
+            raise ack_error
+
+    def _release_target_list(self, not_received: np.ndarray | None) -> None:
+        """Have the TargetList give back what it held (``not_received`` uncounted), else
+        the queue directly; failures are logged and counted, never raised: the caller
+        kills the TargetList, which the queue sees."""
+        try:
+            ray.get(self.target_list.close.remote(not_received), timeout=CLOSE_TIMEOUT_SECONDS)
+            return
+        except ray.exceptions.RayTaskError as exc:
+            error: BaseException = _unwrap(exc)
+        except Exception as exc:  # noqa: BLE001 - dead, timed out, or a bug: released below
+            error = exc
+        self.close_failures += 1
+        _log.warning(
+            "queue %r: consumer %s: its TargetList could not give back what it held (%r);"
+            " asking the queue",
+            self.queue.name,
+            self.consumer_id,
+            error,
+        )
+        try:
+            close = self._actor.close_consumer
+            ray.get(
+                close.remote(self.consumer_id, not_received, self._subscription),
+                timeout=CLOSE_TIMEOUT_SECONDS,
+            )
+        except Exception as exc:  # noqa: BLE001 - the kill that follows releases them
+            _log.warning(
+                "queue %r: consumer %s: closing at the queue failed (%r); it delivers the"
+                " messages again when it sees the TargetList die",
+                self.queue.name,
+                self.consumer_id,
+                exc,
+            )

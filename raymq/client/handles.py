@@ -1,0 +1,565 @@
+"""Handles of a queue, an address and a subscription: send, consume, inspect.
+
+Every call of a handle reaches the queue's current actor through its ``QueueLink``
+(``raymq.core.link``): this module gives it Ray as transport and the broker as
+locator."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+import pyarrow as pa
+import ray
+
+from raymq.batch import (
+    MessageBatch,
+    check_size,
+    check_sizes,
+)
+from raymq.client import calls
+from raymq.client.calls import _FAULTS, _call, _reason, _unwrap, fault_of
+from raymq.client.consumer import Consumer
+from raymq.client.messages import Message, _check_count, _messages
+from raymq.client.producer import MAX_BATCH_BYTES, Producer, ProducerStats
+from raymq.config import BrokerConfig
+from raymq.core.link import Fault, LinkFault, QueueLink
+from raymq.errors import (
+    BrokerUnavailable,
+    NotLeader,
+    RayMQError,
+    SelectorError,
+    SubscriptionNotFound,
+)
+from raymq.properties import encode_properties, validate_properties
+from raymq.selector import Selector
+from raymq.send_channel import ChannelBroken, SendChannel
+
+
+class BrokerOfQueue(Protocol):
+    """What a queue handle uses of its broker's (``raymq.client.broker.Broker``): named
+    here so that this module does not import the broker's."""
+
+    config: BrokerConfig
+    namespace: str
+    _actor: Any
+
+
+_log = logging.getLogger("raymq.client")
+
+#: Seconds before a process tries again to open a queue's SendChannel after it failed
+#: to connect (a channel that broke after working is opened again at once).
+CHANNEL_RETRY_SECONDS = 30.0
+_channels_lock = threading.Lock()
+#: (job id, queue actor id) -> this process's SendChannel, the monotonic time to try
+#: connecting again, or None while a thread is connecting.
+_channels: dict[tuple[str, str], SendChannel | float | None] = {}
+
+
+def _send_channel(queue: Queue, *, connect: bool = True) -> SendChannel | None:
+    """This process's SendChannel to ``queue``'s actor, opened on first use; None when
+    the queue has none, it is being opened, or opening it failed lately (single sends
+    then go through Ray calls). ``connect=False``: only a channel open already (no
+    blocking call: asyncio code opens one in a worker thread)."""
+    key = (ray.get_runtime_context().get_job_id(), queue._actor._actor_id.hex())
+    with _channels_lock:
+        got = _channels.get(key, 0.0)
+        if isinstance(got, SendChannel) and got.broken is None:
+            return got
+        if not connect or got is None or (isinstance(got, float) and time.monotonic() < got):
+            return None
+        _channels[key] = None  # this thread connects; the others use Ray meanwhile
+    channel: SendChannel | None = None
+    try:
+        endpoint = queue._invoke("send_endpoint")  # follows a revived queue's new actor
+        if endpoint is not None:
+            channel = SendChannel(*endpoint, queue=queue.name)
+    except Exception as exc:  # unreachable port, refused, the actor gone...: whatever it
+        # is, Ray carries the sends, and the key must not stay None (connecting) for good
+        _log.info("queue %r: no send channel: %r", queue.name, exc)
+        channel = None
+    new_key = (key[0], queue._actor._actor_id.hex())
+    with _channels_lock:
+        _channels[key] = channel or time.monotonic() + CHANNEL_RETRY_SECONDS
+        _channels[new_key] = _channels[key]  # the queue's actor after a revival
+    return channel
+
+
+class Queue:
+    """Handle of one queue: send, consume, inspect."""
+
+    #: The address subscription this handle consumes from (None: a queue).
+    subscription_name: str | None = None
+
+    def __init__(self, broker: BrokerOfQueue, name: str, actor):
+        self.broker = broker
+        self.name = name
+        #: The name of the actor's queue or address (what a TargetList finds it by).
+        self.actor_name = name
+        #: How this handle reaches the queue's current actor (``raymq.core.link``).
+        self._link = QueueLink(
+            f"queue {name!r}",
+            actor,
+            _RAY_TRANSPORT,
+            _BrokerLocator(self),
+            grace_seconds=lambda: calls.RESTART_GRACE_SECONDS,
+        )
+        #: Open consumers made through this handle: ``stats`` and ``browse`` send their
+        #: pipelined acks first, so a handle reads its own acks.
+        self._consumers: weakref.WeakSet[Consumer] = weakref.WeakSet()
+        self._producer_lock = threading.Lock()
+        #: (actor id, endpoint) of the queue actor's FetchChannel (``_fetch_endpoint``).
+        self._fetch_endpoint_of: tuple[str, tuple[str, int, str]] | None = None
+
+    def __repr__(self) -> str:
+        return f"Queue({self.name!r})"
+
+    @property
+    def _actor(self):
+        """The queue's actor, as this handle last found it (a replicated queue's
+        leader; a revived queue's new actor)."""
+        return self._link.handle
+
+    def _check_body(self, body: object) -> bytes:
+        if not isinstance(body, bytes | bytearray | memoryview):
+            raise TypeError(
+                f"body for queue {self.name!r} must be bytes, not {type(body).__name__}"
+            )
+        check_size(len(body), self.broker.config.max_message_size, self.name)
+        return bytes(body)
+
+    def _encode_one(
+        self, body: object, properties: Mapping[str, Any] | None
+    ) -> tuple[bytes, bytes]:
+        """One message checked and encoded: (body, msgpack properties or ``b""``).
+        ``TypeError``, ``MessageTooLarge`` (body and properties count toward
+        ``max_message_size``, as the queue counts them) or ``InvalidProperties``."""
+        body = self._check_body(body)
+        if properties is None:
+            return body, b""
+        props = encode_properties(
+            validate_properties(properties, where=f"message for queue {self.name!r}")
+        )
+        check_size(len(body) + len(props), self.broker.config.max_message_size, self.name)
+        return body, props
+
+    #: This handle's pipelined sends (``send(wait=False)``), made on first use.
+    _producer: Producer | None = None
+
+    def send(
+        self,
+        body: bytes,
+        properties: Mapping[str, Any] | None = None,
+        *,
+        timeout: float | None = None,
+        wait: bool = True,
+    ) -> Any:
+        """Send one message; returns its offset once it is durable (``wait=False``: a
+        ``SendFuture`` of it at once).
+
+        Both modes go through this handle's producer (``raymq.client.producer``): the message
+        joins its open batch, which travels over this process's SendChannel to the queue
+        actor (a socket, see ``raymq.send_channel``), else through a Ray call. A batch
+        leaves at once when none is in flight, else when the one in flight is answered:
+        sends from many threads of one process then share one frame, one write and one
+        fsync. At the queue's ``max_size_bytes``: PAGE stores it anyway, DROP drops it
+        (returns None), FAIL raises ``AddressFull``, BLOCK waits for room up to
+        ``timeout`` seconds (None: for ever), then raises ``AddressFull``. A broken
+        channel or a moved leader does not reach the caller: the send goes again
+        through Ray (at-least-once).
+
+        ``wait=False`` pipelines: ``SendFuture.result()`` gives the offset (None:
+        DROPped) or raises the error once the queue has the batch durable. ``send``
+        then blocks only while ``MAX_IN_FLIGHT_MESSAGES`` messages or
+        ``MAX_IN_FLIGHT_BYTES`` bytes are unanswered; ``flush()`` waits for all and
+        raises the first failure (a waiting send raises its own instead). A handle's
+        messages are stored in the order sent, waiting or not. Bad input (type, size,
+        properties) raises here, at once, in both modes.
+        """
+        body, props = self._encode_one(body, properties)
+        producer = self._producer or self._make_producer()
+        if not wait:
+            return producer.send(body, props, timeout)
+        return producer.send(body, props, timeout, waited=True).result()
+
+    def _pack(self, bodies, properties) -> MessageBatch:
+        limit = self.broker.config.max_message_size
+        if isinstance(bodies, pa.Table | pa.RecordBatch):
+            if properties is not None:
+                raise TypeError("properties come from the Arrow columns; pass properties=None")
+            batch = MessageBatch.from_arrow(bodies, max_message_size=limit, queue=self.name)
+        else:
+            batch = MessageBatch.from_bodies(
+                bodies, properties, max_message_size=limit, queue=self.name
+            )
+        if len(batch.prop_data):  # the queue counts properties toward max_message_size too
+            check_sizes(batch.body_sizes() + np.diff(batch.prop_offsets), limit, self.name)
+        return batch
+
+    def send_batch(
+        self,
+        bodies: Sequence[bytes] | pa.Table | pa.RecordBatch,
+        properties: Sequence[Mapping | None] | Mapping | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> list[int]:
+        """Send many messages in one write and one fsync; returns their offsets.
+
+        ``bodies`` is a list of bytes (``properties`` then one dict for all, or one per
+        message) or an Arrow table with a ``body`` column whose other columns are
+        properties. At ``max_size_bytes`` the queue's policy applies as for ``send``:
+        DROP stores the first messages that fit (fewer offsets come back), FAIL stores
+        none, BLOCK waits up to ``timeout`` seconds for room for all of them.
+        """
+        batch = self._pack(bodies, properties)
+        if self._producer is not None and self._producer.busy():
+            self._producer.drain()  # earlier sends of this handle go first: order
+        channel = (
+            _send_channel(self) if batch.nbytes <= self.broker.config.max_message_size else None
+        )
+        if channel is not None:  # larger batches exceed its frame limit: Ray carries them
+            try:
+                first, count = channel.send_batch(batch, timeout)
+                return list(range(first, first + count))
+            except (ChannelBroken, NotLeader):
+                pass  # as in ``send``: Ray calls follow a restart or a new leader
+        first, count = self._invoke("send_batch", batch, timeout, answer_seconds=timeout)
+        return list(range(first, first + count))
+
+    async def send_async(
+        self,
+        body: bytes,
+        properties: Mapping[str, Any] | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> int | None:
+        """``send`` for asyncio code: over the send channel (concurrent tasks' sends
+        share the queue's group commits), awaiting the answer without blocking the event
+        loop; through a Ray call when the queue has no channel or it broke. Behind this
+        handle's unanswered ``send``s it joins them instead (from a worker thread): a
+        handle's messages are stored in the order sent."""
+        body, props = self._encode_one(body, properties)
+        producer = self._producer
+        if producer is not None and producer.busy():
+            return await asyncio.to_thread(
+                lambda: producer.send(body, props, timeout, waited=True).result()
+            )
+        channel = await self._send_channel_async()
+        if channel is not None:
+            try:
+                return await channel.send_async(body, props, timeout)
+            except (ChannelBroken, NotLeader):
+                pass  # as in ``send``: a Ray call follows a restart or a new leader
+        batch = MessageBatch.from_encoded([body], [props])
+        first, count = await self._send_batch_by_ray(batch, timeout)
+        return first if count else None
+
+    async def send_batch_async(
+        self, bodies, properties=None, *, timeout: float | None = None
+    ) -> list[int]:
+        """``send_batch`` for asyncio code: over the send channel as ``send_batch``,
+        awaiting without blocking the event loop; else through a Ray call. This handle's
+        unanswered ``send``s are waited for first (in a worker thread): the order."""
+        batch = self._pack(bodies, properties)
+        producer = self._producer
+        if producer is not None and producer.busy():
+            await asyncio.to_thread(producer.drain)
+        if batch.nbytes <= self.broker.config.max_message_size:
+            channel = await self._send_channel_async()
+            if channel is not None:
+                try:
+                    first, count = await channel.send_batch_async(batch, timeout)
+                    return list(range(first, first + count))
+                except (ChannelBroken, NotLeader):
+                    pass  # as in ``send_batch``
+        first, count = await self._send_batch_by_ray(batch, timeout)
+        return list(range(first, first + count))
+
+    async def _send_batch_by_ray(self, batch: MessageBatch, timeout: float | None):
+        """The async sends' Ray path, as the blocking sends' (``_invoke``: it follows a
+        revived or moved queue and waits out a restart), in a worker thread."""
+        return await asyncio.to_thread(
+            functools.partial(self._invoke, "send_batch", batch, timeout, answer_seconds=timeout)
+        )
+
+    async def _send_channel_async(self) -> SendChannel | None:
+        """``_send_channel`` without blocking the event loop: opening one (a Ray call
+        and a connect) runs in a worker thread."""
+        channel = _send_channel(self, connect=False)
+        if channel is None:
+            channel = await asyncio.to_thread(_send_channel, self)
+        return channel
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every pipelined send (``send(wait=False)``) of this handle is
+        answered: stored durably, DROPped or failed.
+
+        Raises ``TimeoutError`` after ``timeout`` seconds (None: no limit), and then the
+        first error of a pipelined send that failed since the last flush (its class,
+        e.g. ``AddressFull``, saying how many failed): a fire-and-forget producer learns
+        of a lost message here at the latest.
+        """
+        if self._producer is not None:
+            self._producer.flush(timeout)
+
+    def producer_stats(self) -> ProducerStats | None:
+        """Counts of this handle's pipelined sends (None: it made none)."""
+        return None if self._producer is None else self._producer.stats()
+
+    def _make_producer(self) -> Producer:
+        with self._producer_lock:  # one per handle, even when threads race here
+            if self._producer is None:
+                self._producer = Producer(
+                    self.name,
+                    lambda: _send_channel(self),
+                    lambda batch, timeout: self._invoke(
+                        "send_batch", batch, timeout, answer_seconds=timeout
+                    ),
+                    # The channel refuses frames over max_message_size (and framing).
+                    max_batch_bytes=min(MAX_BATCH_BYTES, self.broker.config.max_message_size),
+                )
+            return self._producer
+
+    def consumer(
+        self,
+        selector: str | None = None,
+        prefetch: int = 10_000,
+        *,
+        high_watermark: int | None = None,
+        high_watermark_bytes: int = 64 * 2**20,
+        pending_cache_bytes: int = 16 * 2**20,
+        node_id: str | None = None,
+    ) -> Consumer:
+        """A consumer (a TargetList actor near it) holding at most ``prefetch``
+        unacknowledged messages.
+
+        ``selector`` is a JMS message selector over properties and the headers
+        ``RayMQOffset``, ``JMSTimestamp`` (ms) and ``JMSXDeliveryCount``; a malformed one
+        raises ``SelectorError`` here. ``high_watermark`` (messages, default
+        ``prefetch``) and ``high_watermark_bytes`` bound the direct references the
+        eager loader keeps; ``pending_cache_bytes`` bounds the PendingCache.
+        """
+        if selector is not None:
+            if not isinstance(selector, str):
+                raise TypeError(f"selector must be a str, not {type(selector).__name__}")
+            try:
+                Selector(selector)
+            except SelectorError as exc:
+                raise SelectorError(f"queue {self.name!r}: {exc}") from None
+        _check_count("prefetch", prefetch)
+        high = prefetch if high_watermark is None else high_watermark
+        _check_count("high_watermark", high)
+        _check_count("high_watermark_bytes", high_watermark_bytes)
+        _check_count("pending_cache_bytes", pending_cache_bytes, minimum=0)
+        return Consumer(
+            self, prefetch, selector, high, high_watermark_bytes, pending_cache_bytes, node_id
+        )
+
+    def browse(self, selector: str | None = None, batch_size: int = 1000) -> Iterator[Message]:
+        """Every unacknowledged message (paged ones included) in offset order, optionally
+        those ``selector`` selects, without consuming or changing anything."""
+        if selector is not None:
+            Selector(selector)
+        _check_count("batch_size", batch_size)
+        self._flush_acks()
+        pos = 0
+        while True:
+            batch, pos = self._invoke("browse", pos, batch_size, selector, self.subscription_name)
+            yield from _messages(batch)
+            if batch.num_rows < batch_size:  # the queue walks to its end before stopping short
+                return
+
+    def stats(self) -> dict[str, Any]:
+        """Depth, bytes in memory and on disk, segment files, consumers and rates."""
+        self._flush_acks()
+        return self._invoke("stats", self.subscription_name).to_dict()
+
+    def _fetch_endpoint(self, fresh: bool = False) -> tuple[tuple[str, int, str] | None, bool]:
+        """The queue actor's FetchChannel (host, port, secret) for a new consumer's
+        TargetList, and whether it is the one remembered from an earlier consumer of
+        this handle (a Ray call saved: 2-3 ms of a new consumer's first message here).
+        ``fresh``, or none remembered: asked through ``_invoke``, so that this handle
+        follows the queue to its current actor first. None if it has none or could not
+        be asked (the TargetList then registers through Ray, which raises the typed
+        error)."""
+        remembered = self._fetch_endpoint_of
+        if not fresh and remembered is not None and remembered[0] == self._actor._actor_id.hex():
+            return remembered[1], True
+        try:
+            endpoint = self._invoke("fetch_endpoint")
+        except RayMQError as exc:
+            _log.info("queue %r: no fetch channel endpoint: %s", self.name, exc)
+            return None, False
+        if endpoint is not None:
+            self._fetch_endpoint_of = (self._actor._actor_id.hex(), tuple(endpoint))
+        return endpoint, False
+
+    def _flush_acks(self) -> None:
+        """Make the pipelined acks of this handle's open consumers durable first
+        (waiting at most ``raymq.acks.ACK_ANSWER_SECONDS``). An ack's error is left for
+        the consumer's own next ``flush``/``ack``/``close``, which raises it: stats() and
+        browse() neither raise nor swallow another consumer's error."""
+        for consumer in list(self._consumers):
+            consumer._acks.flush(raise_errors=False)
+
+    def _invoke(self, method: str, *args, answer_seconds: float | None = -1.0) -> Any:
+        """Call the queue actor's ``method``; follows the queue to its current actor
+        (restarted, failed over, revived) or raises a typed error naming it
+        (``raymq.core.link.QueueLink.call``, which says what ``answer_seconds`` is)."""
+        return self._link.call(method, *args, answer_seconds=answer_seconds)
+
+    def _follow(self, failed) -> None:
+        """``failed`` (an actor of this queue) failed a call made outside ``_invoke``
+        (a pipelined ack): the next calls go to the queue's current actor."""
+        self._link.follow(failed)
+
+
+class _RayTransport:
+    """``QueueLink``'s transport: one Ray actor call, Ray's failures as ``LinkFault``."""
+
+    def call(self, handle: Any, method: str, args: tuple, timeout: float | None) -> Any:
+        """``method(*args)`` on ``handle`` (``raymq.core.link.Transport``)."""
+        ref = getattr(handle, method).remote(*args)
+        try:
+            return ray.get(ref, timeout=timeout)
+        except ray.exceptions.RayTaskError as exc:  # (first: it is an instance of its cause)
+            if isinstance(exc.cause, _FAULTS):  # an actor it called restarts or died
+                raise LinkFault(fault_of(exc.cause), _reason(exc.cause)) from None
+            raise _unwrap(exc) from None
+        except ray.exceptions.GetTimeoutError:
+            with contextlib.suppress(Exception):
+                ray.cancel(ref)
+            raise LinkFault(Fault.SILENT, f"no answer in {timeout:g} s") from None
+        except _FAULTS as exc:
+            raise LinkFault(fault_of(exc), _reason(exc)) from None
+
+
+_RAY_TRANSPORT = _RayTransport()
+
+
+class _BrokerLocator:
+    """``QueueLink``'s locator: the broker names a queue's current actor."""
+
+    def __init__(self, queue: Queue):
+        self._queue = weakref.ref(queue)
+
+    def locate(self, failed: Any) -> Any:
+        """The broker checks a leader suspected this way (fails over), revives a
+        hibernated queue, and names the queue's actor (``raymq.core.link.Locator``)."""
+        queue = self._queue()
+        if queue is None:
+            raise BrokerUnavailable("the queue handle was dropped")
+        broker = queue.broker._actor
+        name = queue.actor_name
+        _call(broker.suspect_leader, name, failed._actor_id.hex(), retry=False)
+        return _call(broker.get_queue, name, retry=False)
+
+
+class Address(Queue):
+    """Handle of one address: send as to a queue (same calls, same errors, same send
+    channel); consume from its subscriptions."""
+
+    def __repr__(self) -> str:
+        return f"Address({self.name!r})"
+
+    def create_subscription(
+        self,
+        name: str,
+        *,
+        selector: str | None = None,
+        start: str = "latest",
+        max_delivery_attempts: int | None = None,
+        dead_letter_queue: str | None = None,
+    ) -> Subscription:
+        """Bind a subscription (or return it, if it exists with equal settings): a
+        queue of its own over the address's one stored copy.
+
+        ``selector`` is a filter applied when a message is routed to it (a consumer's
+        selector applies on top); ``start`` is ``"latest"`` (from the next message sent)
+        or ``"earliest"`` (from the oldest message the address still stores). Dead
+        letters go to ``dead_letter_queue`` (default ``f"{address}.{name}.DLQ"``).
+        Raises ``SubscriptionExists``, ``SelectorError``, ``InvalidQueueName`` or
+        ``InvalidSetting``.
+        """
+        self._invoke(
+            "create_subscription",
+            name,
+            selector,
+            start,
+            max_delivery_attempts,
+            dead_letter_queue,
+        )
+        return Subscription(self, name)
+
+    def subscription(self, name: str) -> Subscription:  # type: ignore[override]
+        """The handle of an existing subscription; ``SubscriptionNotFound`` if none."""
+        if name not in self.subscriptions():
+            raise SubscriptionNotFound(f"address {self.name!r} has no subscription {name!r}")
+        return Subscription(self, name)
+
+    def subscriptions(self) -> list[str]:
+        """Names of the address's subscriptions, in the order they were created."""
+        return [spec.name for spec in self._invoke("list_subscriptions")]
+
+    def delete_subscription(self, name: str) -> None:
+        """Unbind a subscription: its consumers are closed, its hold on every stored
+        message is released."""
+        self._invoke("delete_subscription", name)
+
+    def consumer(self, *args, **kwargs) -> Consumer:
+        """Addresses are consumed through their subscriptions."""
+        raise TypeError(
+            f"address {self.name!r} is consumed through a subscription:"
+            " address.subscription(name).consumer()"
+        )
+
+    def browse(self, *args, **kwargs) -> Iterator[Message]:
+        """Addresses are browsed through their subscriptions."""
+        raise TypeError(
+            f"address {self.name!r} is browsed through a subscription:"
+            " address.subscription(name).browse()"
+        )
+
+    def stats(self) -> dict[str, Any]:
+        """The address's statistics (its depth counts what any subscription still
+        needs) and each subscription's lag (messages it has not acknowledged)."""
+        self._flush_acks()
+        out = self._invoke("stats").to_dict()
+        out["subscriptions"] = self._invoke("subscription_depths")
+        return out
+
+
+class Subscription(Queue):
+    """Handle of one subscription of an address: a queue for its consumers (consume,
+    browse, stats as a queue's); messages are sent to its address."""
+
+    def __init__(self, address: Address, name: str):
+        super().__init__(address.broker, f"{address.name}/{name}", address._actor)
+        self.address = address
+        self.subscription_name = name
+        self.actor_name = address.name
+
+    def __repr__(self) -> str:
+        return f"Subscription({self.address.name!r}, {self.subscription_name!r})"
+
+    def _refuse_send(self, *args, **kwargs):
+        raise TypeError(
+            f"subscription {self.name!r} receives what is sent to its address:"
+            f" send to address {self.address.name!r}"
+        )
+
+    send = send_batch = _refuse_send
+
+    async def send_async(self, *args, **kwargs):
+        """Messages are sent to the address, not to one of its subscriptions."""
+        self._refuse_send()
+
+    send_batch_async = send_async
