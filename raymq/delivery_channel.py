@@ -1,7 +1,7 @@
 """DeliveryChannel: a consumer's receives over a socket to its TargetList actor.
 
 Through Ray, a message the TargetList holds reaches the application in two hops of
-1-2 ms each here (ARCHITECTURE.md): the client's ``take`` call returns references, then
+1-2 ms each here (docs/ARCHITECTURE.md): the client's ``take`` call returns references, then
 ``ray.get`` of a reference borrowed from the TargetList asks that actor for it. So the
 TargetList actor also listens on a TCP socket on its node's address (the consumer's
 node), and its consumer's ``receive`` asks there: the answer carries the messages

@@ -1,7 +1,7 @@
 """FetchChannel: a TargetList's fetches over a socket to its queue actor.
 
 Through Ray, a message made durable reaches a consumer's TargetList in a ``fetch_batch``
-call's answer (1-2 ms here, ARCHITECTURE.md), then the TargetList reads the delivery's
+call's answer (1-2 ms here, docs/ARCHITECTURE.md), then the TargetList reads the delivery's
 reference (about 1 ms more), and a message arriving while no fetch is waiting waits for
 the next call to come in. So the queue actor also listens on a TCP socket on its node's
 address, as it does for sends (``raymq.send_channel``), and each TargetList asks there:

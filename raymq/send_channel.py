@@ -1,6 +1,6 @@
 """SendChannel: sends over a socket to the queue actor, not a Ray call each.
 
-A Ray actor call costs 1-2 ms of round trip here (ARCHITECTURE.md). A producer that
+A Ray actor call costs 1-2 ms of round trip here (docs/ARCHITECTURE.md). A producer that
 sends one message at a time and waits for each is bound by that round trip, however
 well the actor's group commit shares fsyncs: 8 such producers top out near 8 / 1.7 ms.
 And a batch as a Ray argument goes through the object store: the producer's Ray core

@@ -78,13 +78,14 @@ class FakeCluster:
         return self.current
 
 
-def link_of(cluster: FakeCluster, grace: float = 60.0) -> QueueLink:
+def link_of(cluster: FakeCluster, grace: float = 60.0, attempt: float = 1.0) -> QueueLink:
     return QueueLink(
         "queue 'q'",
         cluster.current,
         cluster,
         cluster,
         grace_seconds=grace,
+        attempt_seconds=attempt,
         clock=cluster.clock.clock,
         sleep=cluster.clock.sleep,
     )
@@ -168,16 +169,28 @@ def test_a_dead_actor_nobody_replaces_ends_in_broker_unavailable_within_the_grac
 
 
 def test_a_paused_actor_costs_at_most_the_grace(cluster):
-    """Observed 4: a SIGSTOPped queue actor: calls are bounded, then a typed error."""
+    """Observed 4: a SIGSTOPped queue actor: calls are bounded, then a typed error; a
+    call not answered is not tried again (a send could be stored twice)."""
     link = link_of(cluster, grace=20.0)
     cluster.current.state = "paused"
-    with pytest.raises(BrokerUnavailable, match="no answer"):
+    with pytest.raises(BrokerUnavailable, match="did not answer stats.*unknown"):
         link.call("stats")
-    assert cluster.clock.now <= 20.0 + 1.0
+    assert cluster.clock.now == 20.0 and cluster.current.calls == 1
+
+
+def test_an_attempt_that_reached_its_actor_may_outlast_a_short_grace(cluster):
+    """A call to a live actor is given ``attempt_seconds`` even when little of the
+    grace is left: cutting it short would leave a send's outcome unknown."""
+    link = link_of(cluster, grace=0.5, attempt=60.0)
+    cluster.current.state = "gone"
+    cluster.current = Actor("a2", "paused")
+    with pytest.raises(BrokerUnavailable, match="unknown"):
+        link.call("send_batch")
+    assert cluster.clock.now >= 60.0
 
 
 def test_a_call_that_waits_by_design_is_bounded_beyond_the_grace(cluster):
-    link = link_of(cluster, grace=5.0)
+    link = link_of(cluster, grace=5.0, attempt=1.0)
     seen: list[float | None] = []
     real = cluster.call
 

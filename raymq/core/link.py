@@ -21,10 +21,13 @@ The rules:
   thread that finds the handle already replaced retries on the new one);
 - a locator failure of kind "no such queue" (``QueueNotFound``) is final; any other is
   retried, as the fault itself is;
-- retries go on with backoff for at most ``grace_seconds`` from the first fault; each
-  attempt waits at most the time left (``SILENT`` when it ran out: that attempt had
-  the grace), so a paused actor costs at most the grace, then ``BrokerUnavailable``
-  naming the queue and the last fault.
+- retries go on with backoff for at most ``grace_seconds`` from the first fault, then
+  ``BrokerUnavailable`` naming the queue and the last fault;
+- each attempt waits at most the grace left, or ``attempt_seconds`` if that is longer
+  (a call that reached a live actor is given time to finish), plus what the call waits
+  by design (``answer_seconds``). One that was not answered in that time (``SILENT``:
+  a paused process) ends the call with ``BrokerUnavailable`` at once: its outcome is
+  unknown, and a send tried again could be stored twice.
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ from raymq.errors import BrokerUnavailable, NotLeader, QueueNotFound
 #: How long a call keeps following a queue whose actor failed (seconds): as long as a
 #: restarting actor or a failover takes on a loaded machine.
 RESTART_GRACE_SECONDS = 60.0
+#: Least time one attempt may wait for its answer, whatever is left of the grace: a
+#: call that reached its actor is given time to finish (seconds).
+ATTEMPT_SECONDS = 60.0
 #: First and longest pause between attempts (seconds).
 RETRY_FIRST_SECONDS = 0.05
 RETRY_MAX_SECONDS = 1.0
@@ -112,6 +118,7 @@ class QueueLink:
         locator: Locator,
         *,
         grace_seconds: float | Callable[[], float] | None = None,
+        attempt_seconds: float = ATTEMPT_SECONDS,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
     ):
@@ -121,6 +128,7 @@ class QueueLink:
         self._transport = transport
         self._locator = locator
         self._grace = grace_seconds
+        self._attempt_seconds = attempt_seconds
         self._clock = clock
         self._sleep = sleep
         self._lock = threading.Lock()
@@ -159,7 +167,7 @@ class QueueLink:
                 timeout = None
             else:
                 left = self.grace_seconds() if deadline is None else deadline - self._clock()
-                timeout = max(left, 0.0) + max(answer_seconds, 0.0)
+                timeout = max(left, self._attempt_seconds) + max(answer_seconds, 0.0)
             try:
                 return self._transport.call(handle, method, args, timeout)
             except NotLeader as exc:
@@ -168,10 +176,14 @@ class QueueLink:
                 fault = exc
             now = self._clock()
             if deadline is None:
-                # A silent actor had the whole grace already (the attempt's bound).
-                silent = fault.kind is Fault.SILENT and timeout is not None
-                deadline = now if silent else now + self.grace_seconds()
+                deadline = now + self.grace_seconds()
             self.fault_seen(fault)
+            if fault.kind is Fault.SILENT:
+                # Its outcome is unknown (a send may be stored yet): not tried again.
+                raise BrokerUnavailable(
+                    f"{self.about}: its actor did not answer {method} ({fault}); whether"
+                    " the call took effect is unknown"
+                ) from fault
             if now >= deadline:
                 raise BrokerUnavailable(
                     f"{self.about}: its actor could not be reached for"
