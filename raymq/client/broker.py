@@ -47,14 +47,7 @@ def connect(
     from raymq.placement.nodes import current_node_id, pinned_to
 
     config = BrokerConfig.from_kwargs(**broker_config)
-    if not ray.is_initialized():
-        apply_ray_env_defaults()
-        try:
-            ray.init(
-                address=address, namespace=namespace, log_to_driver=False, configure_logging=False
-            )
-        except ConnectionError as exc:
-            raise BrokerUnavailable(f"cannot reach Ray at {address!r}: {exc}") from exc
+    _join_ray(address, namespace)
     if not create:
         try:
             ray.get_actor(BROKER_ACTOR_NAME, namespace=namespace)
@@ -88,6 +81,18 @@ def connect(
     warm_arrow_conversions()  # nor its first receive for pyarrow's lazy imports
     governor = here(MemoryGovernorActor, GOVERNOR_ACTOR_NAME).remote(running, namespace)
     return Broker(actor, running, namespace, governor)
+
+
+def _join_ray(address: str | None, namespace: str) -> None:
+    """``ray.init`` unless this process joined a Ray already (``connect``'s
+    ``address``); ``BrokerUnavailable`` if it cannot be reached."""
+    if ray.is_initialized():
+        return
+    apply_ray_env_defaults()
+    try:
+        ray.init(address=address, namespace=namespace, log_to_driver=False, configure_logging=False)
+    except ConnectionError as exc:
+        raise BrokerUnavailable(f"cannot reach Ray at {address!r}: {exc}") from exc
 
 
 class Broker:

@@ -3,10 +3,8 @@ Ray calls), acks through its ``AckPipeline`` to the queue's current actor."""
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import contextlib
-import functools
 import logging
 import threading
 import time
@@ -25,6 +23,7 @@ from raymq.batch import (
 )
 from raymq.client import acks, calls
 from raymq.client.acks import AckPipeline
+from raymq.client.async_receive import AsyncReceives
 from raymq.client.calls import _FAULTS, _RETRYABLE, _call, _reason, _unwrap
 from raymq.client.messages import (
     ITER_CHUNK_MESSAGES,
@@ -72,13 +71,9 @@ CHANNEL_TAKE_MESSAGES = 128
 #: (seconds); past it the TargetList is killed, and the queue, watching it, delivers
 #: again what it held.
 CLOSE_TIMEOUT_SECONDS = 60.0
-#: Longest an async receive waits, in the receive thread, for the one before it to be
-#: settled (its caller resumed, or its rows put back): only a loop that stopped with
-#: that caller suspended takes this long (seconds).
-SETTLE_WAIT_SECONDS = 30.0
 
 
-class Consumer:
+class Consumer(AsyncReceives):
     """Receives messages of one queue through its TargetList actor; usable as a context
     manager (closes on exit). Acks go straight to the queue actor.
 
@@ -117,17 +112,7 @@ class Consumer:
         )
         self._ack_singles = self._acks._singles  # ack(message) appends here (never replaced)
         queue._consumers.add(self)  # its stats() and browse() see our acks
-        #: Pipelined acks whose call failed with the queue's actor for longer than the
-        #: restart grace, or that the queue had not answered when the consumer closed
-        #: (see ``ack``).
-        self.acks_lost = 0
-        #: Pipelined acks sent again to the queue's current actor after their call
-        #: failed with its old one (``_resend_acks``).
-        self.acks_resent = 0
-        self._acks_failing_since: float | None = None  # monotonic seconds
-        #: Failures of ``close`` giving back what the TargetList held (logged; the
-        #: TargetList is killed anyway, and the queue delivers its messages again).
-        self.close_failures = 0
+        self._init_counters()
         # Asked first: it also follows an old handle to its queue's current actor (a
         # revived hibernated queue), and the TargetList then needs no first Ray call.
         fetch_endpoint, cached = queue._fetch_endpoint()
@@ -135,16 +120,7 @@ class Consumer:
         self.target_list, spare_channel = spares.take(node)
         warm_arrow_conversions()  # a process that did not connect() (once per process)
         self._channel: DeliveryChannel | None = None  # receives over a socket, if it opens
-        self.delivery_channel_failures = 0  # channels that broke or did not open: Ray then
-        #: Channel breaks whose unread answer could not be given back (``_channel_broke``).
-        self.delivery_channel_unread = 0
-        #: receive_async's thread: one per consumer, so a receive waiting for messages
-        #: holds no thread of the loop's default pool; it runs the takes in order.
-        self._receiver: concurrent.futures.ThreadPoolExecutor | None = None
-        self._async_takes = 0  # takes under way in that thread (or not settled yet)
-        #: Set once the latest async take's rows are settled: handed to its caller, or
-        #: back in the buffer (its caller was cancelled). The next take waits for it.
-        self._async_settled: threading.Event | None = None
+        self._init_async_receives()
         #: Set at this consumer's first answer from its TargetList, or its close: the
         #: next spare starts then (``spares.warm``).
         self._first_answer = threading.Event()
@@ -159,6 +135,39 @@ class Consumer:
             "subscription": queue.subscription_name,
             "namespace": queue.broker.namespace,
         }
+        self._launch(node, spare_channel, fetch_endpoint, cached, settings)
+
+    def _init_counters(self) -> None:
+        """The consumer's failure counters (``stats`` and the logs tell them)."""
+        #: Pipelined acks whose call failed with the queue's actor for longer than the
+        #: restart grace, or that the queue had not answered when the consumer closed
+        #: (see ``ack``).
+        self.acks_lost = 0
+        #: Pipelined acks sent again to the queue's current actor after their call
+        #: failed with its old one (``_resend_acks``).
+        self.acks_resent = 0
+        self._acks_failing_since: float | None = None  # monotonic seconds
+        #: Failures of ``close`` giving back what the TargetList held (logged; the
+        #: TargetList is killed anyway, and the queue delivers its messages again).
+        self.close_failures = 0
+        self.delivery_channel_failures = 0  # channels that broke or did not open: Ray then
+        #: Channel breaks whose unread answer could not be given back (``_channel_broke``).
+        self.delivery_channel_unread = 0
+
+    def _launch(
+        self,
+        node: str,
+        spare_channel: tuple[str, int, str] | None,
+        fetch_endpoint: tuple[str, int, str] | None,
+        cached: bool,
+        settings: dict,
+    ) -> None:
+        """Start the spare TargetList as this consumer's (over its DeliveryChannel if
+        the spare has one, else by a Ray call), and connect to its channel; a failure
+        kills the spare (it is never a spare again) and is raised."""
+        from raymq.placement import spares
+
+        queue = self.queue
         try:
             if spare_channel is not None and delivery_channel.USE_CHANNEL:
                 # Started over its channel, not by a Ray call (``raymq.delivery_channel``).
@@ -286,101 +295,6 @@ class Consumer:
                 raise
             if batch is not None or (deadline is not None and time.monotonic() >= deadline):
                 return batch
-
-    async def receive_async(self, max_messages: int = 1, timeout: float | None = None) -> Messages:
-        """``receive`` for asyncio code (Ray Serve deployments, async actors): up to
-        ``max_messages`` messages, waiting up to ``timeout`` seconds (None: until some
-        arrive) without blocking the event loop. Cancelled while waiting, what it took
-        meanwhile stays in this consumer's buffer for the next receive (not lost)."""
-        batch = await self._take_async(max_messages, timeout)
-        return Messages() if batch is None else _messages(batch)
-
-    async def receive_batch_async(
-        self, max_messages: int, timeout: float | None = None
-    ) -> pa.RecordBatch:
-        """``receive_batch`` for asyncio code, as ``receive_async``: up to
-        ``max_messages`` as one Arrow RecordBatch, empty if none came within ``timeout``
-        seconds."""
-        batch = await self._take_async(max_messages, timeout)
-        return batch if batch is not None else EMPTY_DELIVERY
-
-    def __aiter__(self) -> Consumer:
-        """``async for message in consumer``: messages one at a time as they arrive,
-        until the consumer is closed; ack each or they are delivered again."""
-        return self
-
-    async def __anext__(self) -> Message:
-        while True:
-            try:
-                got = await self.receive_async(1, None)
-            except ConsumerClosed:
-                raise StopAsyncIteration from None
-            if got:
-                return got[0]
-
-    async def _take_async(self, max_messages: int, timeout: float | None) -> pa.RecordBatch | None:
-        """``_take`` off the event loop: from the buffer at once when it holds messages
-        (slicing it does not block), else in this consumer's receive thread.
-
-        Rows of a take whose caller was cancelled go back to the front of the buffer
-        before any later receive slices it: in the receive thread if the cancel came
-        first, else on the loop's thread (``_settle``). A later take waits in the receive
-        thread until the one before it is settled (its rows handed to its caller or put
-        back), and ``_async_takes`` stays raised until then, which keeps later receives
-        off the buffer's fast path."""
-        if self._buffer is not None and not self._async_takes:
-            # Never _take here: emptied by another thread meanwhile, it would fetch on
-            # the event loop's thread.
-            batch = self._take_buffered(max_messages)
-            if batch is not None:
-                return batch
-        self._check_open()
-        if self._receiver is None:
-            self._receiver = concurrent.futures.ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix=f"raymq-consumer-{self.consumer_id[:8]}"
-            )
-        abandoned = threading.Event()
-        before, settled = self._async_settled, threading.Event()
-        self._async_settled = settled
-
-        def take() -> pa.RecordBatch | None:
-            if before is not None and not before.wait(SETTLE_WAIT_SECONDS):
-                # Its loop stopped before the earlier take's caller resumed: go on.
-                _log.warning("consumer %s: an async receive never settled", self.consumer_id)
-            batch = self._take(max_messages, timeout)
-            if abandoned.is_set() and batch is not None:
-                self._unget(batch)  # its caller was cancelled: the next receive has it
-                return None
-            return batch
-
-        self._async_takes += 1
-        fut = asyncio.get_running_loop().run_in_executor(self._receiver, take)
-        try:
-            batch = await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            abandoned.set()
-            if fut.done():  # finished before the cancel reached us: its rows come back
-                self._settle(settled, fut)
-            else:
-                fut.add_done_callback(functools.partial(self._settle, settled))
-            raise
-        except BaseException:
-            self._async_takes -= 1
-            settled.set()
-            raise
-        self._async_takes -= 1
-        settled.set()
-        return batch
-
-    def _settle(self, settled: threading.Event, fut: asyncio.Future) -> None:
-        """An abandoned async take finished: its rows (if it kept any) go back to the
-        front of the buffer; then later receives may slice the buffer again."""
-        try:
-            if not fut.cancelled() and fut.exception() is None and fut.result() is not None:
-                self._unget(fut.result())
-        finally:
-            self._async_takes -= 1
-            settled.set()
 
     def _take_batch(self, wait: float, want: int = 1) -> pa.RecordBatch | None:
         """Messages from the TargetList for a receive of ``want``, waiting up to
