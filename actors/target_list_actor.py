@@ -40,7 +40,7 @@ import time
 import numpy as np
 import pyarrow as pa
 import ray
-from raymq.actors.names import queue_actor_name
+from raymq.actors.names import BROKER_ACTOR_NAME, queue_actor_name
 
 from raymq import metrics
 from raymq.batch import offsets_of
@@ -599,8 +599,6 @@ class TargetListActor:
             return await asyncio.to_thread(ray.get_actor, name, namespace)
         except ValueError:
             pass
-        from raymq.actors.broker_actor import BROKER_ACTOR_NAME  # (rarely needed here)
-
         try:
             broker = await asyncio.to_thread(ray.get_actor, BROKER_ACTOR_NAME, namespace)
             return await asyncio.wait_for(broker.get_queue.remote(self.queue), REVIVE_SECONDS)
