@@ -91,6 +91,9 @@ class TargetListActor:
     #: The queue actor's lookup by name under way (``_queue_actor``).
     _finding: asyncio.Future | None = None
     _starting = False  # a start under way or done (``start``)
+    _queue_process: str | None = None  # (``_note_queue_process``)
+    _stale_give_back: asyncio.Future | None = None
+    stale_dropped = 0
 
     def __init__(self):
         # Created blank, as a warm spare (``raymq.placement.spares``): starting a
@@ -122,6 +125,10 @@ class TargetListActor:
         #: The consumer's receives come over this socket (``raymq.delivery_channel``).
         self._channel: DeliveryChannelServer | None = None
         self.channel_lost_batches = 0  # batches lost with a restarted queue, skipped
+        #: The secret of the queue process's FetchChannel we registered with last: it
+        #: tells a new process (``_note_queue_process``).
+        self._queue_process: str | None = None
+        self.stale_dropped = 0  # messages loaded from a queue process since replaced
         #: The loader's fetches go over this socket to the queue actor
         #: (``raymq.fetch_channel``); its (host, port, secret) from our registration.
         self._fetch_endpoint: tuple[str, int, str] | None = None
@@ -539,6 +546,7 @@ class TargetListActor:
                 return False
             raise
         self._fetch_channel, self._fetch_endpoint = channel, tuple(endpoint)
+        self._note_queue_process(self._fetch_endpoint)
         return True
 
     async def _watched_by_queue(self) -> None:
@@ -573,6 +581,49 @@ class TargetListActor:
             self._fetch_channel.close()  # a channel to a queue actor that was replaced
             self._fetch_channel = None
         self._fetch_endpoint = endpoint
+        self._note_queue_process(endpoint)
+
+    def _note_queue_process(self, endpoint: tuple[str, int, str] | None) -> None:
+        """A registration answered ``endpoint``. Its secret is made anew by each queue
+        process (one FetchChannel server each): a new one means the queue actor we
+        loaded from was replaced (restarted in place, revived, a new leader), and with
+        it its record of what it delivered to us. It delivers those messages again,
+        so what we still hold is not handed out: a stale copy could otherwise reach
+        the application after the fresh one was acked. It goes back to the queue
+        instead of being dropped: a fetch by Ray may have been answered by the new
+        process before this registration, and the queue releases only what it counts
+        as ours (``TargetArea.release``), ignoring the old process's offsets. Counted
+        in ``stale_dropped``."""
+        if endpoint is None:  # fetching by Ray: the old process's references are lost
+            return
+        process = endpoint[2]
+        if self._queue_process is not None and process != self._queue_process:
+            offsets = self.targets.drain()
+            if len(offsets):
+                self.stale_dropped += len(offsets)
+                log.warning(
+                    "consumer %s: queue %r is a new process: %d messages loaded before"
+                    " not handed out (delivered again)",
+                    self.consumer_id,
+                    self.queue,
+                    len(offsets),
+                )
+                self._stale_give_back = asyncio.ensure_future(self._give_back_stale(offsets))
+            self.loader.wake()  # room again
+        self._queue_process = process
+
+    async def _give_back_stale(self, offsets: np.ndarray) -> None:
+        """``_note_queue_process``'s give-back (in order with fetches: the loader's).
+        Failed, they stay held by us in the queue until we close or die (logged)."""
+        try:
+            await self.loader.give_back(offsets)
+        except Exception as exc:
+            log.warning(
+                "consumer %s: %d messages loaded from a replaced queue process not given back: %r",
+                self.consumer_id,
+                len(offsets),
+                exc,
+            )
 
     def _fetch_channel_broke(self, exc: ChannelBroken) -> None:
         """The FetchChannel failed: fetch through Ray until we register again (after a
@@ -701,6 +752,7 @@ class TargetListActor:
             "fetches_parked": self.fetched["parked"],
             "fetches_by_ray": self.fetched["ray"],
             "stale_fetches_given_back": self.loader.stale_fetches,
+            "stale_dropped": self.stale_dropped,
         }
 
     async def _queue_side(self) -> dict:

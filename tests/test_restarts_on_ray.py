@@ -114,3 +114,39 @@ def test_a_consumer_is_watched_again_by_a_queue_restarted_in_place(broker):
             side = _call(q._actor.consumer_stats, c.consumer_id)
             time.sleep(0.02)  # polling a condition, with a deadline
         assert side.get("delivered") == 1 and side["death_watch"], side
+
+
+def test_a_consumer_drops_what_it_loaded_from_a_queue_process_that_died(broker):
+    """The restarted queue actor delivers again all that is not acknowledged, while the
+    consumer's TargetList still holds copies from the dead process. Once it registers
+    with the new process it drops them: the application gets those messages from the
+    new process only, not a stale copy too (which it could ack before the fresh one).
+    What the client had taken already (its buffer) is received, then again."""
+    q = broker.create_queue("stale-copies")
+    bodies = [f"m{i}".encode() for i in range(301)]
+    q.send_batch(bodies)
+    with q.consumer(prefetch=300) as c:
+        c.ack(c.receive(1, timeout=30), wait=True)  # the client buffers more of them
+        deadline = time.monotonic() + 60
+        side: dict = {}
+        while side.get("held") != 300 and time.monotonic() < deadline:
+            side = _call(q._actor.consumer_stats, c.consumer_id)  # m1-m300 loaded
+            time.sleep(0.02)  # polling a condition, with a deadline
+        assert side["held"] == 300, side
+        before = c.stats()
+        loaded, buffered = before["watermark"], before["client_buffered"]
+        assert loaded > 0 and loaded + buffered == 300, before
+        os.kill(_call(q._actor.pid), signal.SIGKILL)
+        assert q.stats()["depth"] == 300  # restarted (the call waits for it)
+        # The loader's next poll finds the channel broken; it registers again.
+        mine: dict = {}
+        while mine.get("stale_dropped") != loaded and time.monotonic() < deadline:
+            mine = c.stats()
+            time.sleep(0.02)  # polling a condition, with a deadline
+        assert mine["stale_dropped"] == loaded, mine
+        got = []
+        while len(got) < buffered + 300 and time.monotonic() < deadline:
+            got += c.receive(buffered + 300 - len(got), timeout=5)
+        assert [m.body for m in got] == bodies[1 : 1 + buffered] + bodies[1:]
+        c.ack(got, wait=True)
+    assert q.stats()["depth"] == 0

@@ -424,6 +424,41 @@ def test_a_fetch_that_finished_as_the_loader_was_cancelled_goes_back_at_close():
     assert asyncio.run(main()).tolist() == [4, 5]
 
 
+def test_messages_loaded_from_a_queue_process_since_replaced_go_back_unseen():
+    # A registration answers the FetchChannel of a new queue process (another secret):
+    # that process delivers again everything the old one had delivered to us, so what
+    # we still hold must never be handed out (a stale copy could reach the application
+    # after the fresh one was acked). It goes back to the queue, which releases only
+    # what it counts as ours (a fetch by Ray may have reached the new process first).
+    # The same process: all is kept.
+    from raymq.actors.target_list_actor import TargetListActor
+
+    cls = TargetListActor.__ray_metadata__.modified_class
+    actor = cls.__new__(cls)
+    given_back: list[int] = []
+
+    async def give_back(offsets):
+        given_back.extend(offsets.tolist())
+
+    async def main():
+        actor.consumer_id, actor.queue, actor._fetch_endpoint = "c1", "q", None
+        actor.targets = TargetList(10, 10_000, 10_000)
+        actor.loader = EagerLoader(actor.targets, None, queue="q", give_back=give_back)
+        actor.targets.direct.extend([entry(0, 3), entry(3, 2)])
+        actor._set_fetch_endpoint(("127.0.0.1", 5000, "first"))
+        actor._set_fetch_endpoint(("127.0.0.1", 5000, "first"))  # registered again
+        assert actor.targets.watermark == 5 and actor.stale_dropped == 0
+        actor._set_fetch_endpoint(None)  # fetching by Ray meanwhile (the channel broke)
+        assert actor.targets.watermark == 5 and actor._stale_give_back is None
+        actor._set_fetch_endpoint(("127.0.0.1", 5001, "second"))  # the restarted process
+        assert actor.targets.watermark == 0 and actor.stale_dropped == 5
+        assert actor.targets.take(10) == []
+        await actor._stale_give_back
+
+    asyncio.run(main())
+    assert given_back == [0, 1, 2, 3, 4]
+
+
 class OrderedQueue:
     """A queue as the loader sees it: a fetch answers messages given back first (lowest
     offsets), then new ones, ``batch`` at a time; while ``gate`` is set, a fetch's
