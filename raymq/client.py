@@ -40,7 +40,7 @@ from raymq.config import (
     apply_ray_env_defaults,
     validate_queue_name,
 )
-from raymq.delivery_channel import BY_REFERENCE, DeliveryChannel
+from raymq.delivery_channel import BY_REFERENCE, INLINE_BYTES, DeliveryChannel
 from raymq.delivery_channel import ChannelBroken as DeliveryBroken
 from raymq.errors import (
     BrokerUnavailable,
@@ -1018,6 +1018,10 @@ class Consumer:
         warm_arrow_conversions()  # a process that did not connect() (once per process)
         self._channel: DeliveryChannel | None = None  # receives over a socket, if it opens
         self.delivery_channel_failures = 0  # channels that broke or did not open: Ray then
+        #: The TargetList answered "by reference" last: more than the channel sends inline
+        #: was ready (a deep queue). Fills then ask through Ray at once, as the channel
+        #: would only answer that again (see ``_take_from_target_list``).
+        self._by_reference = False
         #: Channel breaks whose unread answer could not be given back (``_channel_broke``).
         self.delivery_channel_unread = 0
         #: receive_async's thread: one per consumer, so a receive waiting for messages
@@ -1270,7 +1274,8 @@ class Consumer:
         (one socket round trip, at least ``CHANNEL_TAKE_MESSAGES`` asked for, the rows
         inline), unless it is broken or more than it sends inline is ready for the
         receive: then a prefetch's worth through Ray (references read without a copy
-        from the object store)."""
+        from the object store), and so for the next fills until one brings no more
+        than the channel sends inline."""
         try:
             return self._take_from_target_list(wait, want)
         finally:
@@ -1278,7 +1283,10 @@ class Consumer:
 
     def _take_from_target_list(self, wait: float, want: int) -> pa.RecordBatch | None:
         channel = self._channel
-        if channel is not None:
+        # On a deep queue every channel request was answered "by reference", a socket
+        # round trip on each fill before the Ray call that brings the rows: they go
+        # straight to that call until it brings no more than the channel sends inline.
+        if channel is not None and not self._by_reference:
             try:
                 got = channel.take(min(max(want, CHANNEL_TAKE_MESSAGES), self.prefetch), wait)
             except DeliveryBroken as exc:
@@ -1289,6 +1297,7 @@ class Consumer:
                 if got is not BY_REFERENCE:
                     return got if got is not None and got.num_rows else None
                 wait = 0.0  # BY_REFERENCE: they are ready
+                self._by_reference = True
         entries = _call(self.target_list.take, self.prefetch, wait, retry=False, about=self._about)
         parts = []
         for (_ref, start, n), batch in zip(
@@ -1296,7 +1305,10 @@ class Consumer:
         ):
             if batch is not None:  # None: lost with a restarted queue (comes again)
                 parts.append(batch.slice(start, n))
-        return None if not parts else parts[0] if len(parts) == 1 else pa.concat_batches(parts)
+        got = None if not parts else parts[0] if len(parts) == 1 else pa.concat_batches(parts)
+        if got is None or got.nbytes <= INLINE_BYTES:
+            self._by_reference = False  # caught up: the channel's inline answers again
+        return got
 
     def _take_buffered(self, max_messages: int) -> pa.RecordBatch | None:
         """Up to ``max_messages`` from the buffer, never waiting (None: it is empty)."""
