@@ -10,7 +10,8 @@ direct references filled up to the high watermark: from the PendingCache first, 
 fetching from the queue actor over the FetchChannel (``raymq.fetch_channel``: a socket;
 small deliveries come inline and are held in this process, large ones are taken by a
 Ray call as references this actor owns), or through Ray calls (``fetch_batch``) before
-it is connected or after it broke. This shell turns Ray's failures of
+it is connected, after it broke, and while deliveries are large (a deep queue: each
+would be parked, then taken by Ray all the same). This shell turns Ray's failures of
 a fetch into typed errors naming the queue; the loader retries them with backoff, and
 one that persists (a ``StorageError`` of the queue, a queue actor that is dead or away
 longer than a restart takes) is raised by ``take``, so the consumer's ``receive()``
@@ -42,7 +43,7 @@ import pyarrow as pa
 import ray
 from raymq.actors.queue_actor import queue_actor_name
 
-from raymq import metrics
+from raymq import fetch_channel, metrics
 from raymq.batch import offsets_of
 from raymq.core.budget import ConsumerUsage
 from raymq.core.supervisor import Supervisor
@@ -91,6 +92,9 @@ class TargetListActor:
     #: The queue actor's lookup by name under way (``_queue_actor``).
     _finding: asyncio.Future | None = None
     _starting = False  # a start under way or done (``start``)
+    #: The last fetch was larger than the FetchChannel sends inline: fetch through Ray
+    #: (``_fetch_once``).
+    _large_fetches = False
 
     def __init__(self):
         # Created blank, as a warm spare (``raymq.placement.spares``): starting a
@@ -462,7 +466,11 @@ class TargetListActor:
                 self.selector,
                 self.subscription,
             )
-            if self._fetch_channel is not None:
+            # While deliveries are large (a deep queue), the channel only parks them
+            # and a Ray call takes them: a socket round trip and two wake-ups of the
+            # queue actor per fetch for nothing. They are fetched by one Ray call then,
+            # until one brings no more than the channel sends inline.
+            if self._fetch_channel is not None and not self._large_fetches:
                 self._fetch_task = asyncio.ensure_future(self._fetch_channel.fetch(*args))
             else:
                 self._in_flight = (
@@ -499,6 +507,7 @@ class TargetListActor:
                 (await self._queue_actor()).fetch_parked.options(num_returns=2).remote(got)
             )
             self._in_flight_kind = "parked"
+            self._large_fetches = True
         meta_ref, batch_ref = self._in_flight
         try:
             answer: FetchAnswer = await asyncio.wait_for(meta_ref, FETCH_ANSWER_SECONDS)
@@ -511,6 +520,8 @@ class TargetListActor:
         self._in_flight = None
         if len(answer.offsets):
             self.fetched[self._in_flight_kind] += 1
+        if self._in_flight_kind == "ray":
+            self._large_fetches = answer.nbytes > fetch_channel.INLINE_BYTES
         parts = answer.parts
         if parts:  # shared rows, then those of the batch made for this delivery
             rest = len(answer.offsets) - sum(rows for _, _, rows in parts)
