@@ -26,6 +26,8 @@ from raymq.delivery_channel import (
     ChannelBroken,
     DeliveryChannel,
     DeliveryChannelServer,
+    Encoded,
+    answer_of,
     frame,
     from_ipc,
     to_ipc,
@@ -99,6 +101,46 @@ def test_ipc_round_trip_keeps_a_slice_s_rows_only():
     back = from_ipc(to_ipc(batch).to_pybytes())
     assert back.equals(batch)
     assert back.column("offset").to_pylist() == list(range(15, 22))
+
+
+def test_rows_that_came_inline_whole_are_handed_on_as_they_came():
+    first, second = delivery(10, 5), delivery(15, 8)
+    streams = [to_ipc(first).to_pybytes(), to_ipc(second).to_pybytes()]
+    answer = answer_of([(first, streams[0]), (second.slice(2, 4), None)])
+    assert isinstance(answer, Encoded)
+    # The first delivery's record batch message is its stream's own bytes, not a copy.
+    assert answer.buffers[1].obj is streams[0]
+    back = from_ipc(b"".join(bytes(memoryview(b)) for b in answer.buffers))
+    assert back.equals(pa.concat_batches([first, second.slice(2, 4)]))
+    assert answer.offsets.column(0).to_pylist() == [*range(10, 15), *range(17, 21)]
+    whole = answer_of([(second, streams[1])])
+    assert from_ipc(b"".join(bytes(memoryview(b)) for b in whole.buffers)).equals(second)
+    # Nothing came whole: one batch, encoded by the server as before.
+    assert answer_of([(first.slice(1), None)]).equals(first.slice(1))
+
+
+def test_an_encoded_answer_crosses_and_its_rows_are_given_back_if_unwritten():
+    rows = delivery(0, 6)
+    stream = to_ipc(rows).to_pybytes()
+    given = []
+
+    async def take(max_messages, timeout, inline_bytes):
+        return answer_of([(rows, stream)])
+
+    async def give_back(batch):
+        given.append(batch.column(0).to_pylist())
+
+    async def main():
+        server = DeliveryChannelServer(take, give_back, "test")
+        host, port, secret = await server.start("127.0.0.1")
+        channel = await asyncio.to_thread(DeliveryChannel, host, port, secret, "q")
+        got = await asyncio.to_thread(channel.take, 10, 1.0)
+        channel.close()
+        server.close()
+        return got
+
+    assert run(main()).equals(rows)
+    assert given == []
 
 
 def test_answers_come_inline_in_order_with_nothing_and_by_reference_between():
