@@ -103,20 +103,17 @@ def test_ipc_round_trip_keeps_a_slice_s_rows_only():
     assert back.column("offset").to_pylist() == list(range(15, 22))
 
 
-def test_rows_that_came_inline_whole_are_handed_on_as_they_came():
+def test_a_delivery_that_came_inline_whole_is_handed_on_as_it_came():
     first, second = delivery(10, 5), delivery(15, 8)
-    streams = [to_ipc(first).to_pybytes(), to_ipc(second).to_pybytes()]
-    answer = answer_of([(first, streams[0]), (second.slice(2, 4), None)])
+    stream = to_ipc(first).to_pybytes()
+    answer = answer_of([(first, stream)])
     assert isinstance(answer, Encoded)
-    # The first delivery's record batch message is its stream's own bytes, not a copy.
-    assert answer.buffers[1].obj is streams[0]
-    back = from_ipc(b"".join(bytes(memoryview(b)) for b in answer.buffers))
-    assert back.equals(pa.concat_batches([first, second.slice(2, 4)]))
-    assert answer.offsets.column(0).to_pylist() == [*range(10, 15), *range(17, 21)]
-    whole = answer_of([(second, streams[1])])
-    assert from_ipc(b"".join(bytes(memoryview(b)) for b in whole.buffers)).equals(second)
-    # Nothing came whole: one batch, encoded by the server as before.
+    assert answer.stream is stream  # not decoded and encoded again
+    assert answer.rows.equals(first) and from_ipc(answer.stream).equals(first)
+    # Part of a delivery, or several: one batch, encoded by the server.
     assert answer_of([(first.slice(1), None)]).equals(first.slice(1))
+    both = answer_of([(first, stream), (second.slice(2, 4), None)])
+    assert both.equals(pa.concat_batches([first, second.slice(2, 4)]))
 
 
 def test_an_encoded_answer_crosses_and_its_rows_are_given_back_if_unwritten():
@@ -141,6 +138,22 @@ def test_an_encoded_answer_crosses_and_its_rows_are_given_back_if_unwritten():
 
     assert run(main()).equals(rows)
     assert given == []
+
+    class BrokenWriter:
+        def write(self, data) -> None:
+            pass
+
+        async def drain(self) -> None:
+            raise ConnectionResetError("the consumer went away")
+
+    async def broken():
+        server = DeliveryChannelServer(take, give_back, "test")
+        with pytest.raises(ConnectionResetError):
+            await server._answer(BrokenWriter(), 10, 0.1)
+        return server
+
+    server = run(broken())
+    assert given == [list(range(6))] and server.given_back == 6
 
 
 def test_answers_come_inline_in_order_with_nothing_and_by_reference_between():
