@@ -10,7 +10,8 @@ direct references filled up to the high watermark: from the PendingCache first, 
 fetching from the queue actor over the FetchChannel (``raymq.fetch_channel``: a socket;
 small deliveries come inline and are held in this process, large ones are taken by a
 Ray call as references this actor owns), or through Ray calls (``fetch_batch``) before
-it is connected or after it broke. This shell turns Ray's failures of
+it is connected, after it broke, and while deliveries are large (a deep queue: each
+would be parked, then taken by Ray all the same). This shell turns Ray's failures of
 a fetch into typed errors naming the queue; the loader retries them with backoff, and
 one that persists (a ``StorageError`` of the queue, a queue actor that is dead or away
 longer than a restart takes) is raised by ``take``, so the consumer's ``receive()``
@@ -42,7 +43,7 @@ import pyarrow as pa
 import ray
 from raymq.actors.names import BROKER_ACTOR_NAME, queue_actor_name
 
-from raymq import metrics
+from raymq import fetch_channel, metrics
 from raymq.batch import offsets_of
 from raymq.core.budget import ConsumerUsage
 from raymq.core.supervisor import Supervisor
@@ -53,7 +54,7 @@ from raymq.core.target_list import (
     FetchFailed,
     TargetList,
 )
-from raymq.delivery_channel import BY_REFERENCE, DeliveryChannelServer
+from raymq.delivery_channel import BY_REFERENCE, DeliveryChannelServer, answer_of
 from raymq.errors import BrokerUnavailable, NotLeader, RayMQError
 from raymq.fetch_channel import (
     CONNECT_TIMEOUT_SECONDS,
@@ -61,6 +62,7 @@ from raymq.fetch_channel import (
     STALE_FETCH_ENDPOINT,
     ChannelBroken,
     FetchChannel,
+    InlineDelivery,
 )
 
 log = logging.getLogger("raymq.consumer")
@@ -94,6 +96,9 @@ class TargetListActor:
     _queue_process: str | None = None  # (``_note_queue_process``)
     _stale_give_back: asyncio.Future | None = None
     stale_dropped = 0
+    #: The last fetch was larger than the FetchChannel sends inline: fetch through Ray
+    #: (``_fetch_once``).
+    _large_fetches = False
 
     def __init__(self):
         # Created blank, as a warm spare (``raymq.placement.spares``): starting a
@@ -306,23 +311,27 @@ class TargetListActor:
         lost = (ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError)
         # Deliveries that came over the FetchChannel are here already; others are read
         # from the object store.
-        refs = [ref for ref, _, _ in entries if not isinstance(ref, pa.RecordBatch)]
+        refs = [ref for ref, _, _ in entries if not isinstance(ref, InlineDelivery)]
         read = iter(await asyncio.gather(*refs, return_exceptions=True) if refs else ())
-        got = [ref if isinstance(ref, pa.RecordBatch) else next(read) for ref, _, _ in entries]
-        parts = []
-        for (_ref, start, n), batch in zip(entries, got, strict=True):
-            if isinstance(batch, lost):  # lost with a restarted queue (comes again)
+        got = [ref if isinstance(ref, InlineDelivery) else next(read) for ref, _, _ in entries]
+        parts = []  # (rows, the IPC stream they came in whole, or None)
+        for (_ref, start, n), item in zip(entries, got, strict=True):
+            if isinstance(item, lost):  # lost with a restarted queue (comes again)
                 self.channel_lost_batches += 1
                 continue
-            if isinstance(batch, BaseException):
+            if isinstance(item, BaseException):
                 error = BrokerUnavailable(
-                    f"queue {self.queue!r}: reading a delivery failed: {_reason(batch)}"
+                    f"queue {self.queue!r}: reading a delivery failed: {_reason(item)}"
                 )
-                raise error from batch
-            parts.append(batch.slice(start, n))
+                raise error from item
+            if isinstance(item, InlineDelivery):
+                whole = start == 0 and n == item.batch.num_rows
+                parts.append((item.batch.slice(start, n), item.stream if whole else None))
+            else:
+                parts.append((item.slice(start, n), None))
         if not parts:
             return None
-        return parts[0] if len(parts) == 1 else pa.concat_batches(parts)
+        return answer_of(parts)
 
     async def channel_broke(self, answers_read: int) -> int:
         """The consumer's DeliveryChannel broke with a request under way, after it had
@@ -469,8 +478,14 @@ class TargetListActor:
                 self.selector,
                 self.subscription,
             )
-            if self._fetch_channel is not None:
-                self._fetch_task = asyncio.ensure_future(self._fetch_channel.fetch(*args))
+            # While deliveries are large (a deep queue), the channel only parks them
+            # and a Ray call takes them: a socket round trip and two wake-ups of the
+            # queue actor per fetch for nothing. They are fetched by one Ray call then,
+            # until one brings no more than the channel sends inline.
+            if self._fetch_channel is not None and not self._large_fetches:
+                self._fetch_task = asyncio.ensure_future(
+                    self._fetch_channel.fetch(*args, streams=True)
+                )
             else:
                 self._in_flight = (
                     (await self._queue_actor()).fetch_batch.options(num_returns=2).remote(*args)
@@ -497,15 +512,17 @@ class TargetListActor:
             self._fetch_task = None
             if got is None:
                 return None
-            if isinstance(got, pa.RecordBatch):  # inline: held in this process
-                offsets = offsets_of(got)
+            if isinstance(got, pa.RecordBatch):  # (asked without its stream)
+                got = InlineDelivery(got, b"")
+            if isinstance(got, InlineDelivery):  # inline: held in this process
                 self.fetched["inline"] += 1
-                return DirectEntry(got, offsets, got.nbytes)
+                return DirectEntry(got, offsets_of(got.batch), got.batch.nbytes)
             # Parked in the queue actor (large): take it through Ray, by reference.
             self._in_flight = (
                 (await self._queue_actor()).fetch_parked.options(num_returns=2).remote(got)
             )
             self._in_flight_kind = "parked"
+            self._large_fetches = True
         meta_ref, batch_ref = self._in_flight
         try:
             answer: FetchAnswer = await asyncio.wait_for(meta_ref, FETCH_ANSWER_SECONDS)
@@ -518,6 +535,8 @@ class TargetListActor:
         self._in_flight = None
         if len(answer.offsets):
             self.fetched[self._in_flight_kind] += 1
+        if self._in_flight_kind == "ray":
+            self._large_fetches = answer.nbytes > fetch_channel.INLINE_BYTES
         parts = answer.parts
         if parts:  # shared rows, then those of the batch made for this delivery
             rest = len(answer.offsets) - sum(rows for _, _, rows in parts)
@@ -674,8 +693,8 @@ class TargetListActor:
         # the object store for the client (this path is the DeliveryChannel's fallback).
         out = []
         for ref, start, n in entries:
-            if isinstance(ref, pa.RecordBatch):
-                ref, start = ray.put(ref.slice(start, n)), 0
+            if isinstance(ref, InlineDelivery):
+                ref, start = ray.put(ref.batch.slice(start, n)), 0
             out.append((ref, start, n))
         return out
 
@@ -809,8 +828,8 @@ class TargetListActor:
                 got = await asyncio.wait_for(task, LOADER_POLL_SECONDS + 5.0)
             except Exception:  # broken, or the queue is slow: it forgot or counts them
                 got = None
-            if isinstance(got, pa.RecordBatch):
-                return offsets_of(got)
+            if isinstance(got, InlineDelivery | pa.RecordBatch):
+                return offsets_of(got.batch if isinstance(got, InlineDelivery) else got)
             if isinstance(got, int) and self._in_flight is None:  # parked: take it
                 self._in_flight = (
                     (await self._queue_actor()).fetch_parked.options(num_returns=2).remote(got)

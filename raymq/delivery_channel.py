@@ -41,7 +41,9 @@ is ``[max_messages, timeout]`` (messages, seconds), one at a time per connection
 answered with one of
 
 - ``["batch", n]`` followed by ``n`` raw bytes: an Arrow IPC stream of one delivery
-  RecordBatch (``raymq.batch.DELIVERY_SCHEMA``);
+  RecordBatch (``raymq.batch.DELIVERY_SCHEMA``). A delivery that reached the
+  TargetList inline over its FetchChannel and is taken whole goes on in the stream it
+  came in (``Encoded``), not decoded and encoded again;
 - ``["none", 0]``: nothing arrived within the timeout;
 - ``["ray", 0]``: more than ``INLINE_BYTES`` are ready: take them through Ray;
 - ``["error", class name, message]``: the typed error ``receive`` raises.
@@ -58,6 +60,7 @@ import socket
 import struct
 import threading
 from collections.abc import Awaitable, Callable
+from typing import NamedTuple
 
 import msgpack
 import pyarrow as pa
@@ -126,6 +129,31 @@ def from_ipc(data: bytes | bytearray | memoryview) -> pa.RecordBatch:
     return pa.ipc.open_stream(pa.py_buffer(data)).read_next_batch()
 
 
+class Encoded(NamedTuple):
+    """An answer's rows as the IPC stream they came in (``stream``: one RecordBatch,
+    ``to_ipc``'s layout), written as it is; ``rows`` is that RecordBatch (for counts and
+    give-backs)."""
+
+    rows: pa.RecordBatch
+    stream: bytes | bytearray | memoryview
+
+
+def answer_of(parts: list[tuple[pa.RecordBatch, bytes | None]]) -> pa.RecordBatch | Encoded:
+    """A DeliveryChannel answer of ``parts``, in order: (rows, the IPC stream they came in
+    over the FetchChannel when they are all of it, else None). One delivery taken whole
+    goes on as it came (``Encoded``): not decoded and encoded again. Otherwise one
+    RecordBatch, which the server encodes: splicing several streams' record batch
+    messages into one cost the TargetList and the client more than a concatenation and
+    one encoding (3 deliveries of 10-100 x 1 KiB: 28-32 µs against 15-31 µs, and the
+    client's read 19-24 µs against 10-13 µs; one whole delivery: 1 µs against 7-14 µs;
+    measured)."""
+    if len(parts) == 1 and parts[0][1] is not None:
+        rows, stream = parts[0]
+        return Encoded(rows, stream)
+    rows = [r for r, _ in parts]
+    return rows[0] if len(rows) == 1 else pa.concat_batches(rows)
+
+
 class SecretServer:
     """A listening socket whose clients must show its ``secret`` first, at most
     ``max_connections`` at a time: the DeliveryChannel's and the FetchChannel's servers.
@@ -191,10 +219,10 @@ def nodelay(writer: asyncio.StreamWriter) -> None:
 
 # -- the TargetList actor's side -----------------------------------------------------------
 
-#: ``take(max_messages, timeout, inline_bytes)``: a RecordBatch of up to
-#: ``max_messages`` (None if nothing came in ``timeout`` seconds), or ``BY_REFERENCE``
+#: ``take(max_messages, timeout, inline_bytes)``: up to ``max_messages`` as a RecordBatch
+#: or ``Encoded`` (None if nothing came in ``timeout`` seconds), or ``BY_REFERENCE``
 #: when more than ``inline_bytes`` are ready; raises the typed error ``receive`` raises.
-Take = Callable[[int, float, int], Awaitable["pa.RecordBatch | str | None"]]
+Take = Callable[[int, float, int], Awaitable["pa.RecordBatch | Encoded | str | None"]]
 #: ``give_back(batch)``: rows taken for an answer that could not be written.
 GiveBack = Callable[[pa.RecordBatch], Awaitable[None]]
 #: ``start(settings)``: ``TargetListActor.start`` by keyword: what it returns; raises a
@@ -315,10 +343,11 @@ class DeliveryChannelServer(SecretServer):
             self.by_reference += 1
             writer.write(frame([BY_REFERENCE, 0]))
         else:
+            got, data = (got.rows, got.stream) if isinstance(got, Encoded) else (got, to_ipc(got))
             try:
-                data = to_ipc(got)
-                writer.write(frame(["batch", data.size]))
-                writer.write(memoryview(data))
+                view = memoryview(data)
+                writer.write(frame(["batch", view.nbytes]))
+                writer.write(view)
                 await writer.drain()
             except BaseException:  # the client went away, or a bug: not lost either way
                 # Not handed to the application: the queue delivers them again (uncounted).

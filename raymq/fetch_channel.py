@@ -59,7 +59,7 @@ import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import msgpack
 import numpy as np
@@ -99,6 +99,15 @@ PARKED_SECONDS = 60.0
 
 class ChannelBroken(ConnectionError):
     """The connection failed or answered nonsense; fetch through Ray."""
+
+
+class InlineDelivery(NamedTuple):
+    """A delivery that came inline (``FetchChannel.fetch(streams=True)``): its rows, and
+    the IPC stream they came in (their buffers point into it), which the TargetList's
+    DeliveryChannel hands on unchanged."""
+
+    batch: pa.RecordBatch
+    stream: bytes
 
 
 class Delivery(Protocol):
@@ -403,16 +412,18 @@ class FetchChannel:
         selector: str | None,
         subscription: str | None,
         inline_bytes: int = INLINE_BYTES,
-    ) -> pa.RecordBatch | int | None:
+        *,
+        streams: bool = False,
+    ) -> pa.RecordBatch | InlineDelivery | int | None:
         """Up to ``max_messages`` for ``consumer_id``, waiting up to ``timeout`` seconds:
-        a delivery RecordBatch (its buffers in this process), a parked delivery's token
-        (an int: take it through Ray), or None if nothing came. Raises the queue's typed
-        error, or ``ChannelBroken``."""
+        a delivery RecordBatch (its buffers in this process; with ``streams``, an
+        ``InlineDelivery``), a parked delivery's token (an int: take it through Ray), or
+        None if nothing came. Raises the queue's typed error, or ``ChannelBroken``."""
         if self.closed:
             raise ChannelBroken(f"queue {self.queue!r}: the fetch channel is closed")
         timeout = min(max(float(timeout), 0.0), MAX_WAIT_SECONDS)
         request = [consumer_id, max_messages, timeout, prefetch, selector, subscription]
-        return await self._ask(["fetch", *request, inline_bytes], timeout)
+        return await self._ask(["fetch", *request, inline_bytes], timeout, streams=streams)
 
     async def register(
         self, consumer_id: str, prefetch: int, selector: str | None, subscription: str | None
@@ -424,7 +435,9 @@ class FetchChannel:
             raise ChannelBroken(f"queue {self.queue!r}: the fetch channel is closed")
         await self._ask(["register", consumer_id, prefetch, selector, subscription], 0.0)
 
-    async def _ask(self, request: list, timeout: float) -> pa.RecordBatch | int | None:
+    async def _ask(
+        self, request: list, timeout: float, *, streams: bool = False
+    ) -> pa.RecordBatch | InlineDelivery | int | None:
         try:
             self._writer.write(frame(request))
             head = await asyncio.wait_for(
@@ -435,7 +448,7 @@ class FetchChannel:
                 data = await asyncio.wait_for(
                     self._reader.readexactly(int(head[1])), ANSWER_MARGIN_SECONDS
                 )
-                return from_ipc(data)
+                return InlineDelivery(from_ipc(data), data) if streams else from_ipc(data)
             if kind in ("none", "ok"):
                 return None
             if kind == "parked" and type(head[1]) is int:

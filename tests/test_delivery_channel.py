@@ -26,6 +26,8 @@ from raymq.delivery_channel import (
     ChannelBroken,
     DeliveryChannel,
     DeliveryChannelServer,
+    Encoded,
+    answer_of,
     frame,
     from_ipc,
     to_ipc,
@@ -99,6 +101,59 @@ def test_ipc_round_trip_keeps_a_slice_s_rows_only():
     back = from_ipc(to_ipc(batch).to_pybytes())
     assert back.equals(batch)
     assert back.column("offset").to_pylist() == list(range(15, 22))
+
+
+def test_a_delivery_that_came_inline_whole_is_handed_on_as_it_came():
+    first, second = delivery(10, 5), delivery(15, 8)
+    stream = to_ipc(first).to_pybytes()
+    answer = answer_of([(first, stream)])
+    assert isinstance(answer, Encoded)
+    assert answer.stream is stream  # not decoded and encoded again
+    assert answer.rows.equals(first) and from_ipc(answer.stream).equals(first)
+    # Part of a delivery, or several: one batch, encoded by the server.
+    assert answer_of([(first.slice(1), None)]).equals(first.slice(1))
+    both = answer_of([(first, stream), (second.slice(2, 4), None)])
+    assert both.equals(pa.concat_batches([first, second.slice(2, 4)]))
+
+
+def test_an_encoded_answer_crosses_and_its_rows_are_given_back_if_unwritten():
+    rows = delivery(0, 6)
+    stream = to_ipc(rows).to_pybytes()
+    given = []
+
+    async def take(max_messages, timeout, inline_bytes):
+        return answer_of([(rows, stream)])
+
+    async def give_back(batch):
+        given.append(batch.column(0).to_pylist())
+
+    async def main():
+        server = DeliveryChannelServer(take, give_back, "test")
+        host, port, secret = await server.start("127.0.0.1")
+        channel = await asyncio.to_thread(DeliveryChannel, host, port, secret, "q")
+        got = await asyncio.to_thread(channel.take, 10, 1.0)
+        channel.close()
+        server.close()
+        return got
+
+    assert run(main()).equals(rows)
+    assert given == []
+
+    class BrokenWriter:
+        def write(self, data) -> None:
+            pass
+
+        async def drain(self) -> None:
+            raise ConnectionResetError("the consumer went away")
+
+    async def broken():
+        server = DeliveryChannelServer(take, give_back, "test")
+        with pytest.raises(ConnectionResetError):
+            await server._answer(BrokenWriter(), 10, 0.1)
+        return server
+
+    server = run(broken())
+    assert given == [list(range(6))] and server.given_back == 6
 
 
 def test_answers_come_inline_in_order_with_nothing_and_by_reference_between():
