@@ -54,12 +54,16 @@ import numpy as np
 
 from raymq.batch import MessageBatch
 from raymq.config import BrokerConfig, QueueConfig
+from raymq.core import admission, group_commit
 from raymq.core import queue as queue_module
 from raymq.core.queue import QueueCore
 from raymq.errors import ConsumerClosed, RayMQError, StorageError, SubscriptionNotFound
 from raymq.sim.disk import SimDisk
 from raymq.storage.subscriptions import MANIFEST_NAME
 
+#: The queue core's modules that read the clock: the simulator's clock stands in for
+#: their ``time`` module.
+CLOCKED_MODULES = (queue_module, group_commit, admission)
 #: Seconds any one call may take before the run calls it a wedge.
 CALL_BOUND = 20.0
 QUEUE = "simq"
@@ -219,18 +223,21 @@ class Simulation:
         level = quiet.level
         if not self.verbose:
             quiet.setLevel(logging.CRITICAL)
-        to_thread, clock = asyncio.to_thread, queue_module.time
+        to_thread, clocks = asyncio.to_thread, [m.time for m in CLOCKED_MODULES]
         # The queue hands big writes and unlinks to threads; here they run inline, and
         # its clock is the simulator's (a step is 10 ms), so that a seed replays exactly.
         asyncio.to_thread = _inline
-        queue_module.time = self.clock
+        for module in CLOCKED_MODULES:
+            module.time = self.clock
         try:
             with self.disk.installed():
                 asyncio.run(self._run())
         except Violation as exc:
             raise Violation(f"seed {self.seed}, step {self.step}: {exc}") from None
         finally:
-            asyncio.to_thread, queue_module.time = to_thread, clock
+            asyncio.to_thread = to_thread
+            for module, clock in zip(CLOCKED_MODULES, clocks, strict=True):
+                module.time = clock
             quiet.setLevel(level)
             if self._own_root:
                 shutil.rmtree(self.root, ignore_errors=True)
