@@ -22,7 +22,7 @@ import time
 from bench.common import console, print_table
 from raymq.batch import MessageBatch
 from raymq.config import BrokerConfig
-from raymq.core.queue import SCRUB_STEP_SECONDS
+from raymq.core.scrub_pacer import SCRUB_STEP_SECONDS
 from raymq.storage import SegmentLog
 
 

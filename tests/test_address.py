@@ -265,7 +265,7 @@ def test_a_subscription_filter_routes_only_what_it_selects(tmp_path):
 def test_an_earliest_filter_over_a_backlog_is_routed_while_the_address_serves_sends(
     tmp_path, monkeypatch
 ):
-    monkeypatch.setattr("raymq.core.queue.ROUTE_STEP_MESSAGES", 100)  # many steps
+    monkeypatch.setattr("raymq.core.address.ROUTE_STEP_MESSAGES", 100)  # many steps
 
     async def main():
         core = open_address(tmp_path)
@@ -618,7 +618,7 @@ def test_routing_in_an_ack_record_lost_to_rot_is_done_again(tmp_path):
         await core.create_subscription("all")
         await send(core, 5, "blue")
         red = await send(core, 5, "red", start=5)
-        core._last_checkpoint = -1e9
+        core.commits.last_checkpoint = -1e9
         await core.flush_acks()  # a checkpoint: routed_to 10
         await core.create_subscription("red", filter="color = 'red'", start="earliest")
         got = await core.fetch("c", 1, 0, 1, subscription="red")

@@ -10,8 +10,9 @@ import pytest
 
 from raymq.batch import MessageBatch, offsets_of
 from raymq.config import BrokerConfig, QueueConfig
+from raymq.core.group_commit import INLINE_WRITE_BYTES
 from raymq.core.hibernation import Activity, HibernationPolicy, HibernationSettings
-from raymq.core.queue import INLINE_WRITE_BYTES, QueueCore
+from raymq.core.queue import QueueCore
 from raymq.errors import InvalidSetting
 
 

@@ -237,10 +237,10 @@ def test_the_scrub_keeps_its_rate_over_records_larger_than_a_step(tmp_path):
 def test_the_scrub_loop_rests_between_passes(tmp_path, monkeypatch):
     """A queue of a few records is read once a pass, not again at every step: after a
     pass the loop waits until ``SCRUB_PASS_SECONDS`` from its start."""
-    from raymq.core import queue as queue_module
+    from raymq.core import scrub_pacer
 
-    monkeypatch.setattr(queue_module, "SCRUB_STEP_SECONDS", 0.001)
-    monkeypatch.setattr(queue_module, "SCRUB_PASS_SECONDS", 3600.0)
+    monkeypatch.setattr(scrub_pacer, "SCRUB_STEP_SECONDS", 0.001)
+    monkeypatch.setattr(scrub_pacer, "SCRUB_PASS_SECONDS", 3600.0)
     q = QueueCore(QueueConfig("q"), BrokerConfig(paging_directory=str(tmp_path)))
 
     async def scenario():

@@ -3,7 +3,11 @@
 - ``queue``: a queue, owner of its QueueArea (admission, group commit, dispatch);
   wrapped by ``actors/queue_actor.py``, with ``target_area`` (TargetArea: who may get
   and who holds which message), ``head_cache`` (HeadQueueCache) and ``dead_letter``
-  (Artemis's dead letter address).
+  (Artemis's dead letter address). Its parts: ``admission`` (batch checks and the
+  address-full policy), ``group_commit`` (the send/commit pipeline) with
+  ``replicated_commit`` (a leader's commits to its followers), ``address`` (an
+  address's subscription definitions), ``scrub_pacer`` (the background scrub's pace)
+  and ``queue_stats`` (the QueueStats record).
 - ``target_list``: a consumer's TargetList (watermark, direct references, PendingCache);
   wrapped by ``actors/target_list_actor.py``.
 - ``budget``: the linked caches and Qpid's proportional flow-to-disk threshold; wrapped

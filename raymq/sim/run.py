@@ -46,128 +46,41 @@ import random
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import msgpack
 import numpy as np
 
 from raymq.batch import MessageBatch
 from raymq.config import BrokerConfig, QueueConfig
+from raymq.core import admission, group_commit
 from raymq.core import queue as queue_module
 from raymq.core.queue import QueueCore
 from raymq.errors import ConsumerClosed, RayMQError, StorageError, SubscriptionNotFound
+from raymq.sim.address_ops import AddressOps
 from raymq.sim.disk import SimDisk
+from raymq.sim.model import (
+    COLORS,
+    FILTERS,
+    QUEUE,
+    Message,
+    Settings,
+    SimClock,
+    SimConsumer,
+    SimSubscription,
+    Violation,
+    is_address_seed,
+    offset_runs,
+)
 from raymq.storage.subscriptions import MANIFEST_NAME
 
+#: The queue core's modules that read the clock: the simulator's clock stands in for
+#: their ``time`` module.
+CLOCKED_MODULES = (queue_module, group_commit, admission)
 #: Seconds any one call may take before the run calls it a wedge.
 CALL_BOUND = 20.0
-QUEUE = "simq"
-COLORS = ("red", "green", "blue")
-#: Mixed into a seed for the draw of its mode (queue or address) from a generator of its
-#: own: a queue-mode seed draws the very sequence it drew before addresses came. Chosen
-#: so that the seeds the tests fix for queues (0..11, and 40, 41 of ``make fuzz``) still
-#: run the queue they ran; about half of all seeds run an address.
-ADDRESS_SALT = 0x2EAC0
-#: Most subscriptions an address has at once (deleted ones make room).
-MAX_SUBSCRIPTIONS = 4
-#: Routing filters a subscription draws, with what each selects. A message without
-#: properties has none of them: NULL, so a comparison is UNKNOWN, and not selected.
-FILTERS: dict[str | None, Callable[[dict | None], bool]] = {
-    None: lambda p: True,
-    "k < 5": lambda p: p is not None and p["k"] < 5,
-    "color = 'red'": lambda p: p is not None and p["color"] == "red",
-    "k >= 3 AND color <> 'blue'": lambda p: p is not None and p["k"] >= 3 and p["color"] != "blue",
-}
 
 
-class Violation(AssertionError):
-    """An invariant did not hold."""
-
-
-@dataclass
-class Message:
-    """What the simulator knows of one message it sent."""
-
-    index: int
-    body: bytes
-    properties: bytes
-    #: "sending", "stored" (acknowledged to its producer), "failed" (its send raised),
-    #: "doubt" (the outcome came after a crash point).
-    state: str = "sending"
-    offset: int | None = None
-    #: Its ack returned (durably acked); "doubt" if the ack's outcome is not known.
-    acked: str = ""
-    #: An address's: what each subscription should see of it. "" it must get it (until
-    #: its ack), "doubt" it may get it (its ack or its routing is in doubt), "yes" its
-    #: ack returned; a subscription not named here must never get it.
-    routes: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass
-class SimConsumer:
-    cid: str
-    prefetch: int
-    selector: str | None
-    held: set[int] = field(default_factory=set)
-    #: The address's subscription it consumes from (None: the queue's).
-    subscription: str | None = None
-
-
-@dataclass
-class SimSubscription:
-    """What the simulator knows of one subscription of the address."""
-
-    name: str
-    filter: str | None
-    start: str  # "latest" or "earliest"
-    #: Index of the first message sent after it was created.
-    first_index: int
-    #: "live"; "creating" (its create raised, or a crash point came during it: it is not
-    #: in the core's memory, and may be on disk) or "deleting" (its delete raised or a
-    #: crash point came: in memory, and may be gone from disk) until the next open.
-    state: str = "live"
-
-    @property
-    def in_memory(self) -> bool:
-        """The running core has it (consumers may use it)."""
-        return self.state != "creating"
-
-
-@dataclass
-class Settings:
-    """What a seed chose for its run."""
-
-    page_size_bytes: int
-    checkpoint_interval: float
-    fail_rate: float
-    flips: bool
-    crashes: bool
-    max_body: int
-    #: An address with subscriptions, not a queue (see ``is_address_seed``).
-    address: bool = False
-
-    @classmethod
-    def draw(cls, rng: random.Random, seed: int | None = None) -> Settings:
-        """The settings of ``seed``'s run from its generator ``rng`` (and its mode from
-        ``seed`` alone, so that ``rng`` draws for a queue what it always drew)."""
-        return cls(
-            page_size_bytes=rng.choice([4096, 8192, 32768]),
-            checkpoint_interval=rng.choice([0.001, 0.001, 3600.0]),
-            fail_rate=rng.choice([0.0, 0.0, 0.002, 0.01, 0.03]),
-            flips=rng.random() < 0.35,
-            crashes=rng.random() < 0.8,
-            max_body=rng.choice([64, 600, 3000]),
-            address=seed is not None and is_address_seed(seed),
-        )
-
-
-def is_address_seed(seed: int) -> bool:
-    """Whether ``seed`` runs an address (about half the seeds do)."""
-    return random.Random(seed ^ ADDRESS_SALT).random() < 0.5
-
-
-class Simulation:
+class Simulation(AddressOps):
     """One run: ``Simulation(seed).run()`` returns a summary or raises ``Violation``."""
 
     def __init__(self, seed: int, steps: int = 300, root: str | None = None, verbose: bool = False):
@@ -219,18 +132,21 @@ class Simulation:
         level = quiet.level
         if not self.verbose:
             quiet.setLevel(logging.CRITICAL)
-        to_thread, clock = asyncio.to_thread, queue_module.time
+        to_thread, clocks = asyncio.to_thread, [m.time for m in CLOCKED_MODULES]
         # The queue hands big writes and unlinks to threads; here they run inline, and
         # its clock is the simulator's (a step is 10 ms), so that a seed replays exactly.
         asyncio.to_thread = _inline
-        queue_module.time = self.clock
+        for module in CLOCKED_MODULES:
+            module.time = self.clock
         try:
             with self.disk.installed():
                 asyncio.run(self._run())
         except Violation as exc:
             raise Violation(f"seed {self.seed}, step {self.step}: {exc}") from None
         finally:
-            asyncio.to_thread, queue_module.time = to_thread, clock
+            asyncio.to_thread = to_thread
+            for module, clock in zip(CLOCKED_MODULES, clocks, strict=True):
+                module.time = clock
             quiet.setLevel(level)
             if self._own_root:
                 shutil.rmtree(self.root, ignore_errors=True)
@@ -342,30 +258,6 @@ class Simulation:
         self.consumers.clear()
         if s.address:
             self._settle_subscriptions()
-
-    def _settle_subscriptions(self) -> None:
-        """After an open: the address lists exactly the subscriptions whose create
-        returned and whose delete did not; those in doubt are what it says."""
-        listed = {spec.name: spec for spec in self.core.list_subscriptions()}
-        for name, sub in list(self.subs.items()):
-            spec = listed.get(name)
-            if spec is None:
-                if sub.state == "live":
-                    raise Violation(f"subscription {name} is gone after a restart")
-                self._note(f"  subscription {name} does not exist ({sub.state} in doubt)")
-                self.counts["subscriptions_in_doubt"] += 1
-                del self.subs[name]
-                continue
-            if spec.filter != sub.filter:
-                raise Violation(
-                    f"subscription {name} has filter {spec.filter!r}, not {sub.filter!r}"
-                )
-            if sub.state != "live":
-                self._note(f"  subscription {name} exists ({sub.state} in doubt)")
-                self.counts["subscriptions_in_doubt"] += 1
-                sub.state = "live"
-        if set(listed) - set(self.subs):
-            raise Violation(f"subscriptions never created: {sorted(set(listed) - set(self.subs))}")
 
     def _restore(self) -> None:
         image = self.disk.image
@@ -542,37 +434,6 @@ class Simulation:
         if not after_crash and target is not None and len(target.held) > c.prefetch:
             raise Violation(f"{c.cid} holds {len(target.held)} > prefetch {c.prefetch}")
 
-    def _why_not_routed(self, m: Message, name: str) -> str:
-        """Why subscription ``name`` should never get ``m``, for a report."""
-        sub = self.subs.get(name)
-        if sub is None:
-            return "which does not exist"
-        props = msgpack.unpackb(m.properties) if m.properties else None
-        if not FILTERS[sub.filter](props):
-            return f"whose filter {sub.filter!r} rejects {props}"
-        if m.index < sub.first_index and sub.start == "latest":
-            return f"sent (message {m.index}) before that 'latest' subscription was created"
-        if m.index < sub.first_index:
-            return (
-                f"acknowledged by every subscription (message {m.index}: {m.routes}) when"
-                " that 'earliest' subscription was created"
-            )
-        return f"not routed to it (message {m.index}: {m.routes})"
-
-    def _may_come_back(self, m: Message, name: str) -> bool:
-        """Whether rot explains subscription ``name`` getting ``m``: when it was created
-        "earliest", every subscription had acknowledged ``m``; rot may lose acks (a
-        damaged checkpoint), and then ``m`` is stored again for all, as after an ack."""
-        sub = self.subs.get(name)
-        props = msgpack.unpackb(m.properties) if m.properties else None
-        return (
-            bool(self.flipped)
-            and sub is not None
-            and sub.start == "earliest"
-            and m.index < sub.first_index
-            and FILTERS[sub.filter](props)
-        )
-
     def _acked(self, m: Message, name: str | None) -> str:
         """What the queue (``name`` None) or a subscription acknowledged of ``m``:
         "" nothing, "doubt" an ack of unknown outcome, "yes" its ack returned."""
@@ -587,10 +448,6 @@ class Simulation:
     def _area(self, name: str | None):
         """The TargetArea of the queue, or of one subscription of the address."""
         return self.core.subscription(name).area
-
-    def _subscriptions_in_memory(self) -> list[str]:
-        """Names of the subscriptions the running core has, in creation order."""
-        return [name for name, sub in self.subs.items() if sub.in_memory]
 
     def _message_of(self, body: bytes) -> Message | None:
         head, sep, _ = body.partition(b"|")
@@ -690,107 +547,6 @@ class Simulation:
         if self.disk.crash_after is None:
             self.disk.crash_after = self.rng.randrange(1, 80)
 
-    async def _op_create_subscription(self) -> None:
-        if len(self.subs) >= MAX_SUBSCRIPTIONS:
-            return
-        rng = self.rng
-        self.sub_names += 1
-        sub = SimSubscription(
-            f"s{self.sub_names}",
-            rng.choice(list(FILTERS)),
-            rng.choice(["latest", "earliest"]),
-            first_index=len(self.messages),
-            state="creating",
-        )
-        self._note(f"  {sub.name} filter={sub.filter!r} start={sub.start}")
-        # What an "earliest" one starts with: what the address stores now.
-        before = self._earliest_routes(sub) if sub.start == "earliest" else {}
-        self.subs[sub.name] = sub
-        try:
-            await self.core.create_subscription(sub.name, filter=sub.filter, start=sub.start)
-        except StorageError as exc:
-            self._note(f"  create raised {exc}")
-            # The file may be on disk (a failed directory fsync), or it is in memory and
-            # its starting set not yet durable: what it gets from before is in doubt.
-            before = self._in_doubt_before(sub, before)
-            listed = sub.name in {spec.name for spec in self.core.list_subscriptions()}
-            if listed and self.disk.image is None:
-                sub.state = "live"
-                self.counts["subscriptions_created"] += 1
-        else:
-            if self.disk.image is None:
-                sub.state = "live"
-                self.counts["subscriptions_created"] += 1
-            else:  # the crash that follows tells whether it exists
-                before = self._in_doubt_before(sub, before)
-        for index, route in before.items():
-            self.messages[index].routes[sub.name] = route
-
-    def _in_doubt_before(self, sub: SimSubscription, before: dict[int, str]) -> dict[int, str]:
-        """What a subscription whose create is in doubt may get of the messages sent
-        before it: for an "earliest" one, any still stored, even one routed to no
-        subscription (recovery cannot tell that routing from one lost with the
-        subscription's starting set: it errs toward delivering)."""
-        out = dict.fromkeys(before, "doubt")
-        if sub.start == "earliest":
-            for i in range(sub.first_index):
-                if self.messages[i].state == "stored":
-                    out.setdefault(i, "doubt")
-        return out
-
-    def _earliest_routes(self, sub: SimSubscription) -> dict[int, str]:
-        """What a subscription created now from the earliest stored message should see
-        of each message sent before: "" if one in memory still must get it (it is
-        stored), "doubt" if one may still get it, nothing if every one acknowledged it
-        (or it was routed to none: never stored)."""
-        holders = [(name, s.in_memory) for name, s in self.subs.items()]
-        select = FILTERS[sub.filter]
-        out: dict[int, str] = {}
-        for m in self.messages:
-            routes = m.routes
-            if not routes:
-                continue
-            must = may = False
-            for name, in_memory in holders:
-                route = routes.get(name)
-                if route == "" and in_memory:
-                    must = True
-                    break
-                may = may or route in ("", "doubt")
-            if (must or may) and select(msgpack.unpackb(m.properties) if m.properties else None):
-                out[m.index] = "" if must else "doubt"
-        return out
-
-    async def _op_delete_subscription(self) -> None:
-        names = self._subscriptions_in_memory()
-        if not names:
-            return
-        name = self.rng.choice(names)
-        sub = self.subs[name]
-        consumers = [c for c in self.consumers.values() if c.subscription == name]
-        try:
-            await self.core.delete_subscription(name)
-        except StorageError as exc:
-            self._note(f"  delete raised {exc}")
-            if name in {spec.name for spec in self.core.list_subscriptions()}:
-                sub.state = "deleting"  # still in memory; may be gone from disk
-                return
-        if self.disk.image is not None:  # the crash that follows tells
-            sub.state = "deleting"
-            return
-        self.counts["subscriptions_deleted"] += 1
-        del self.subs[name]
-        for c in consumers:
-            del self.consumers[c.cid]
-        if consumers:  # its consumers are closed: a typed error, nothing delivered
-            c = consumers[0]
-            try:
-                await self.core.fetch(c.cid, 10, 0.0, c.prefetch, c.selector, subscription=name)
-            except (ConsumerClosed, SubscriptionNotFound):
-                pass
-            else:
-                raise Violation(f"{c.cid} fetched from deleted subscription {name}")
-
     async def _op_flip(self) -> None:
         where = self.disk.flip()
         if where:
@@ -878,7 +634,7 @@ class Simulation:
         ]
         # Only rot may take a stored message (an unsynced hole never held one).
         if len(outstanding) > (self.damage_allowed if self.flipped else 0):
-            sample = _ranges(sorted(self.messages[i].offset for i in outstanding))
+            sample = offset_runs(sorted(self.messages[i].offset for i in outstanding))
             of = "" if name is None else f" to {name}"
             raise Violation(
                 f"{len(outstanding)} stored messages never delivered again{of} (damaged: "
@@ -921,19 +677,6 @@ class Simulation:
         return got
 
 
-class SimClock:
-    """Stands in for the ``time`` module in the queue core: seconds move with steps."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def time(self) -> float:
-        return 1_700_000_000.0 + self.now
-
-
 async def _inline(func, /, *args, **kwargs):
     return func(*args, **kwargs)
 
@@ -952,12 +695,12 @@ def repro_command(seed: int, steps: int) -> str:
     return f"{os.path.basename(sys.executable)} -m raymq.sim --seed {seed} --steps {steps} -v"
 
 
-def _ranges(offsets: list[int]) -> str:
-    """Sorted offsets as "a..b" runs (b inclusive), for a report."""
-    runs: list[list[int]] = []
-    for o in offsets:
-        if runs and o == runs[-1][1] + 1:
-            runs[-1][1] = o
-        else:
-            runs.append([o, o])
-    return ", ".join(f"{a}..{b}" if a != b else str(a) for a, b in runs[:20])
+__all__ = [
+    "CALL_BOUND",
+    "Settings",
+    "Simulation",
+    "Violation",
+    "is_address_seed",
+    "repro_command",
+    "run_seed",
+]
