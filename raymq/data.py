@@ -459,6 +459,27 @@ def drain(
     it built from the blocks is safe; the consumer is closed on exit, so whatever is not
     acknowledged then is delivered again.
     """
+    _check_drain_settings(max_messages, batch_rows, timeout)
+    # Acknowledging only at the end means the consumer holds everything it read.
+    prefetch = _UNBOUNDED_PREFETCH if max_messages is None else max_messages
+    consumer = queue.consumer(
+        selector=selector, prefetch=prefetch, high_watermark=min(prefetch, 4 * batch_rows)
+    )
+    out = Drained(consumer)
+    try:
+        total = _expected(queue, selector, max_messages)
+        with progress_bar(f"{description} {queue.name}", total, progress) as bar:
+            blocks = _Blocks(out, headers)
+            _receive_blocks(queue.name, blocks, bar, max_messages, timeout, batch_rows)
+            bar.set_total(out.rows)
+        _unify_blocks(out, blocks.schemas, headers)
+        yield out
+    finally:
+        consumer.close()
+
+
+def _check_drain_settings(max_messages: int | None, batch_rows: int, timeout: float) -> None:
+    """``InvalidSetting`` for a ``drain`` argument out of range (``timeout`` in seconds)."""
     if max_messages is not None and (
         isinstance(max_messages, bool) or not isinstance(max_messages, int) or max_messages < 1
     ):
@@ -467,77 +488,122 @@ def drain(
         raise InvalidSetting(f"batch_rows={batch_rows!r} must be an int >= 1")
     if not isinstance(timeout, int | float) or timeout < 0:
         raise InvalidSetting(f"timeout={timeout!r} must be a number of seconds >= 0")
-    # Acknowledging only at the end means the consumer holds everything it read.
-    prefetch = _UNBOUNDED_PREFETCH if max_messages is None else max_messages
-    consumer = queue.consumer(
-        selector=selector, prefetch=prefetch, high_watermark=min(prefetch, 4 * batch_rows)
-    )
-    out = Drained(consumer)
-    schemas: list[pa.Schema] = []
-    try:
-        total = _expected(queue, selector, max_messages)
-        with progress_bar(f"{description} {queue.name}", total, progress) as bar:
-            pending: list[pa.RecordBatch] = []
-            pending_rows = 0
-            backlog, since = None, time.monotonic()
 
-            def flush() -> None:
-                nonlocal pending, pending_rows
-                if not pending_rows:
-                    return
-                joined = pending[0] if len(pending) == 1 else pa.concat_batches(pending)
-                table = delivery_to_table(joined, headers=headers)
-                out.refs.append(ray.put(table))
-                schemas.append(table.schema)
-                out.offsets.append(joined.column("offset").to_numpy())
-                out.rows += table.num_rows
-                pending, pending_rows = [], 0
 
-            while max_messages is None or out.rows + pending_rows < max_messages:
-                want = batch_rows - pending_rows
-                if max_messages is not None:
-                    want = min(want, max_messages - out.rows - pending_rows)
-                got = consumer.receive_batch(want, timeout=timeout)
-                if got.num_rows == 0:
-                    # An empty receive alone does not mean the end: a selector consumer
-                    # arriving at a deep queue scans stored properties first, and its
-                    # TargetList then loads what matched, which can outlast a short
-                    # timeout (or pause for seconds) on a busy machine. The backlog says
-                    # when nothing is left.
-                    now = consumer.backlog()
-                    if now == 0:
-                        break
-                    if now != backlog:
-                        backlog, since = now, time.monotonic()
-                    elif time.monotonic() - since > max(timeout, STALL_SECONDS):
-                        raise ReadStalled(
-                            f"reading queue {queue.name!r} stalled: {now} messages are"
-                            f" there for the reader, yet none came and the backlog did not"
-                            f" move for {max(timeout, STALL_SECONDS):g} s; the"
-                            f" {out.rows + pending_rows} read are not acknowledged (they"
-                            " will be delivered again)"
-                        )
-                    continue
-                backlog, since = None, time.monotonic()  # progress: the stall clock restarts
-                pending.append(got)
-                pending_rows += got.num_rows
-                bar.advance(got.num_rows)
-                if pending_rows >= batch_rows:
-                    flush()
-            flush()
-            bar.set_total(out.rows)
-        if out.refs:
-            out.schema = unify_schemas(schemas)
-            # Blocks whose properties differ from the unified schema are rewritten; in the
-            # common case (same properties everywhere) nothing is copied again.
-            for i, s in enumerate(schemas):
-                if s != out.schema:
-                    out.refs[i] = ray.put(conform(ray.get(out.refs[i]), out.schema))
-        else:
-            out.schema = delivery_to_table(pa.table({}), headers=headers).schema
-        yield out
-    finally:
-        consumer.close()
+class _Blocks:
+    """Received batches on their way to object-store blocks of a ``Drained``: pending
+    until ``flush`` joins them into one table and puts it."""
+
+    def __init__(self, out: Drained, headers: bool) -> None:
+        self.out = out
+        self.headers = headers
+        self.pending: list[pa.RecordBatch] = []
+        self.pending_rows = 0
+        #: Each block's schema, in the order of ``out.refs``.
+        self.schemas: list[pa.Schema] = []
+
+    @property
+    def rows(self) -> int:
+        """Messages received: in blocks and pending."""
+        return self.out.rows + self.pending_rows
+
+    def add(self, batch: pa.RecordBatch) -> None:
+        """Keep ``batch`` for the next block."""
+        self.pending.append(batch)
+        self.pending_rows += batch.num_rows
+
+    def flush(self) -> None:
+        """Put the pending batches in the object store as one block (nothing if none)."""
+        if not self.pending_rows:
+            return
+        joined = self.pending[0] if len(self.pending) == 1 else pa.concat_batches(self.pending)
+        table = delivery_to_table(joined, headers=self.headers)
+        self.out.refs.append(ray.put(table))
+        self.schemas.append(table.schema)
+        self.out.offsets.append(joined.column("offset").to_numpy())
+        self.out.rows += table.num_rows
+        self.pending, self.pending_rows = [], 0
+
+
+class _StallClock:
+    """Times how long a reader's backlog stays the same while nothing arrives; raises
+    ``ReadStalled`` past ``max(timeout, STALL_SECONDS)`` seconds of that."""
+
+    def __init__(self, queue_name: str, timeout: float) -> None:
+        self.queue_name = queue_name
+        self.timeout = timeout
+        self.backlog: int | None = None
+        self.since = time.monotonic()
+
+    def progress(self) -> None:
+        """A message arrived: the clock restarts."""
+        self.backlog, self.since = None, time.monotonic()
+
+    def idle(self, backlog: int, read: int) -> None:
+        """Nothing arrived and ``backlog`` messages are there for the reader (``read``
+        received so far): restart the clock if the backlog moved, else raise
+        ``ReadStalled`` once it has stood still too long."""
+        if backlog != self.backlog:
+            self.backlog, self.since = backlog, time.monotonic()
+        elif time.monotonic() - self.since > max(self.timeout, STALL_SECONDS):
+            raise ReadStalled(
+                f"reading queue {self.queue_name!r} stalled: {backlog} messages are"
+                f" there for the reader, yet none came and the backlog did not"
+                f" move for {max(self.timeout, STALL_SECONDS):g} s; the"
+                f" {read} read are not acknowledged (they"
+                " will be delivered again)"
+            )
+
+
+def _receive_blocks(
+    queue_name: str,
+    blocks: _Blocks,
+    bar: _Progress,
+    max_messages: int | None,
+    timeout: float,
+    batch_rows: int,
+) -> None:
+    """Receive into ``blocks`` (one per ``batch_rows`` messages) until ``max_messages``,
+    or until a receive waits ``timeout`` seconds for nothing and the consumer's backlog
+    is 0; ``ReadStalled`` if it stays above 0 unmoved (``_StallClock``)."""
+    consumer = blocks.out.consumer
+    stall = _StallClock(queue_name, timeout)
+    while max_messages is None or blocks.rows < max_messages:
+        want = batch_rows - blocks.pending_rows
+        if max_messages is not None:
+            want = min(want, max_messages - blocks.rows)
+        got = consumer.receive_batch(want, timeout=timeout)
+        if got.num_rows == 0:
+            # An empty receive alone does not mean the end: a selector consumer
+            # arriving at a deep queue scans stored properties first, and its
+            # TargetList then loads what matched, which can outlast a short
+            # timeout (or pause for seconds) on a busy machine. The backlog says
+            # when nothing is left.
+            now = consumer.backlog()
+            if now == 0:
+                break
+            stall.idle(now, blocks.rows)
+            continue
+        stall.progress()
+        blocks.add(got)
+        bar.advance(got.num_rows)
+        if blocks.pending_rows >= batch_rows:
+            blocks.flush()
+    blocks.flush()
+
+
+def _unify_blocks(out: Drained, schemas: list[pa.Schema], headers: bool) -> None:
+    """Give ``out`` one schema: the blocks' unified, each block whose ``schemas`` entry
+    differs rewritten to it; with no block, the header columns' alone."""
+    if out.refs:
+        out.schema = unify_schemas(schemas)
+        # Blocks whose properties differ from the unified schema are rewritten; in the
+        # common case (same properties everywhere) nothing is copied again.
+        for i, s in enumerate(schemas):
+            if s != out.schema:
+                out.refs[i] = ray.put(conform(ray.get(out.refs[i]), out.schema))
+    else:
+        out.schema = delivery_to_table(pa.table({}), headers=headers).schema
 
 
 def read_queue(

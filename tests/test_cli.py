@@ -156,7 +156,7 @@ def test_every_error_is_one_line_with_status_1(monkeypatch, capsys, error):
     def fail(*_args, **_kwargs):
         raise error
 
-    monkeypatch.setattr(cli, "_connect", fail)
+    monkeypatch.setattr(cli.common, "connect", fail)
     code, out, err = run(capsys, "any", "status")
     line = one_error_line(err)
     assert code == 1 and out == ""
@@ -169,7 +169,7 @@ def test_ray_errors_are_one_line(monkeypatch, capsys):
     def fail(*_args, **_kwargs):
         raise RayActorError(error_msg="The actor died.\n\nTraceback (most recent call last):\n...")
 
-    monkeypatch.setattr(cli, "_connect", fail)
+    monkeypatch.setattr(cli.common, "connect", fail)
     code, _, err = run(capsys, "any", "status")
     assert code == 1 and "actor died" in one_error_line(err)
 
@@ -204,7 +204,7 @@ def test_usage_errors_exit_2_before_touching_ray(monkeypatch, capsys, args):
     def never(*_args, **_kwargs):
         raise AssertionError("a usage error must not connect")
 
-    monkeypatch.setattr(cli, "_connect", never)
+    monkeypatch.setattr(cli.common, "connect", never)
     code, out, err = run(capsys, "any", *args)
     assert code == 2 and out == ""
     assert "--help" in one_error_line(err)
@@ -556,7 +556,7 @@ def test_create_queue_passes_dead_letter_settings_only_when_given(monkeypatch, c
             made.append(settings)
             return type("Q", (), {"name": name})()
 
-    monkeypatch.setattr(cli, "_connect", lambda ctx, **kw: Broker())
+    monkeypatch.setattr(cli.common, "connect", lambda ctx, **kw: Broker())
     ok(capsys, "any", "create-queue", "a")
     ok(capsys, "any", "create-queue", "b", "--max-delivery-attempts", "3")
     assert "max_delivery_attempts" not in made[0] and "dead_letter_queue" not in made[0]
@@ -761,7 +761,7 @@ def test_subscription_sources_label_their_dead_letter_queues():
         "shared": ["orders", "events/billing"],
     }
     sub = {"depth": 1, "in_flight": 0, "head_cache_bytes": 0, "consumers": 0}
-    assert len(cli._subscription_cells(sub)) == len(cli.STATS_COLUMNS)
+    assert len(cli.overview._subscription_cells(sub)) == len(cli.STATS_COLUMNS)
 
 
 # -- bench ------------------------------------------------------------------------------
@@ -776,7 +776,7 @@ def test_bench_starts_its_own_ray_unless_told(monkeypatch, capsys):
         ran.append((argv, env))
         return type("Done", (), {"returncode": 0})()
 
-    monkeypatch.setattr(cli.subprocess, "run", fake_run)
+    monkeypatch.setattr(cli.benches.subprocess, "run", fake_run)
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
     monkeypatch.setenv(cli.BENCH_ADDRESS_ENV, "stale:1")
     assert main(["bench", "throughput", "--", "--seconds", "1"]) == 0

@@ -177,17 +177,7 @@ class Loader:
         subscriptions are settled): if damage was found, what would hide it from the
         next recovery (renaming files with a bad header, the checkpoint, cutting
         damaged ends) is left to the log's first checkpoint (``Recovered.deferred``)."""
-        ckpt, damage = read_checkpoint(self.directory)
-        if damage:
-            self.report.damage.append(damage)
-        self.report.used_checkpoint = ckpt is not None
-        first_gen = ckpt["ack_generation"] if ckpt else 0
-        generations = list_generations(self.directory)
-        logs = self._read_ack_logs([g for g in generations if g >= first_gen])
-        self._durable_high = max(
-            [ckpt["next_offset"] if ckpt else 0, *(a.high for a in logs.values())]
-        )
-        self._checkpoint_next = ckpt["next_offset"] if ckpt else 0
+        ckpt, logs, next_generation = self._read_durable_state()
         self._load_segments(ckpt)
         for contents in logs.values():
             self.acks.apply_ranges(contents.ranges)
@@ -195,13 +185,7 @@ class Loader:
         last_end = self.segments[-1].end_offset if self.segments else 0
         next_offset = max(self._durable_high, self._floor, last_end, self._moved_aside_floor())
         self.acks.recount()
-        # The newest stays (its name keeps the highest offset: see Writer.prepare). One
-        # holding lost offsets stays too, for the running log to delete: deleted here,
-        # a recovery that then fails would leave the next one nothing to count.
-        for seg in list(self.segments)[:-1]:
-            if seg.fully_acked and not seg.lost_n:
-                self.segments.remove(seg)  # acks durable in the ack logs: delete first (room)
-                self._delete(seg)
+        self._delete_fully_acked()
         subscriptions = self._subscription_ranges(ckpt, logs)
         route_from = self._route_from(ckpt, logs, next_offset)
         sections = None
@@ -211,7 +195,7 @@ class Loader:
         defer = defer and bool(self.report.damaged or self._aside or self._cuts)
         if defer:  # a file with a bad header keeps its name a while: no new one takes it
             next_offset = max([next_offset, *(base + 1 for base, _ in self._lost_whole)])
-        ack_log = self._start_ack_log(max([first_gen, *generations]) + 1, next_offset, logs)
+        ack_log = self._start_ack_log(next_generation, next_offset, logs)
         got = Recovered(
             next_offset, ack_log, ack_log.generation, self._undeleted, subscriptions, route_from
         )
@@ -224,15 +208,51 @@ class Loader:
         if defer:
             got.deferred = deferred
             return got
+        self._settle_damage(deferred, next_offset, ack_log.generation)
+        return got
+
+    def _read_durable_state(self) -> tuple[dict | None, dict[int, AckLogContents], int]:
+        """The checkpoint (None if there is none or it is damaged: reported), the ack
+        logs from its generation on (by generation) and the generation the next ack log
+        takes (past every one found); sets the next offsets they say were given
+        (``_durable_high``, ``_checkpoint_next``)."""
+        ckpt, damage = read_checkpoint(self.directory)
+        if damage:
+            self.report.damage.append(damage)
+        self.report.used_checkpoint = ckpt is not None
+        first_gen = ckpt["ack_generation"] if ckpt else 0
+        generations = list_generations(self.directory)
+        logs = self._read_ack_logs([g for g in generations if g >= first_gen])
+        self._durable_high = max(
+            [ckpt["next_offset"] if ckpt else 0, *(a.high for a in logs.values())]
+        )
+        self._checkpoint_next = ckpt["next_offset"] if ckpt else 0
+        return ckpt, logs, max([first_gen, *generations]) + 1
+
+    def _delete_fully_acked(self) -> None:
+        """Delete the segments whose every message is acknowledged (their acks are
+        durable in the ack logs), except the newest and those holding lost offsets."""
+        # The newest stays (its name keeps the highest offset: see Writer._deletable). One
+        # holding lost offsets stays too, for the running log to delete: deleted here,
+        # a recovery that then fails would leave the next one nothing to count.
+        for seg in list(self.segments)[:-1]:
+            if seg.fully_acked and not seg.lost_n:
+                self.segments.remove(seg)  # acks durable in the ack logs: delete first (room)
+                self._delete(seg)
+
+    def _settle_damage(self, deferred: Deferred, next_offset: int, generation: int) -> None:
+        """Hide the damage found from the next recovery, once the rest of this one has
+        succeeded: move the files with a bad header aside, write the checkpoint
+        (``next_offset``, ack ``generation``), then cut the damaged ends it records. No
+        checkpoint if the renames may not be durable (reported: a later one is taken)."""
         unsynced = deferred.move_aside()
         if unsynced is not None:
             self.report.damage.append(
                 f"{self.directory}: no checkpoint written at recovery ({unsynced}); the next"
                 " one will be"
             )
-        elif self._checkpoint(next_offset, ack_log.generation, sections, route_from):
+        elif self._checkpoint(next_offset, generation, deferred.sections, deferred.routed_to):
             deferred.cut()
-        return got
 
     def _load_segments(self, ckpt: dict | None) -> None:
         saved = {s["base"]: s for s in ckpt["segments"]} if ckpt else {}

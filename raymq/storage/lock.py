@@ -56,45 +56,9 @@ class DirectoryLock:
         another process holds it (logged); ``StorageError`` naming the queue, the lock
         file and the holder's pid after that."""
         path = os.path.join(directory, LOCK_NAME)
+        fd = _open_lock_file(path, queue)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, FILE_MODE)
-        except OSError as exc:
-            raise storage_error(queue, "opening the directory lock", path, exc) from exc
-        try:
-            os.fchmod(fd, FILE_MODE)  # 0600 whatever the umask, as every file here
-        except OSError as exc:
-            os.close(fd)
-            raise storage_error(queue, "opening the directory lock", path, exc) from exc
-        deadline = clock() + wait_seconds
-        waited = False
-        try:
-            while True:
-                try:
-                    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except OSError as exc:
-                    if exc.errno not in (errno.EACCES, errno.EAGAIN):
-                        raise storage_error(queue, "locking the directory", path, exc) from exc
-                if not waited:
-                    waited = True
-                    log.warning(
-                        "queue %r: %s is held by process %s; waiting up to %.0f s for it",
-                        queue,
-                        path,
-                        _holder(fd),
-                        wait_seconds,
-                    )
-                if clock() >= deadline:
-                    err = StorageError(
-                        errno.EWOULDBLOCK,
-                        f"queue {queue!r}: another process ({_holder(fd)}) still has the"
-                        f" queue directory open after {wait_seconds:.0f} s; two may not"
-                        " write one queue",
-                        path,
-                    )
-                    err.queue = queue
-                    raise err
-                sleep(LOCK_POLL_SECONDS)
+            waited = _lock_or_wait(fd, path, queue, wait_seconds, clock, sleep)
             # Who holds it, for the message above in the next process (not fsynced:
             # a hint, not state).
             os.ftruncate(fd, 0)
@@ -111,6 +75,64 @@ class DirectoryLock:
         if self._fd is not None:
             fd, self._fd = self._fd, None
             os.close(fd)
+
+
+def _open_lock_file(path: str, queue: str) -> int:
+    """The lock file at ``path`` opened read-write (created if needed) with mode 0600;
+    ``StorageError`` naming ``queue`` and the file if that fails."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, FILE_MODE)
+    except OSError as exc:
+        raise storage_error(queue, "opening the directory lock", path, exc) from exc
+    try:
+        os.fchmod(fd, FILE_MODE)  # 0600 whatever the umask, as every file here
+    except OSError as exc:
+        os.close(fd)
+        raise storage_error(queue, "opening the directory lock", path, exc) from exc
+    return fd
+
+
+def _lock_or_wait(
+    fd: int,
+    path: str,
+    queue: str,
+    wait_seconds: float,
+    clock: Callable[[], float],
+    sleep: Callable[[float], None],
+) -> bool:
+    """Take the lock on ``fd``, polling every ``LOCK_POLL_SECONDS`` for up to
+    ``wait_seconds`` (seconds of ``clock``) while another process holds it; returns
+    whether it had to wait (logged when the wait starts). ``StorageError`` when the
+    time is up or locking fails otherwise; ``fd`` stays open either way."""
+    deadline = clock() + wait_seconds
+    waited = False
+    while True:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return waited
+        except OSError as exc:
+            if exc.errno not in (errno.EACCES, errno.EAGAIN):
+                raise storage_error(queue, "locking the directory", path, exc) from exc
+        if not waited:
+            waited = True
+            log.warning(
+                "queue %r: %s is held by process %s; waiting up to %.0f s for it",
+                queue,
+                path,
+                _holder(fd),
+                wait_seconds,
+            )
+        if clock() >= deadline:
+            err = StorageError(
+                errno.EWOULDBLOCK,
+                f"queue {queue!r}: another process ({_holder(fd)}) still has the"
+                f" queue directory open after {wait_seconds:.0f} s; two may not"
+                " write one queue",
+                path,
+            )
+            err.queue = queue
+            raise err
+        sleep(LOCK_POLL_SECONDS)
 
 
 def _holder(fd: int) -> str:

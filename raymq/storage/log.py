@@ -121,29 +121,7 @@ class SegmentLog:
         )
         self._lock = DirectoryLock.acquire(directory, queue)  # one writer per directory
         report = RecoveryReport(queue=queue)
-        try:
-            if durable:
-                if os.path.exists(os.path.join(directory, MANIFEST_NAME)):
-                    self.manifest = read_manifest(directory, queue)
-                loader = Loader(directory, self.segments, self._acks, report)
-                got = loader.recover(defer=self.manifest is not None)
-                self._writer.resume(got.next_offset, got.ack_log, got.ack_generation, got.undeleted)
-                self._writer.deferred = got.deferred
-                self.recovered_subscriptions = got.subscription_ranges
-                self.route_from = got.route_from
-            else:
-                remove_transient_files(directory)
-        except OSError as exc:
-            self.close()
-            for line in report.damage:  # found again by the next recovery, not lost
-                log.warning("queue %r: recovery failed, having found: %s", queue, line)
-            if isinstance(exc, StorageError):
-                raise
-            path = exc.filename if isinstance(exc.filename, str) else directory
-            raise storage_error(queue, "recovery", path, exc) from exc
-        except BaseException:  # a bug: raised as it is, the files and LOCK let go first
-            self.close()
-            raise
+        self._recover_or_close(report)
         self._recovered_lost = report.lost_messages
         report.segments = len(self.segments)
         report.depth = self.depth
@@ -152,6 +130,44 @@ class SegmentLog:
         for line in report.damage:
             log.warning("queue %r: %s", queue, line)
         return self, report
+
+    def _recover_or_close(self, report: RecoveryReport) -> None:
+        """Recover a durable queue's state from its directory into this log (what was
+        found goes to ``report``), or remove a non-durable queue's leftover files.
+
+        On failure the log is closed first (its files and LOCK let go): an ``OSError``
+        becomes a ``StorageError`` naming the queue and the file (the damage found so
+        far is logged: the next recovery finds it again, it is not lost); anything else
+        (a bug) is raised as it is.
+        """
+        try:
+            if self.durable:
+                self._recover(report)
+            else:
+                remove_transient_files(self.directory)
+        except OSError as exc:
+            self.close()
+            for line in report.damage:  # found again by the next recovery, not lost
+                log.warning("queue %r: recovery failed, having found: %s", self.queue, line)
+            if isinstance(exc, StorageError):
+                raise
+            path = exc.filename if isinstance(exc.filename, str) else self.directory
+            raise storage_error(self.queue, "recovery", path, exc) from exc
+        except BaseException:  # a bug: raised as it is, the files and LOCK let go first
+            self.close()
+            raise
+
+    def _recover(self, report: RecoveryReport) -> None:
+        """Read an address's ``subscriptions`` file (before anything changes), run the
+        ``Loader`` and set the writer and the address's state from what it recovered."""
+        if os.path.exists(os.path.join(self.directory, MANIFEST_NAME)):
+            self.manifest = read_manifest(self.directory, self.queue)
+        loader = Loader(self.directory, self.segments, self._acks, report)
+        got = loader.recover(defer=self.manifest is not None)
+        self._writer.resume(got.next_offset, got.ack_log, got.ack_generation, got.undeleted)
+        self._writer.deferred = got.deferred
+        self.recovered_subscriptions = got.subscription_ranges
+        self.route_from = got.route_from
 
     # -- writing (see Writer) ---------------------------------------------------------
 

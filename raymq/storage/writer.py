@@ -195,53 +195,80 @@ class Writer:
         prepared = PreparedWrite(previous_active=self._active, ack_high=self.next_offset)
         refused = self._repair()
         if refused is None and batches:
-            try:
-                self._plan(batches, now_us, prepared)
-            except OSError as exc:
-                path = exc.filename if isinstance(exc.filename, str) else self._new_path()
-                refused = storage_error(self.queue, "creating a segment", path, exc)
-                self._roll_back(prepared)
-                prepared.items, prepared.new_segments, prepared.firsts = [], [], []
-                self._note(refused)
-            except BaseException:  # a bug: leave nothing half planned
-                self._roll_back(prepared)
-                raise
+            refused = self._plan_or_refuse(batches, now_us, prepared)
         if refused is not None and batches:
             if not self.durable:
                 raise refused
             prepared.records_error = refused
         if self.durable:
-            prepared.ack_ranges = self.acks.take_pending()
-            if self.subscriptions is not None:
-                prepared.subscription_ranges = self.subscriptions.take_pending()
-                if prepared.subscription_ranges and prepared.ack_ranges is None:
-                    prepared.ack_ranges = np.zeros((0, 2), dtype=np.int64)
-            prepared.ack_log = self.ack_log
-            deferred = self.deferred
-            if (checkpoint or deferred is not None) and refused is None:
-                gen = self.ack_generation + 1
-                # Every message published so far was routed (after its commit).
-                sections, routed_to = None, self.next_offset
-                if self.subscriptions is not None:
-                    sections = self.subscriptions.checkpoint_section()
-                elif deferred is not None:  # not attached yet: what recovery found
-                    sections, routed_to = deferred.sections, deferred.routed_to
-                prepared.checkpoint = encode_checkpoint(
-                    self.segments,
-                    self.next_offset,
-                    gen,
-                    self._still_undeleted(),
-                    sections,
-                    routed_to,
-                )
-                prepared.checkpoint_generation = gen
-                prepared.next_ack_log = AckLog(self.directory, gen)
-                prepared.deferred = deferred
+            self._take_acks(prepared)
+            if (checkpoint or self.deferred is not None) and refused is None:
+                self._plan_checkpoint(prepared)
+        prepared.deletable = self._deletable(prepared)
+        return prepared
+
+    def _plan_or_refuse(
+        self, batches: list[MessageBatch], now_us: int, prepared: PreparedWrite
+    ) -> StorageError | None:
+        """Plan the records of ``batches`` into ``prepared`` (see ``_plan``); the error
+        that refuses them if a segment file cannot be created, with nothing left planned
+        and the error noted as the last one."""
+        try:
+            self._plan(batches, now_us, prepared)
+        except OSError as exc:
+            path = exc.filename if isinstance(exc.filename, str) else self._new_path()
+            refused = storage_error(self.queue, "creating a segment", path, exc)
+            self._roll_back(prepared)
+            prepared.items, prepared.new_segments, prepared.firsts = [], [], []
+            self._note(refused)
+            return refused
+        except BaseException:  # a bug: leave nothing half planned
+            self._roll_back(prepared)
+            raise
+        return None
+
+    def _take_acks(self, prepared: PreparedWrite) -> None:
+        """Move the acks waiting for the ack log (the queue's, and an address's per
+        subscription) into ``prepared``, with the ack log they go to."""
+        prepared.ack_ranges = self.acks.take_pending()
+        if self.subscriptions is not None:
+            prepared.subscription_ranges = self.subscriptions.take_pending()
+            if prepared.subscription_ranges and prepared.ack_ranges is None:
+                prepared.ack_ranges = np.zeros((0, 2), dtype=np.int64)
+        prepared.ack_log = self.ack_log
+
+    def _plan_checkpoint(self, prepared: PreparedWrite) -> None:
+        """Encode the next generation's checkpoint into ``prepared``, with the ack log
+        that starts with it (and what recovery deferred to it, if anything)."""
+        deferred = self.deferred
+        gen = self.ack_generation + 1
+        # Every message published so far was routed (after its commit).
+        sections, routed_to = None, self.next_offset
+        if self.subscriptions is not None:
+            sections = self.subscriptions.checkpoint_section()
+        elif deferred is not None:  # not attached yet: what recovery found
+            sections, routed_to = deferred.sections, deferred.routed_to
+        prepared.checkpoint = encode_checkpoint(
+            self.segments,
+            self.next_offset,
+            gen,
+            self._still_undeleted(),
+            sections,
+            routed_to,
+        )
+        prepared.checkpoint_generation = gen
+        prepared.next_ack_log = AckLog(self.directory, gen)
+        prepared.deferred = deferred
+
+    def _deletable(self, prepared: PreparedWrite) -> list[Segment]:
+        """Segments this commit may delete: fully acknowledged, with nothing planned
+        that is not yet published (in ``prepared`` or a write before it), and not the
+        newest."""
         written = {id(item[0]) for item in prepared.items}
         # The newest segment stays, even fully acknowledged: its name and records keep
         # the highest offset given, whatever happens to the ack log and checkpoint.
         newest = self.segments[-1] if len(self.segments) else None
-        prepared.deletable = [
+        return [
             s
             for s in self.segments
             if s.fully_acked
@@ -249,7 +276,6 @@ class Writer:
             and id(s) not in written
             and s is not newest
         ]
-        return prepared
 
     def _plan(self, batches: list[MessageBatch], now_us: int, prepared: PreparedWrite) -> None:
         in_memory = self.flow.transient_bytes

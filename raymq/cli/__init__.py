@@ -1,0 +1,232 @@
+"""The ``raymq`` command: start, stop and inspect a broker; create queues, addresses and
+their subscriptions, and delete addresses and subscriptions; send; consume.
+
+Every command joins a running Ray cluster (``ray start --head`` first; ``--address``
+or ``$RAY_ADDRESS``, default ``auto``: the cluster running on this machine), except
+``raymq bench``, which starts its own. Ray's log lines stay out of the output.
+
+Exit status: 0 on success; 1 on an error, printed as one line on stderr
+(``raymq: error: ...``, naming the queue or setting involved), never a traceback; 2 on a
+usage error (a wrong option or argument), as click does.
+
+Layout: the ``cli`` group and ``main`` live here; each command group has a module
+(``lifecycle``: start, stop; ``overview``: status; ``destinations``: queues, addresses,
+subscriptions; ``sending``; ``consuming``; ``benches``), over ``common`` (sizes,
+printing, ``common.connect``) and ``targets`` (what a name names).
+"""
+
+from __future__ import annotations
+
+import traceback
+
+import click
+
+from raymq.cli.benches import BENCH_ADDRESS_ENV, available_benches, bench, bench_command
+from raymq.cli.common import BYTES, PIPE_WIDTH, ByteSize, console, err_console
+from raymq.cli.consuming import (
+    CONSUME_POLL_SECONDS,
+    SELECTOR_CHECK_BATCH,
+    SELECTOR_CHECK_MESSAGES,
+    consume,
+    drain,
+    quoted_suggestion,
+    selector_warning,
+    unseen_properties,
+)
+from raymq.cli.destinations import (
+    confirm_deletion,
+    create_address,
+    create_queue,
+    delete_address,
+    kept_dead_letter_queues,
+    subscribe,
+    unsubscribe,
+)
+from raymq.cli.lifecycle import setting_differences, start, stop
+from raymq.cli.overview import (
+    ADDRESS_NOTE,
+    MEMORY_NOTE,
+    STATS_COLUMNS,
+    dead_letter_sources,
+    metrics_urls,
+    queue_order,
+    status,
+    subscription_sources,
+    subscription_stats,
+)
+from raymq.cli.sending import DEFAULT_BATCH_SIZE, batches, send
+from raymq.cli.targets import find_address, find_subscription, find_target
+from raymq.errors import RayMQError
+
+__all__ = [
+    "ADDRESS_NOTE",
+    "BENCH_ADDRESS_ENV",
+    "BYTES",
+    "CONSUME_POLL_SECONDS",
+    "DEFAULT_BATCH_SIZE",
+    "EXIT_ERROR",
+    "EXIT_INTERRUPTED",
+    "EXIT_STATUS_HELP",
+    "EXIT_USAGE",
+    "MEMORY_NOTE",
+    "PIPE_WIDTH",
+    "SELECTOR_CHECK_BATCH",
+    "SELECTOR_CHECK_MESSAGES",
+    "STATS_COLUMNS",
+    "ByteSize",
+    "available_benches",
+    "batches",
+    "bench",
+    "bench_command",
+    "cli",
+    "confirm_deletion",
+    "console",
+    "consume",
+    "create_address",
+    "create_queue",
+    "dead_letter_sources",
+    "delete_address",
+    "drain",
+    "err_console",
+    "find_address",
+    "find_subscription",
+    "find_target",
+    "kept_dead_letter_queues",
+    "main",
+    "metrics_urls",
+    "one_line",
+    "queue_order",
+    "quoted_suggestion",
+    "selector_warning",
+    "send",
+    "setting_differences",
+    "start",
+    "status",
+    "stop",
+    "subscribe",
+    "subscription_sources",
+    "subscription_stats",
+    "unseen_properties",
+    "unsubscribe",
+]
+
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+EXIT_STATUS_HELP = (
+    "Exit status: 0 on success; 1 on an error (one line on stderr, naming the queue or"
+    " setting involved); 2 on a usage error (a wrong option or argument)."
+)
+
+
+#: Set by ``--verbose``: Ray's log lines pass, and an error prints its traceback too.
+_verbose = False
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=EXIT_STATUS_HELP)
+@click.option(
+    "--address",
+    default="auto",
+    envvar="RAY_ADDRESS",
+    show_default=True,
+    help="Ray cluster to join (host:port, or auto for the one running on this machine).",
+)
+@click.option(
+    "--namespace",
+    default="raymq",
+    envvar="RAYMQ_NAMESPACE",
+    show_default=True,
+    help="Ray namespace of the broker; one broker per namespace.",
+)
+@click.option(
+    "-v", "--verbose", is_flag=True, help="Show Ray's own log lines, and a traceback on errors."
+)
+@click.pass_context
+def cli(ctx: click.Context, address: str, namespace: str, verbose: bool) -> None:
+    """RayMQ: a durable message broker on Ray."""
+    global _verbose
+    _verbose = verbose
+    ctx.obj = {"address": address, "namespace": namespace, "verbose": verbose}
+
+
+# Each command group's module defines its commands; the group takes them here (the
+# modules import nothing of this one: no import cycle).
+for _command in (
+    start,
+    stop,
+    status,
+    create_queue,
+    create_address,
+    subscribe,
+    delete_address,
+    unsubscribe,
+    send,
+    consume,
+    bench,
+):
+    cli.add_command(_command)
+
+
+# -- entry point ------------------------------------------------------------------------
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception as one line: its first non-empty line (Ray's errors run to many)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    more = " (more with raymq --verbose)" if len(lines) > 1 and not _verbose else ""
+    return lines[0] + more
+
+
+def _expected_errors() -> tuple[type[BaseException], ...]:
+    """Errors from bad input or an unavailable cluster: one line, no traceback."""
+    errors: tuple[type[BaseException], ...] = (
+        RayMQError,
+        ConnectionError,
+        ValueError,
+        TypeError,
+        LookupError,
+        OSError,
+    )
+    try:
+        from ray.exceptions import RayError
+
+        errors += (RayError,)
+    except ImportError:
+        pass
+    return errors
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``raymq`` script; returns the exit status (see the module's
+    docstring: 0, 1 for errors, 2 for usage errors)."""
+    global _verbose
+    _verbose = False
+    try:
+        rv = cli.main(args=argv, prog_name="raymq", standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("raymq: aborted", err=True)
+        return EXIT_ERROR
+    except click.UsageError as exc:
+        hint = f" (see `{exc.ctx.command_path} --help`)" if exc.ctx is not None else ""
+        click.echo(f"raymq: error: {exc.format_message()}{hint}", err=True)
+        return EXIT_USAGE
+    except click.ClickException as exc:
+        click.echo(f"raymq: error: {exc.format_message()}", err=True)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        click.echo("raymq: interrupted", err=True)
+        return EXIT_INTERRUPTED
+    except _expected_errors() as exc:
+        if _verbose:
+            traceback.print_exc()
+        click.echo(f"raymq: error: {one_line(exc)}", err=True)
+        return EXIT_ERROR
+    except Exception as exc:  # a bug: still one line, the traceback with --verbose
+        if _verbose:
+            traceback.print_exc()
+        click.echo(f"raymq: error: unexpected {type(exc).__name__}: {one_line(exc)}", err=True)
+        return EXIT_ERROR
+    return rv if isinstance(rv, int) else 0

@@ -1,0 +1,256 @@
+"""Queues, addresses and subscriptions: ``raymq create-queue``, ``create-address``,
+``subscribe``, ``delete-address`` and ``unsubscribe``."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+from typing import Any
+
+import click
+
+from raymq.cli import common
+from raymq.cli.common import BYTES, _say
+from raymq.cli.overview import subscription_stats
+from raymq.cli.targets import _check_selector, find_address, find_subscription
+from raymq.errors import QueueNotFound
+
+#: The storage settings of ``create-queue`` and ``create-address`` (in help order).
+_STORAGE_OPTIONS = (
+    click.option(
+        "--durable/--transient",
+        default=True,
+        show_default=True,
+        help="Durable messages are fsynced; transient ones live in memory.",
+    ),
+    click.option(
+        "--max-size-bytes",
+        type=BYTES,
+        default=-1,
+        help="Artemis max_size_bytes: bytes of unacknowledged messages (-1: no limit).",
+    ),
+    click.option(
+        "--page-size-bytes",
+        type=BYTES,
+        default=10 * 2**20,
+        show_default=True,
+        help="Largest segment (page) file, bytes.",
+    ),
+    click.option(
+        "--address-full-policy",
+        type=click.Choice(["PAGE", "DROP", "FAIL", "BLOCK"]),
+        default="PAGE",
+        show_default=True,
+        help="What a send does at max_size_bytes.",
+    ),
+    click.option(
+        "--page-max-cache-size",
+        type=click.IntRange(min=0),
+        default=5,
+        show_default=True,
+        help="Segment files kept cached for reading.",
+    ),
+)
+
+
+def _storage_options(f):
+    for option in reversed(_STORAGE_OPTIONS):  # as if stacked above ``f`` in this order
+        f = option(f)
+    return f
+
+
+def _max_delivery_attempts_option(f):
+    return click.option(
+        "--max-delivery-attempts",
+        type=click.IntRange(min=1),
+        help="Deliveries before a message given back goes to the dead-letter queue"
+        " (default: no limit).",
+    )(f)
+
+
+_node_id_option = click.option("--node-id", help="Node for the queue's files (default: spread).")
+
+
+@click.command("create-queue")
+@click.argument("name")
+@_storage_options
+@_max_delivery_attempts_option
+@click.option(
+    "--dead-letter-queue",
+    help="Where dead letters go (default NAME.DLQ, created when first needed).",
+)
+@_node_id_option
+@click.option(
+    "--replicas",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Copies of the queue's files, each on its own node (2 or 3 survive a node's loss).",
+)
+@click.option(
+    "--min-insync-replicas",
+    type=click.IntRange(min=1),
+    help="Replicas that must have a send before it is answered (default: all of 2, 2 of 3).",
+)
+@click.pass_context
+def create_queue(ctx: click.Context, name: str, **settings: Any) -> None:
+    """Create a queue (or confirm it exists with these settings)."""
+    for optional in ("max_delivery_attempts", "dead_letter_queue", "min_insync_replicas"):
+        if settings[optional] is None:  # passed only when given (older clients lack them)
+            del settings[optional]
+    q = common.connect(ctx).create_queue(name, **settings)
+    _say(f"queue {q.name!r} ready")
+
+
+@click.command("create-address")
+@click.argument("name")
+@_storage_options
+@_node_id_option
+@click.pass_context
+def create_address(ctx: click.Context, name: str, **settings: Any) -> None:
+    """Create an address (or confirm it exists with these settings): each message sent
+    to it is stored once and delivered to every subscription (raymq subscribe) bound
+    to it when it is sent; with no subscription, nobody gets it. max_size_bytes and the
+    policy count what some subscription still needs.
+    """
+    a = common.connect(ctx).create_address(name, **settings)
+    _say(f"address {a.name!r} ready")
+
+
+@click.command()
+@click.argument("address")
+@click.argument("subscription")
+@click.option(
+    "--selector",
+    help="Route to it only the messages this JMS selector selects, e.g. \"color = 'red'\""
+    " (default: all).",
+)
+@click.option(
+    "--start",
+    type=click.Choice(["latest", "earliest"]),
+    default="latest",
+    show_default=True,
+    help="latest: from the next message sent; earliest: from the oldest message the"
+    " address still stores.",
+)
+@_max_delivery_attempts_option
+@click.option(
+    "--dead-letter-queue",
+    help="Where dead letters go (default ADDRESS.SUBSCRIPTION.DLQ, created when first needed).",
+)
+@click.pass_context
+def subscribe(
+    ctx: click.Context,
+    address: str,
+    subscription: str,
+    selector: str | None,
+    start: str,
+    max_delivery_attempts: int | None,
+    dead_letter_queue: str | None,
+) -> None:
+    """Bind SUBSCRIPTION to ADDRESS (or confirm it exists with these settings): a queue
+    of its own over the address's messages; consume it with raymq consume
+    ADDRESS/SUBSCRIPTION.
+    """
+    where = f"subscription {f'{address}/{subscription}'!r}"
+    if selector is not None:
+        _check_selector(selector, where)
+    a = find_address(common.connect(ctx), address)
+    sub = a.create_subscription(
+        subscription,
+        selector=selector,
+        start=start,
+        max_delivery_attempts=max_delivery_attempts,
+        dead_letter_queue=dead_letter_queue,
+    )
+    _say(f"subscription {sub.name!r} ready")
+
+
+_yes_option = click.option(
+    "-y", "--yes", is_flag=True, help="Delete without asking (needed when stdin is no terminal)."
+)
+
+
+def confirm_deletion(what: str, yes: bool) -> None:
+    """Ask on the terminal before deleting ``what`` unless ``yes``; a no ends the command
+    (``raymq: aborted``, status 1). With no terminal to ask on, refuse: a script says
+    --yes."""
+    if yes:
+        return
+    if not sys.stdin.isatty():
+        raise click.ClickException(
+            f"not deleting {what} without --yes (stdin is no terminal to ask on)"
+        )
+    click.confirm(f"delete {what}?", abort=True, err=True)
+
+
+def kept_dead_letter_queues(broker, stats: Iterable[dict]) -> list[str]:
+    """The dead-letter queues named in ``stats`` (of an address or its subscriptions)
+    that exist: queues of their own, which a deletion leaves."""
+    queues = set(broker.list_queues())
+    named = {s.get("dead_letter_queue") for s in stats}
+    return sorted(q for q in named if q in queues)
+
+
+def _kept_text(dlqs: list[str]) -> str:
+    if not dlqs:
+        return ""
+    return f"; dead-letter queue(s) {', '.join(repr(q) for q in dlqs)} kept (queues of their own)"
+
+
+@click.command("delete-address")
+@click.argument("address")
+@_yes_option
+@click.pass_context
+def delete_address(ctx: click.Context, address: str, yes: bool) -> None:
+    """Delete ADDRESS with its subscriptions, its stored messages and its files; their
+    consumers are closed. Asks first (the count of what is lost), unless --yes.
+
+    Dead-letter queues are queues of their own: they stay.
+    """
+    broker = common.connect(ctx)
+    a = find_address(broker, address, queue_hint="")
+    stats = a.stats()
+    subs = subscription_stats(broker, address)
+    if subs is None:  # deleted meanwhile
+        raise QueueNotFound(f"address {address!r} does not exist in namespace {broker.namespace!r}")
+    names = ", ".join(subs) or "none"
+    confirm_deletion(
+        f"address {address!r}: {stats['depth']:,} stored message(s),"
+        f" {len(subs)} subscription(s) ({names})",
+        yes,
+    )
+    broker.delete_address(address)
+    kept = kept_dead_letter_queues(broker, [stats, *subs.values()])
+    _say(
+        f"address {address!r} deleted, with {len(subs)} subscription(s) and"
+        f" {stats['depth']:,} stored message(s){_kept_text(kept)}"
+    )
+
+
+@click.command()
+@click.argument("address")
+@click.argument("subscription")
+@_yes_option
+@click.pass_context
+def unsubscribe(ctx: click.Context, address: str, subscription: str, yes: bool) -> None:
+    """Delete SUBSCRIPTION of ADDRESS (made by raymq subscribe): its consumers are
+    closed and the messages it has not acknowledged are dropped for it (the address
+    keeps what other subscriptions still need). Asks first, unless --yes.
+
+    Its dead-letter queue is a queue of its own: it stays.
+    """
+    broker = common.connect(ctx)
+    a = find_address(broker, address, queue_hint="")
+    s = find_subscription(a, subscription).stats()
+    confirm_deletion(
+        f"subscription {f'{address}/{subscription}'!r}: {s['depth']:,} unacknowledged"
+        f" message(s), {s['consumers']} consumer(s)",
+        yes,
+    )
+    a.delete_subscription(subscription)
+    kept = kept_dead_letter_queues(broker, [s])
+    _say(
+        f"subscription {f'{address}/{subscription}'!r} deleted, with {s['depth']:,}"
+        f" unacknowledged message(s){_kept_text(kept)}"
+    )
