@@ -222,7 +222,8 @@ class TargetListActor:
         one and starts us again.
 
         ``namespace``: the broker's Ray namespace, where the queue's actor is looked up
-        again after it fails (None: asked of Ray while the queue actor lives)."""
+        again after it fails (None: asked of Ray while the queue actor lives).
+        """
         if self._starting:  # (a start that answered STALE_FETCH_ENDPOINT sets it back)
             raise ValueError(f"consumer {self.consumer_id}: started already")
         if queue_actor is None and namespace is None:
@@ -231,31 +232,16 @@ class TargetListActor:
         if namespace is not None:
             self._namespace = namespace
         self.queue_actor, self._finding = queue_actor, None
-        self.subscription = subscription
-        self.queue = queue
-        self.consumer_id = consumer_id
-        self.prefetch = prefetch
-        self.selector = selector
+        self.queue, self.subscription, self.consumer_id = queue, subscription, consumer_id
+        self.prefetch, self.selector = prefetch, selector
         self.targets = TargetList(high_watermark, high_watermark_bytes, pending_cache_bytes)
         self.loader = EagerLoader(self.targets, self._fetch, queue=queue, give_back=self._return)
-        over_channel = False
-        if fetch_endpoint is not None:
-            try:
-                over_channel = await self._register_over_channel(fetch_endpoint, endpoint_cached)
-            except _StaleEndpoint as exc:
-                log.info("consumer %s: %s", consumer_id, exc)
-                self._starting = False  # nothing started: the client starts us again
-                return STALE_FETCH_ENDPOINT
-        if over_channel:
-            # The Ray registration hands the queue our handle, for its death watch: in
-            # the background, off the first message's path.
-            self._first_fetch, registered = False, None
-            self._watched = asyncio.ensure_future(self._watched_by_queue())
-        else:
-            # The loader's first fetch does not wait for the registration's answer: a
-            # fetch registers an unknown consumer too (registering is idempotent), which
-            # saves a new consumer's first message a round trip. Its errors are start's.
-            registered = self._registering = asyncio.ensure_future(self._register())
+        try:
+            registered = await self._begin_registration(fetch_endpoint, endpoint_cached)
+        except _StaleEndpoint as exc:
+            log.info("consumer %s: %s", consumer_id, exc)
+            self._starting = False  # nothing started: the client starts us again
+            return STALE_FETCH_ENDPOINT
         self._tasks = Supervisor(f"consumer {consumer_id} of queue {queue!r}", log)
         self._loader = self._tasks.spawn("eager loader", self.loader.run)
         self._metrics = self._tasks.spawn("metrics", self._export_metrics)
@@ -273,6 +259,25 @@ class TargetListActor:
                 self._channel.close()
             raise
         return endpoint
+
+    async def _begin_registration(
+        self, fetch_endpoint: tuple[str, int, str] | None, cached: bool
+    ) -> asyncio.Future | None:
+        """Register with the queue: over its FetchChannel if ``fetch_endpoint`` is
+        given (the Ray registration, which hands the queue our handle for its death
+        watch, then goes in the background; raises ``_StaleEndpoint`` if a ``cached``
+        endpoint does not answer), else by a Ray call not waited for here. Returns that
+        call's future for ``start`` to wait on (None if registered already)."""
+        if fetch_endpoint is not None and await self._register_over_channel(fetch_endpoint, cached):
+            # Off the first message's path.
+            self._first_fetch = False
+            self._watched = asyncio.ensure_future(self._watched_by_queue())
+            return None
+        # The loader's first fetch does not wait for the registration's answer: a
+        # fetch registers an unknown consumer too (registering is idempotent), which
+        # saves a new consumer's first message a round trip. Its errors are start's.
+        self._registering = asyncio.ensure_future(self._register())
+        return self._registering
 
     async def _channel_start(self, settings: dict) -> tuple[str, int, str] | str | None:
         """``start`` for the DeliveryChannel (the consumer's first request on it): Ray's
@@ -443,86 +448,109 @@ class TargetListActor:
             raise
 
     async def _fetch_once(self, room: int) -> DirectEntry | None:
+        """One fetch of up to ``room`` messages: the link to the queue made good first
+        (``_relink``), then a fetch sent (``_send_fetch``) unless one is under way, and
+        its answer awaited: over the FetchChannel (``_channel_answer``), else by Ray
+        (``_ray_answer``)."""
         if self._in_flight is None and self._fetch_task is None:
             first, self._first_fetch = self._first_fetch, False
-            if self._registering is not None and not first:
-                # The first fetch went without waiting for it; the next ones need the
-                # FetchChannel's address it brings.
-                registering, self._registering = self._registering, None
-                with contextlib.suppress(Exception):  # start raises its errors
-                    self._set_fetch_endpoint(await registering)
-            if self._queue_dead:
-                self.queue_actor = await self._find_queue()
-                self._queue_dead = False
-            if self._register_again:
-                # The queue actor watches us again; it may be a new one (a new channel).
-                self._set_fetch_endpoint(await self._register())
-                self._register_again = False
-            if self._fetch_channel is not None and not self._fetch_channel_enabled:
-                self._fetch_channel.close()
-                self._fetch_channel = None
-            if self._fetch_channel_enabled and not self._fetch_channel and self._fetch_endpoint:
-                try:
-                    self._fetch_channel = await FetchChannel.connect(
-                        *self._fetch_endpoint, self.queue
-                    )
-                except ChannelBroken as exc:
-                    self._fetch_channel_broke(exc)
-            args = (
-                self.consumer_id,
-                room,
-                # The first fetch, made before the FetchChannel is known, only takes
-                # what is there: a wait belongs on the channel.
-                0.0 if first else LOADER_POLL_SECONDS,
-                self.prefetch,
-                self.selector,
-                self.subscription,
-            )
-            # While deliveries are large (a deep queue), the channel only parks them
-            # and a Ray call takes them: a socket round trip and two wake-ups of the
-            # queue actor per fetch for nothing. They are fetched by one Ray call then,
-            # until one brings no more than the channel sends inline.
-            if self._fetch_channel is not None and not self._large_fetches:
-                self._fetch_task = asyncio.ensure_future(
-                    self._fetch_channel.fetch(*args, streams=True)
-                )
-            else:
-                self._in_flight = (
-                    (await self._queue_actor()).fetch_batch.options(num_returns=2).remote(*args)
-                )
-                self._in_flight_kind = "ray"
+            await self._relink(first)
+            await self._send_fetch(room, first)
         if self._fetch_task is not None:
-            task = self._fetch_task
+            entry = await self._channel_answer()
+            if entry is not None or self._in_flight is None:
+                return entry
+        return await self._ray_answer()
+
+    async def _relink(self, first: bool) -> None:
+        """Before a fetch: the registration's endpoint taken, the queue's actor found
+        again if it died, a registration repeated if the queue may not know us (a new
+        actor), and the FetchChannel opened or closed as it should be."""
+        if self._registering is not None and not first:
+            # The first fetch went without waiting for it; the next ones need the
+            # FetchChannel's address it brings.
+            registering, self._registering = self._registering, None
+            with contextlib.suppress(Exception):  # start raises its errors
+                self._set_fetch_endpoint(await registering)
+        if self._queue_dead:
+            self.queue_actor = await self._find_queue()
+            self._queue_dead = False
+        if self._register_again:
+            # The queue actor watches us again; it may be a new one (a new channel).
+            self._set_fetch_endpoint(await self._register())
+            self._register_again = False
+        if self._fetch_channel is not None and not self._fetch_channel_enabled:
+            self._fetch_channel.close()
+            self._fetch_channel = None
+        if self._fetch_channel_enabled and not self._fetch_channel and self._fetch_endpoint:
             try:
-                got = await asyncio.shield(task)  # a cancelled loader leaves it to close
-            except asyncio.CancelledError:
-                # A fetch that finished as the loader was cancelled (by close) keeps its
-                # rows for close, which gives them back as never received: dropped here,
-                # the queue would count them as delivered (a dead letter too early).
-                if task.done() and (task.cancelled() or task.exception() is not None):
-                    self._fetch_task = None
-                raise
+                self._fetch_channel = await FetchChannel.connect(*self._fetch_endpoint, self.queue)
             except ChannelBroken as exc:
-                self._fetch_task = None
                 self._fetch_channel_broke(exc)
-                return None  # the next fetch goes through Ray
-            except BaseException:
-                self._fetch_task = None
-                raise
-            self._fetch_task = None
-            if got is None:
-                return None
-            if isinstance(got, pa.RecordBatch):  # (asked without its stream)
-                got = InlineDelivery(got, b"")
-            if isinstance(got, InlineDelivery):  # inline: held in this process
-                self.fetched["inline"] += 1
-                return DirectEntry(got, offsets_of(got.batch), got.batch.nbytes)
-            # Parked in the queue actor (large): take it through Ray, by reference.
+
+    async def _send_fetch(self, room: int, first: bool) -> None:
+        """Send a fetch of up to ``room`` messages, over the FetchChannel or by Ray."""
+        args = (
+            self.consumer_id,
+            room,
+            # The first fetch, made before the FetchChannel is known, only takes
+            # what is there: a wait belongs on the channel.
+            0.0 if first else LOADER_POLL_SECONDS,
+            self.prefetch,
+            self.selector,
+            self.subscription,
+        )
+        # While deliveries are large (a deep queue), the channel only parks them
+        # and a Ray call takes them: a socket round trip and two wake-ups of the
+        # queue actor per fetch for nothing. They are fetched by one Ray call then,
+        # until one brings no more than the channel sends inline.
+        if self._fetch_channel is not None and not self._large_fetches:
+            self._fetch_task = asyncio.ensure_future(self._fetch_channel.fetch(*args, streams=True))
+        else:
             self._in_flight = (
-                (await self._queue_actor()).fetch_parked.options(num_returns=2).remote(got)
+                (await self._queue_actor()).fetch_batch.options(num_returns=2).remote(*args)
             )
-            self._in_flight_kind = "parked"
-            self._large_fetches = True
+            self._in_flight_kind = "ray"
+
+    async def _channel_answer(self) -> DirectEntry | None:
+        """The answer of the fetch under way on the FetchChannel: rows inline, or None
+        (none came; the channel broke; or the delivery was parked: then its Ray call is
+        in flight for ``_ray_answer``)."""
+        task = self._fetch_task
+        try:
+            got = await asyncio.shield(task)  # a cancelled loader leaves it to close
+        except asyncio.CancelledError:
+            # A fetch that finished as the loader was cancelled (by close) keeps its
+            # rows for close, which gives them back as never received: dropped here,
+            # the queue would count them as delivered (a dead letter too early).
+            if task.done() and (task.cancelled() or task.exception() is not None):
+                self._fetch_task = None
+            raise
+        except ChannelBroken as exc:
+            self._fetch_task = None
+            self._fetch_channel_broke(exc)
+            return None  # the next fetch goes through Ray
+        except BaseException:
+            self._fetch_task = None
+            raise
+        self._fetch_task = None
+        if got is None:
+            return None
+        if isinstance(got, pa.RecordBatch):  # (asked without its stream)
+            got = InlineDelivery(got, b"")
+        if isinstance(got, InlineDelivery):  # inline: held in this process
+            self.fetched["inline"] += 1
+            return DirectEntry(got, offsets_of(got.batch), got.batch.nbytes)
+        # Parked in the queue actor (large): take it through Ray, by reference.
+        self._in_flight = (
+            (await self._queue_actor()).fetch_parked.options(num_returns=2).remote(got)
+        )
+        self._in_flight_kind = "parked"
+        self._large_fetches = True
+        return None
+
+    async def _ray_answer(self) -> DirectEntry:
+        """The answer of the fetch in flight by Ray: references to its batches."""
         meta_ref, batch_ref = self._in_flight
         try:
             answer: FetchAnswer = await asyncio.wait_for(meta_ref, FETCH_ANSWER_SECONDS)
