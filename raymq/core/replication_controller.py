@@ -16,6 +16,13 @@ Interleaving: every sequence that changes a set runs under that queue's lock
 (``lock_of``): a check and its failover, the end of a rejoin, a trim, a replacement, a
 restore. ``begin_epoch`` and ``update_in_sync`` take no lock and never await (a leader
 starting under a failover asks for its epoch while the failover holds the lock).
+
+Retries: any step may fail (an actor that does not answer, a save that fails), and the
+monitor's next round completes the sequence. A failover that failed after its promotion
+is resumed, not begun again (``_handing_over``: begun again, it would find no follower
+in sync and wait for ever); a changed set not yet saved or handed to its leader is
+published again (``_unpublished``: else the leader would never learn of a new
+follower). The others start over from what the set says.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from raymq.config import QueueConfig
@@ -131,6 +139,22 @@ class ClusterOps(Protocol):
         """End an actor for good (no restart)."""
 
 
+@dataclass
+class _HandOver:
+    """A failover past its promotion whose new leader has not started yet: if a step
+    after the promotion fails, the next check resumes here (a check would otherwise
+    find no follower in sync to promote and wait for ever)."""
+
+    old_leader: str
+    old_epoch: int
+    #: The old leader's node.
+    lost: str
+    #: When the failover began (``clock`` seconds).
+    began: float
+    #: The lost replica's replacement was chosen (done once, also when resumed).
+    replaced: bool = False
+
+
 class ReplicationController:
     """The sequences of the replicated queues in ``queues`` (the broker's registry,
     shared: entries of unreplicated queues count toward placement)."""
@@ -166,6 +190,11 @@ class ReplicationController:
         self._replacing: dict[str, str] = {}
         #: Nodes where a replica was lost, and when (``clock`` seconds).
         self._lost_nodes: dict[str, float] = {}
+        #: Failovers whose new leader has not started yet, by queue.
+        self._handing_over: dict[str, _HandOver] = {}
+        #: Queues whose changed set may not be saved or known to their leader yet (a
+        #: step failed): the monitor's next round does both again.
+        self._unpublished: set[str] = set()
 
     # -- shared with the broker ---------------------------------------------------------
 
@@ -347,10 +376,16 @@ class ReplicationController:
             leader = self.ops.find_leader(name)
             # A leader of another epoch was replaced (or fenced): it leads nothing.
             if leader is not None and await self.ops.ping(leader) == entry.replicas.epoch:
+                if name in self._handing_over:  # it started after all
+                    self._handed_over(name)
                 return
-            self._replacing[name] = entry.replicas.leader
+            resumed = self._handing_over.get(name)
+            self._replacing[name] = resumed.old_leader if resumed else entry.replicas.leader
             try:
-                await self._fail_over(name, leader)
+                if resumed is not None:
+                    await self._hand_over(name, leader)
+                else:
+                    await self._fail_over(name, leader)
             finally:
                 self._replacing.pop(name, None)
 
@@ -371,14 +406,15 @@ class ReplicationController:
                 old_epoch,
             )
             return
-        handles, ends = await self._fence_followers(name, old_epoch + 1)
+        ends = await self._fence_followers(name, old_epoch + 1)
         lost = rs.leader_node
         self._lost_nodes[lost] = self.clock()
-        new = rs.promote(ends)
-        if new is not None:
+        if rs.promote(ends) is not None:
             self.queues[name] = QueueEntry(entry.config, rs.leader_node, rs)
-        self._save(name)  # the epoch, before any actor acts on it
-        if new is None:
+            self._handing_over[name] = _HandOver(old_leader, old_epoch, lost, t0)
+            await self._hand_over(name, old)
+        else:
+            self._save(name)  # the epoch, before any actor acts on it
             log.warning(
                 "queue %r: leader %s lost and no in-sync follower answered (epoch %d;"
                 " answered: %s): unavailable until one does",
@@ -387,25 +423,10 @@ class ReplicationController:
                 rs.epoch,
                 sorted(ends),
             )
-            return
-        await self._hand_over(name, old, handles[new], lost)
-        record = {
-            "queue": name,
-            "old_epoch": old_epoch,
-            "epoch": rs.epoch,
-            "old_leader": old_leader,
-            "leader": new,
-            "seconds": self.clock() - t0,
-        }
-        self.failovers.append(record)
-        log.warning("queue %r: failover %s", name, record)
-        if lost in self.ops.alive_nodes():  # maybe only its process paused
-            task = asyncio.get_running_loop().create_task(self.rejoin(name, old_leader, lost))
-            self._rejoins[(name, old_leader)] = task
 
-    async def _fence_followers(self, name: str, epoch: int) -> tuple[dict, dict[str, int]]:
-        """Fence every running follower with ``epoch``, side by side; their handles by
-        replica id, and where the copies of those that answered end."""
+    async def _fence_followers(self, name: str, epoch: int) -> dict[str, int]:
+        """Fence every running follower with ``epoch``, side by side; where the copies
+        of those that answered end, by replica id."""
         handles = {}
         for rid in self.queues[name].replicas.followers:
             handle = self.ops.find_follower(name, rid)
@@ -414,30 +435,55 @@ class ReplicationController:
         answers = await asyncio.gather(
             *(self.ops.fence(h, epoch) for h in handles.values()), return_exceptions=True
         )
-        ends = {
+        return {
             rid: end
             for rid, end in zip(handles, answers, strict=True)
             if not isinstance(end, BaseException)
         }
-        return handles, ends
 
-    async def _hand_over(self, name: str, old: Handle | None, promoted: Handle, lost: str) -> None:
-        """End the old leader and the promoted follower's actor, replace the lost
-        replica, and start the new leader on the promoted copy."""
+    async def _hand_over(self, name: str, old: Handle | None) -> None:
+        """After a promotion (``_handing_over``): save it, end the old leader and the
+        promoted follower's actor, replace the lost replica, and start the new leader
+        on the promoted copy. Each step may run again (a resumed failover)."""
+        h = self._handing_over[name]
+        rs = self.queues[name].replicas
+        self._save(name)  # the epoch, before any actor acts on it
         if old is not None:
             self.ops.kill(old)
-        with contextlib.suppress(Unreachable):
-            # its files are opened all the same (a follower writes only when told)
-            await self.ops.release(promoted)
-        self.ops.kill(promoted)
-        try:
-            self.queues[name].replicas.add_replica(
-                self._alive(), self._queues_per_node(), lost=(lost,)
-            )
-            self._save(name)
-        except NoNodes as exc:
-            log.warning("queue %r: the lost replica is not replaced: %s", name, exc)
+        promoted = self.ops.find_follower(name, rs.leader)
+        if promoted is not None:
+            with contextlib.suppress(Unreachable):
+                # its files are opened all the same (a follower writes only when told)
+                await self.ops.release(promoted)
+            self.ops.kill(promoted)
+        if not h.replaced:
+            h.replaced = True  # once (a set still short is restored by the monitor)
+            try:
+                rs.add_replica(self._alive(), self._queues_per_node(), lost=(h.lost,))
+                self._save(name)
+            except NoNodes as exc:
+                log.warning("queue %r: the lost replica is not replaced: %s", name, exc)
         await self.leader(name, fresh=True)
+        self._handed_over(name)
+
+    def _handed_over(self, name: str) -> None:
+        """A failover's new leader runs: log the failover, and try to bring the old
+        leader's copy back if its node lives."""
+        h = self._handing_over.pop(name)
+        rs = self.queues[name].replicas
+        record = {
+            "queue": name,
+            "old_epoch": h.old_epoch,
+            "epoch": rs.epoch,
+            "old_leader": h.old_leader,
+            "leader": rs.leader,
+            "seconds": self.clock() - h.began,
+        }
+        self.failovers.append(record)
+        log.warning("queue %r: failover %s", name, record)
+        if h.lost in self.ops.alive_nodes():  # maybe only its process paused
+            rejoin = self.rejoin(name, h.old_leader, h.lost)
+            self._rejoins[(name, h.old_leader)] = asyncio.get_running_loop().create_task(rejoin)
 
     # -- changes of the set ---------------------------------------------------------------
 
@@ -464,9 +510,8 @@ class ReplicationController:
                 return
             rs.nodes[rid] = node
             self._lost_nodes.pop(node, None)
-            self._save(name)
             log.warning("queue %r: replica %s rejoins as a follower", name, rid)
-            await self._tell_followers(name)
+            await self._publish(name)
 
     async def trim_excess(self, name: str) -> None:
         """A set grown past the queue's replicas (a replaced leader rejoined): once the
@@ -487,9 +532,8 @@ class ReplicationController:
                     await self.ops.shutdown_replica(handle, True)
                 self.ops.kill(handle)
             rs.remove_replica(drop)
-            self._save(name)
             log.warning("queue %r: replica %s retired (%d replicas)", name, drop, len(rs.nodes))
-            await self._tell_followers(name)
+            await self._publish(name)
 
     async def replace_follower(self, name: str, rid: str) -> None:
         """Replace a lost follower by a new one on another node (none free: the set
@@ -504,15 +548,32 @@ class ReplicationController:
                 self.ops.kill(handle)
             lost = rs.nodes[rid]
             self._lost_nodes[lost] = self.clock()
+            alive = self._alive()  # (before the set changes: a failure leaves it whole)
             rs.remove_replica(rid)
             try:
-                new = rs.add_replica(self._alive(), self._queues_per_node(), lost=(lost,))
+                new = rs.add_replica(alive, self._queues_per_node(), lost=(lost,))
             except NoNodes as exc:
                 new = None
                 log.warning("queue %r: lost follower %s not replaced: %s", name, rid, exc)
-            self._save(name)
             log.warning("queue %r: follower %s lost, replaced by %s", name, rid, new)
-            await self._tell_followers(name)
+            await self._publish(name)
+
+    async def _publish(self, name: str) -> None:
+        """Save a changed set, then hand its followers to the leader; until both are
+        done, the monitor's rounds do them again (``_unpublished``)."""
+        self._unpublished.add(name)
+        self._save(name)
+        await self._tell_followers(name)
+        self._unpublished.discard(name)
+
+    async def _republish(self, name: str) -> None:
+        """``_publish`` again a set whose save or hand-over failed."""
+        async with self.lock_of(name):
+            entry = self.queues.get(name)
+            if entry is None or entry.replicas is None:
+                self._unpublished.discard(name)
+            elif name in self._unpublished:
+                await self._publish(name)
 
     async def _tell_followers(self, name: str) -> None:
         """Start the followers of the replica set and hand them to the leader."""
@@ -534,7 +595,6 @@ class ReplicationController:
                 except NoNodes:
                     break
             if added:
-                self._save(name)
                 log.warning(
                     "queue %r: replicas %s added (%d of %d)",
                     name,
@@ -542,7 +602,7 @@ class ReplicationController:
                     len(rs.nodes),
                     entry.config.replicas,
                 )
-                await self._tell_followers(name)
+                await self._publish(name)
 
     # -- the monitor and the stop -------------------------------------------------------
 
@@ -564,6 +624,8 @@ class ReplicationController:
         if entry is None or entry.replicas is None:
             return
         await self.check_leader(name)
+        if name in self._unpublished:
+            await self._republish(name)
         rs = entry.replicas
         if len(rs.nodes) < entry.config.replicas:
             await self.restore_count(name)
