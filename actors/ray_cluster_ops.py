@@ -24,13 +24,13 @@ from raymq.actors.replica_actor import (
 from raymq.placement.nodes import alive_nodes, pinned_to
 
 from raymq.config import BrokerConfig
-from raymq.core.registry import QueueEntry, QueueRegistry
-from raymq.core.replication_controller import (
+from raymq.core.cluster_ops import (
     PING_TIMEOUT_SECONDS,
     FollowerRef,
     Handle,
     Unreachable,
 )
+from raymq.core.registry import QueueEntry, QueueRegistry
 
 #: Errors of a call to an actor that is gone (or whose node is).
 GONE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)

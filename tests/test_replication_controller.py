@@ -1,10 +1,11 @@
 """The replication controller's sequences on a fake cluster, without Ray (issue 28).
 
-``FakeCluster`` implements ``ClusterOps``: nodes die (``kill_node``), actors pause
-(``pause``), and any operation fails on cue (``fail_next("fence")``, or the n-th
-operation of a run: ``fail_at(n)``). Its leaders act as the real ones do towards the
-controller: a leader's start asks ``begin_epoch``, catches its followers up and reports
-them in sync; a write reaches the in-sync copies before it is acknowledged.
+``FakeCluster`` implements ``ClusterOps`` (``raymq.core.cluster_ops``): nodes die
+(``kill_node``), actors pause (``pause``), and any operation fails on cue
+(``fail_next("fence")``, or the n-th operation of a run: ``fail_at(n)``). Its leaders
+act as the real ones do towards the controller: a leader's start asks ``begin_epoch``,
+catches its followers up and reports them in sync; a write reaches the in-sync copies
+before it is acknowledged.
 
 Each sequence (create, failover, rejoin, trim excess, replace follower, restore count)
 runs once clean, and once per operation it makes with that operation failing. After
@@ -26,12 +27,9 @@ from dataclasses import dataclass, field
 import pytest
 
 from raymq.config import QueueConfig
+from raymq.core.cluster_ops import Unreachable
 from raymq.core.registry import QueueEntry
-from raymq.core.replication_controller import (
-    LOST_NODE_SECONDS,
-    ReplicationController,
-    Unreachable,
-)
+from raymq.core.replication_controller import LOST_NODE_SECONDS, ReplicationController
 from raymq.errors import BrokerUnavailable
 
 QUEUE = "orders"

@@ -2,11 +2,12 @@
 over, rejoin, trim excess, replace a follower, restore the count, stop the followers.
 
 ``ReplicaSet`` (``raymq.core.controller``) decides (where replicas go, whom a failover
-promotes); this class applies its decisions to the cluster through ``ClusterOps``, the
-one interface of cluster operations. The broker actor passes ``RayClusterOps``
-(``raymq.actors.ray_cluster_ops``), which holds every Ray call, as Ray Serve's
-controller reaches its replicas only through ``ActorReplicaWrapper``; tests pass a fake
-cluster whose nodes die, pause and fail on cue (``tests/test_replication_controller.py``).
+promotes); this class applies its decisions to the cluster through ``ClusterOps``
+(``raymq.core.cluster_ops``), the one interface of cluster operations. The broker actor
+passes ``RayClusterOps`` (``raymq.actors.ray_cluster_ops``), which holds every Ray call,
+as Ray Serve's controller reaches its replicas only through ``ActorReplicaWrapper``;
+tests pass a fake cluster whose nodes die, pause and fail on cue
+(``tests/test_replication_controller.py``).
 
 A replicated queue's ``ReplicaSet`` is saved (``ClusterOps.save``) before any actor
 hears of a change: an epoch, once given, is never given again, also across a broker
@@ -33,9 +34,15 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
 
 from raymq.config import QueueConfig
+from raymq.core.cluster_ops import (
+    PING_TIMEOUT_SECONDS,
+    ClusterOps,
+    FollowerRef,
+    Handle,
+    Unreachable,
+)
 from raymq.core.controller import NoNodes, ReplicaSet
 from raymq.core.registry import QueueEntry
 from raymq.errors import BrokerUnavailable, NotLeader
@@ -43,9 +50,6 @@ from raymq.errors import BrokerUnavailable, NotLeader
 #: How often the controller checks the leaders and followers of replicated queues
 #: (seconds); followers and clients report a silent leader sooner.
 MONITOR_PERIOD_SECONDS = 1.0
-#: A leader (or follower) that does not answer a ping in this long is taken for lost
-#: (seconds); a false alarm costs a failover, never data (epochs fence the old one).
-PING_TIMEOUT_SECONDS = 1.0
 #: How long a new replicated queue waits for its followers to be in sync (seconds).
 IN_SYNC_TIMEOUT_SECONDS = 60.0
 #: A node where a replica was lost gets no new replica for this long (seconds), unless
@@ -59,84 +63,6 @@ REJOIN_SECONDS = 30.0
 
 # The broker's logger: these sequences were the broker actor's, and operators grep it.
 log = logging.getLogger("raymq.broker")
-
-#: An actor handle, opaque here: only ``ClusterOps`` looks inside.
-Handle = Any
-#: What a leader is told of each follower: (replica id, node id, follower handle).
-FollowerRef = tuple[str, str, Handle]
-
-
-class Unreachable(Exception):
-    """A replica or leader did not answer in time, or its actor is gone."""
-
-
-class ClusterOps(Protocol):
-    """The cluster operations the controller's sequences need. The synchronous ones
-    return at once (a lookup, a start that does not wait, a kill); the others wait for
-    an actor, each at most its own bounded time, and raise ``Unreachable`` when it does
-    not answer."""
-
-    def alive_nodes(self) -> list[str]:
-        """Ids of the nodes the cluster takes for alive."""
-
-    def save(self, entry: QueueEntry) -> None:
-        """Write a queue's entry (its ``ReplicaSet`` included) durably."""
-
-    def find_leader(self, name: str) -> Handle | None:
-        """The queue's leader actor if one holds its name, else None."""
-
-    def actor_id(self, handle: Handle) -> str:
-        """An actor's id, as clients report it (``suspect_leader``)."""
-
-    def find_follower(self, name: str, rid: str) -> Handle | None:
-        """Follower ``rid``'s actor if it runs, else None."""
-
-    def start_follower(self, name: str, rid: str, node: str, epoch: int) -> Handle:
-        """Follower ``rid``'s actor on ``node`` (the running one if any); its start
-        is not waited for."""
-
-    def wake_follower(self, handle: Handle) -> None:
-        """Ask a follower to open its files and watch its leader; no wait (a lost node
-        never answers)."""
-
-    async def follower_ready(self, handle: Handle, timeout: float) -> None:
-        """Wait up to ``timeout`` seconds for a follower's files to be open."""
-
-    async def start_leader(
-        self, entry: QueueEntry, followers: tuple[FollowerRef, ...], fresh: bool
-    ) -> Handle:
-        """The leader actor of ``entry.replicas.leader`` on its node, in the set's
-        epoch, with ``followers``; the running one unless ``fresh`` (then a new one,
-        once the old one's name is free)."""
-
-    async def leader_ready(self, handle: Handle, timeout: float | None) -> None:
-        """Wait until a leader has started; with a ``timeout`` (seconds),
-        ``Unreachable`` after it. Without, its own errors pass through."""
-
-    async def wait_in_sync(self, leader: Handle, replicas: int, timeout: float) -> list[str]:
-        """Up to ``timeout`` seconds for ``replicas`` replicas in sync; the in-sync ids."""
-
-    async def set_followers(
-        self, leader: Handle, epoch: int, followers: tuple[FollowerRef, ...]
-    ) -> None:
-        """Hand a leader its followers (ignored by one not in ``epoch``)."""
-
-    async def ping(self, handle: Handle) -> int | None:
-        """A replica's epoch (a leader's: -1 once fenced), None if no answer within
-        ``PING_TIMEOUT_SECONDS``."""
-
-    async def fence(self, handle: Handle, epoch: int) -> int:
-        """Make a follower refuse epochs before ``epoch``; where its copy ends (next
-        offset)."""
-
-    async def release(self, handle: Handle) -> None:
-        """Make a follower close its files (its copy is about to lead)."""
-
-    async def shutdown_replica(self, handle: Handle, delete_files: bool) -> None:
-        """Close a follower's files (and delete its copy)."""
-
-    def kill(self, handle: Handle) -> None:
-        """End an actor for good (no restart)."""
 
 
 @dataclass
@@ -656,10 +582,4 @@ class ReplicationController:
             self.ops.kill(handle)
 
 
-__all__ = [
-    "ClusterOps",
-    "FollowerRef",
-    "Handle",
-    "ReplicationController",
-    "Unreachable",
-]
+__all__ = ["ReplicationController"]
