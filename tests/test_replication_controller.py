@@ -101,6 +101,7 @@ class FakeCluster:
         self.calls: list[str] = []
         self.controller: ReplicationController | None = None
         self._fail_at: int | None = None
+        self._fail_how = "error"
         self._fail_next: set[str] = set()
 
     # -- the test's controls ----------------------------------------------------------
@@ -119,10 +120,13 @@ class FakeCluster:
         """The next call of operation ``op`` raises ``Fault``."""
         self._fail_next.add(op)
 
-    def fail_at(self, step: int | None) -> None:
-        """The ``step``-th operation from now on (0: the next) raises ``Fault``."""
+    def fail_at(self, step: int | None, how: str = "error") -> None:
+        """The ``step``-th operation from now on (0: the next) fails: ``how="error"``,
+        it raises ``Fault``; ``"silence"``, its actor does not answer (what
+        ``RayClusterOps`` makes of a timeout or a lost actor; only for operations that
+        wait for one)."""
         self.calls = []
-        self._fail_at = step
+        self._fail_at, self._fail_how = step, how
 
     def leader_of(self, name: str) -> FakeActor | None:
         return self.actors.get(("leader", name))
@@ -133,12 +137,17 @@ class FakeCluster:
     def reachable(self, actor: FakeActor) -> bool:
         return not actor.ended and not actor.paused and self.nodes.get(actor.node, False)
 
-    def _step(self, op: str) -> None:
+    def _step(self, op: str, silence: Exception | None = None) -> None:
+        """Count an operation; fail it if told (``silence``: its error when its actor
+        does not answer)."""
         self.calls.append(op)
         if op in self._fail_next:
             self._fail_next.discard(op)
             raise Fault(op)
         if self._fail_at is not None and len(self.calls) - 1 == self._fail_at:
+            if self._fail_how == "silence":
+                assert silence is not None, f"{op} waits for no actor"
+                raise silence
             raise Fault(f"{op} (step {self._fail_at})")
 
     # -- the leaders, as the queue actor behaves towards the controller ----------------
@@ -243,7 +252,7 @@ class FakeCluster:
         self._step("wake_follower")
 
     async def follower_ready(self, handle: FakeActor, timeout: float) -> None:
-        self._step("follower_ready")
+        self._step("follower_ready", Unreachable("silent"))
         if not self.reachable(handle):
             raise Unreachable(f"{handle.rid} does not answer")
 
@@ -259,13 +268,13 @@ class FakeCluster:
         return self.actors[key]
 
     async def leader_ready(self, handle: FakeActor, timeout: float | None) -> None:
-        self._step("leader_ready")
+        self._step("leader_ready", Unreachable("silent") if timeout else Gone(handle.id))
         if not self.reachable(handle):
             raise Unreachable("no answer") if timeout is not None else Gone(handle.id)
         self._start(handle)
 
     async def wait_in_sync(self, leader: FakeActor, replicas: int, timeout: float) -> list[str]:
-        self._step("wait_in_sync")
+        self._step("wait_in_sync", Gone(leader.id))
         if not self.reachable(leader):
             raise Gone(leader.id)
         self._start(leader)
@@ -273,7 +282,7 @@ class FakeCluster:
         return list(leader.in_sync)
 
     async def set_followers(self, leader: FakeActor, epoch: int, followers: tuple) -> None:
-        self._step("set_followers")
+        self._step("set_followers", Gone(leader.id))
         if not self.reachable(leader):
             raise Gone(leader.id)
         self._start(leader)
@@ -282,7 +291,10 @@ class FakeCluster:
             self._sync(leader)
 
     async def ping(self, handle: FakeActor) -> int | None:
-        self._step("ping")
+        try:
+            self._step("ping", Unreachable("silent"))
+        except Unreachable:
+            return None
         if not self.reachable(handle):
             return None
         if handle.kind == "follower":
@@ -291,19 +303,19 @@ class FakeCluster:
         return -1 if handle.fenced else handle.epoch
 
     async def fence(self, handle: FakeActor, epoch: int) -> int:
-        self._step("fence")
+        self._step("fence", Unreachable("silent"))
         if not self.reachable(handle):
             raise Unreachable(f"{handle.rid} does not answer")
         handle.epoch = max(handle.epoch, epoch)
         return self.copies.get((handle.queue, handle.rid), 0)
 
     async def release(self, handle: FakeActor) -> None:
-        self._step("release")
+        self._step("release", Unreachable("silent"))
         if not self.reachable(handle):
             raise Unreachable(f"{handle.rid} does not answer")
 
     async def shutdown_replica(self, handle: FakeActor, delete_files: bool) -> None:
-        self._step("shutdown_replica")
+        self._step("shutdown_replica", Unreachable("silent"))
         if not self.reachable(handle):
             raise Unreachable(f"{handle.rid} does not answer")
         if delete_files:
@@ -481,7 +493,24 @@ def _steps(sequence: str) -> list[str]:
 
 
 STEPS = {name: _steps(name) for name in SEQUENCES}
-CASES = [(name, i, op) for name, ops in STEPS.items() for i, op in enumerate(ops)]
+#: The operations that wait for an actor (``ClusterOps``): these may also go unanswered.
+WAITING = {
+    "follower_ready",
+    "leader_ready",
+    "wait_in_sync",
+    "set_followers",
+    "ping",
+    "fence",
+    "release",
+    "shutdown_replica",
+}
+CASES = [
+    (name, i, op, how)
+    for name, ops in STEPS.items()
+    for i, op in enumerate(ops)
+    for how in ("error", "silence")
+    if how == "error" or op in WAITING
+]
 
 
 @pytest.mark.parametrize("sequence", sorted(SEQUENCES))
@@ -497,12 +526,12 @@ def test_each_sequence_leaves_the_queue_whole(sequence):
 
 
 @pytest.mark.parametrize(
-    ("sequence", "step", "op"), CASES, ids=[f"{n}-{i}-{op}" for n, i, op in CASES]
+    ("sequence", "step", "op", "how"), CASES, ids=["-".join(map(str, case)) for case in CASES]
 )
-def test_a_failure_at_any_step_leaves_it_retryable(sequence, step, op):
+def test_a_failure_at_any_step_leaves_it_retryable(sequence, step, op, how):
     async def main():
         s = await SEQUENCES[sequence]()
-        s.cluster.fail_at(step)
+        s.cluster.fail_at(step, how)
         with contextlib.suppress(Fault, BrokerUnavailable, Gone):
             await s.run()
         assert s.cluster.calls[step] == op  # the run got as far as the failing step
