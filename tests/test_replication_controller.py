@@ -478,6 +478,8 @@ def _check_whole(s: Scenario) -> None:
         f = cluster.follower_of(QUEUE, rid)
         assert f is not None and cluster.reachable(f) and f.node == rs.nodes[rid]
     assert cluster.saved[QUEUE] == rs.to_dict()
+    running = sorted(key[-1] for key, a in cluster.actors.items() if a.kind == "follower")
+    assert running == rs.followers, "a follower actor outside the set still runs"
 
 
 def _steps(sequence: str) -> list[str]:

@@ -397,6 +397,11 @@ class ReplicationController:
         leader's copy back if its node lives."""
         h = self._handing_over.pop(name)
         rs = self.queues[name].replicas
+        # Its copy's follower actor, if a client's lookup started the leader before the
+        # hand-over ended it: it would run outside the set until the stop.
+        stray = self.ops.find_follower(name, rs.leader)
+        if stray is not None:
+            self.ops.kill(stray)
         record = {
             "queue": name,
             "old_epoch": h.old_epoch,
@@ -429,6 +434,9 @@ class ReplicationController:
             log.info("queue %r: replica %s does not rejoin from its node: %s", name, rid, exc)
             self.ops.kill(handle)
             return
+        except BaseException:  # (its start failed, or the stop cancels us)
+            self.ops.kill(handle)  # not left running outside the set
+            raise
         async with self.lock_of(name):
             rs = self.queues[name].replicas
             if rs.epoch != epoch or rid in rs.nodes:
