@@ -22,8 +22,8 @@ Retries: any step may fail (an actor that does not answer, a save that fails), a
 monitor's next round completes the sequence. A failover that failed after its promotion
 is resumed, not begun again (``_handing_over``: begun again, it would find no follower
 in sync and wait for ever); a changed set not yet saved or handed to its leader is
-published again (``_unpublished``: else the leader would never learn of a new
-follower). The others start over from what the set says.
+published again, and a replica it retired ended again (``_unpublished``: else the
+leader would never learn of a new follower). The others start over from what the set says.
 """
 
 from __future__ import annotations
@@ -119,8 +119,9 @@ class ReplicationController:
         #: Failovers whose new leader has not started yet, by queue.
         self._handing_over: dict[str, _HandOver] = {}
         #: Queues whose changed set may not be saved or known to their leader yet (a
-        #: step failed): the monitor's next round does both again.
-        self._unpublished: set[str] = set()
+        #: step failed), with the replicas it retired whose actors may still run: the
+        #: monitor's next round does it all again.
+        self._unpublished: dict[str, set[str]] = {}
 
     # -- shared with the broker ---------------------------------------------------------
 
@@ -460,14 +461,9 @@ class ReplicationController:
                 return
             lagging = [r for r in rs.followers if r not in rs.in_sync]
             drop = lagging[0] if lagging else max(rs.followers, key=lambda r: int(r[1:]))
-            handle = self.ops.find_follower(name, drop)
-            if handle is not None:
-                with contextlib.suppress(Unreachable):
-                    await self.ops.shutdown_replica(handle, True)
-                self.ops.kill(handle)
             rs.remove_replica(drop)
             log.warning("queue %r: replica %s retired (%d replicas)", name, drop, len(rs.nodes))
-            await self._publish(name)
+            await self._publish(name, retired=drop)
 
     async def replace_follower(self, name: str, rid: str) -> None:
         """Replace a lost follower by a new one on another node (none free: the set
@@ -492,20 +488,30 @@ class ReplicationController:
             log.warning("queue %r: follower %s lost, replaced by %s", name, rid, new)
             await self._publish(name)
 
-    async def _publish(self, name: str) -> None:
-        """Save a changed set, then hand its followers to the leader; until both are
-        done, the monitor's rounds do them again (``_unpublished``)."""
-        self._unpublished.add(name)
+    async def _publish(self, name: str, retired: str | None = None) -> None:
+        """Save a changed set, end the actor of a replica it ``retired`` (its copy
+        deleted), then hand the followers to the leader; until all is done, the
+        monitor's rounds do it again (``_unpublished``). Saved first: a saved set that
+        still names the retired replica in sync must find its copy whole."""
+        retiring = self._unpublished.setdefault(name, set())
+        if retired is not None:
+            retiring.add(retired)
         self._save(name)
+        for rid in sorted(retiring):
+            handle = self.ops.find_follower(name, rid)
+            if handle is not None:
+                with contextlib.suppress(Unreachable):
+                    await self.ops.shutdown_replica(handle, True)
+                self.ops.kill(handle)
         await self._tell_followers(name)
-        self._unpublished.discard(name)
+        del self._unpublished[name]
 
     async def _republish(self, name: str) -> None:
-        """``_publish`` again a set whose save or hand-over failed."""
+        """``_publish`` again a set whose save, retirement or hand-over failed."""
         async with self.lock_of(name):
             entry = self.queues.get(name)
             if entry is None or entry.replicas is None:
-                self._unpublished.discard(name)
+                self._unpublished.pop(name, None)
             elif name in self._unpublished:
                 await self._publish(name)
 
