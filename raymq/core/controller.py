@@ -1,9 +1,10 @@
 """The replication controller's decisions, without Ray: where a replicated queue's
 replicas go, which follower a failover promotes, where a lost replica is replaced.
 
-The broker actor applies them (``raymq.actors.broker_actor``) and keeps a ``ReplicaSet``
-per replicated queue in the queue's ``queue.json``, written before any actor hears of
-a change: an epoch, once given, is never given again, also across a broker restart.
+``ReplicationController`` (``raymq.core.replication_controller``) applies them for the
+broker actor, and keeps a ``ReplicaSet`` per replicated queue in the queue's
+``queue.json``, written before any actor hears of a change: an epoch, once given, is
+never given again, also across a broker restart.
 """
 
 from __future__ import annotations
