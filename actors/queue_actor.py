@@ -37,7 +37,7 @@ from raymq.core.subscription import Delivery
 from raymq.core.target_list import FetchAnswer
 from raymq.errors import BrokerUnavailable, NotLeader
 from raymq.fetch_channel import FetchChannelServer
-from raymq.send_channel import SendChannelServer
+from raymq.send_channel_server import SendChannelServer
 from raymq.storage.mirror import read_epochs, write_epochs
 from raymq.storage.subscriptions import SubscriptionSpec
 

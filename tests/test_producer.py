@@ -461,10 +461,10 @@ def test_a_closed_server_answers_its_stores_refuses_new_requests_then_closes(ser
     """F11: a queue that hibernates closes its channel server: requests arriving after
     get NotLeader at once (a producer's go through Ray, after its earlier batches);
     stores under way are answered, then the connections close."""
-    from raymq import send_channel
+    from raymq import send_channel_server
 
     store, server, endpoint, loop = served
-    monkeypatch.setattr(send_channel, "CLOSE_GRACE_SECONDS", 600)  # not what closes them
+    monkeypatch.setattr(send_channel_server, "CLOSE_GRACE_SECONDS", 600)  # not what closes them
     channel = SendChannel(*endpoint, "q")
     assert channel.send(b"before", b"", None) == 0
     store.hold = True  # a store under way when the queue closes
@@ -494,10 +494,10 @@ def test_a_closed_server_answers_its_stores_refuses_new_requests_then_closes(ser
 def test_a_store_unanswered_after_the_close_grace_fails_with_channel_broken(served, monkeypatch):
     """F11: a store the closing queue never answers does not hang its sender: the
     connection closes after CLOSE_GRACE_SECONDS and the send raises ChannelBroken."""
-    from raymq import send_channel
+    from raymq import send_channel_server
 
     store, server, endpoint, loop = served
-    monkeypatch.setattr(send_channel, "CLOSE_GRACE_SECONDS", 0.2)
+    monkeypatch.setattr(send_channel_server, "CLOSE_GRACE_SECONDS", 0.2)
     channel = SendChannel(*endpoint, "q")
     store.hold = True  # never released before the close
     errors: list[BaseException] = []

@@ -14,7 +14,8 @@ import pytest
 
 from raymq.batch import MessageBatch
 from raymq.errors import AddressFull
-from raymq.send_channel import ChannelBroken, SendChannel, SendChannelServer, _Reply, frame
+from raymq.send_channel import ChannelBroken, SendChannel, _Reply, frame
+from raymq.send_channel_server import SendChannelServer
 
 MAX_MESSAGE = 1024
 
@@ -309,15 +310,15 @@ def test_an_oversized_message_fails_alone_in_its_gather(served):
 
 
 def test_a_silent_connection_is_closed_and_connections_are_capped(served, monkeypatch):
-    from raymq import send_channel
+    from raymq import send_channel_server
 
     _, server, (host, port, secret), _ = served
-    monkeypatch.setattr(send_channel, "HELLO_TIMEOUT_SECONDS", 0.2)
+    monkeypatch.setattr(send_channel_server, "HELLO_TIMEOUT_SECONDS", 0.2)
     silent = raw_client(host, port, None)  # never sends the secret
     assert silent.recv(1) == b""  # closed by the server, not by us
     silent.close()
-    monkeypatch.setattr(send_channel, "MAX_CONNECTIONS", 2)
-    monkeypatch.setattr(send_channel, "HELLO_TIMEOUT_SECONDS", 60)
+    monkeypatch.setattr(send_channel_server, "MAX_CONNECTIONS", 2)
+    monkeypatch.setattr(send_channel_server, "HELLO_TIMEOUT_SECONDS", 60)
     kept = [raw_client(host, port, secret) for _ in range(2)]
     extra = socket.create_connection((host, port), timeout=30)
     assert extra.recv(1) == b""  # over the cap: closed at once
