@@ -34,10 +34,11 @@ Frames: a 4-byte big-endian length, then msgpack. The client's first frame is
 or, for either, ``[id, nil, error class name, message]``. A server that stopped
 serving (its queue hibernates or stops) answers ``NotLeader`` and then closes.
 
-The server (``raymq.send_channel_server``) parses frames in the event-loop callback that receives their bytes (an
-asyncio Protocol, not a stream reader: no task is woken per request), and gathers the
-requests that arrive together into one ``MessageBatch`` (one record on disk, one group
-commit), as a client's producer (``raymq.client.producer``) gathers its threads' sends.
+The server (``raymq.send_channel_server``) parses frames in the event-loop callback that
+receives their bytes (an asyncio Protocol, not a stream reader: no task is woken per
+request), and gathers the requests that arrive together into one ``MessageBatch`` (one
+record on disk, one group commit), as a client's producer (``raymq.client.producer``)
+gathers its threads' sends.
 """
 
 from __future__ import annotations
