@@ -39,9 +39,7 @@ import ray
 
 from bench.common import console, start_broker, stop_broker
 from bench.soak import (
-    CONSUMER_SLOTS,
     MUST_BE_0,
-    PRODUCERS,
     QUEUES,
     Soak,
     report,
@@ -133,38 +131,13 @@ def run(args: argparse.Namespace) -> bool:
     ok = False
     try:
         soak = ChaosSoak(broker, args)
-        t0 = time.monotonic()
         every = tuple(float(x) for x in args.kill_every.split(","))
-        threads = [threading.Thread(target=soak.produce, args=(p,)) for p in range(PRODUCERS)]
-        consumers = [
-            threading.Thread(target=soak.consume, args=(i,)) for i in range(CONSUMER_SLOTS)
-        ]
-        helpers = [
-            threading.Thread(target=soak.monitor, args=(t0,), daemon=True),
-            threading.Thread(target=soak.watchdog, daemon=True),
-            threading.Thread(target=soak.killer, args=(every,), daemon=True),
-        ]
-        for t in [*threads, *consumers, *helpers]:
-            t.start()
-        soak.stop_producing.wait(args.minutes * 60)
-        soak.stop_producing.set()
-        for t in threads:
-            t.join()
-        produce_seconds = time.monotonic() - t0
-        console.print("producers stopped; closing consumers ...")
-        soak.stop_consuming.set()
-        for t in [*consumers, *helpers]:
-            t.join()
-        closed = [q.stats() for q in soak.queues]
-        d0 = time.monotonic()
-        for qi in range(len(QUEUES)):
-            soak.drain(qi, args.drain_timeout)
-        final = [q.stats() for q in soak.queues]
-        seconds = {
-            "produce": produce_seconds,
-            "drain": time.monotonic() - d0,
-            "all": time.monotonic() - t0,
-        }
+        closed, final, seconds = soak.run(
+            lambda t0: [
+                threading.Thread(target=soak.watchdog, daemon=True),
+                threading.Thread(target=soak.killer, args=(every,), daemon=True),
+            ]
+        )
         must = tuple(k for k in MUST_BE_0 if k not in ("while_held", "after_ack"))
         ok = report(soak, final, closed, seconds, must_be_0=must)
         console.print(

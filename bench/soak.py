@@ -55,6 +55,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -446,6 +447,49 @@ class Soak:
             soft_wrap=True,
         )
 
+    # -- the run ---------------------------------------------------------------------
+
+    def run(
+        self, extra: Callable[[float], list[threading.Thread]] | None = None
+    ) -> tuple[list[dict], list[dict], dict[str, float]]:
+        """Producers, consumer slots and the monitor (and ``extra(t0)``'s threads, which
+        must end once ``stop_consuming`` is set) for ``--minutes``; then every consumer
+        closes and each queue is drained. Returns the queues' stats once the consumers
+        closed and after the drain, and the seconds of the phases."""
+        t0 = time.monotonic()
+        producers = [threading.Thread(target=self.produce, args=(p,)) for p in range(PRODUCERS)]
+        consumers = [
+            threading.Thread(target=self.consume, args=(i,)) for i in range(CONSUMER_SLOTS)
+        ]
+        helpers = [threading.Thread(target=self.monitor, args=(t0,), daemon=True)]
+        helpers += extra(t0) if extra is not None else []
+        for t in [*producers, *consumers, *helpers]:
+            t.start()
+        self.stop_producing.wait(self.args.minutes * 60)
+        self.stop_producing.set()
+        for t in producers:
+            t.join()
+        produce_seconds = time.monotonic() - t0
+        console.print("producers stopped; closing consumers ...")
+        self.stop_consuming.set()
+        for t in [*consumers, *helpers]:
+            t.join()
+        self.sample_memory()
+        closed = [q.stats() for q in self.queues]
+        console.print(
+            "consumers closed; in flight "
+            + ", ".join(f"{n} {s['in_flight']:,}" for n, s in zip(QUEUES, closed, strict=True))
+            + "; draining ..."
+        )
+        d0 = time.monotonic()
+        for qi in range(len(QUEUES)):
+            self.drain(qi, self.args.drain_timeout)
+        drain_seconds = time.monotonic() - d0
+        self.sample_memory()
+        final = [q.stats() for q in self.queues]
+        seconds = {"produce": produce_seconds, "drain": drain_seconds, "all": time.monotonic() - t0}
+        return closed, final, seconds
+
     # -- the end ---------------------------------------------------------------------
 
     def drain(self, qi: int, timeout: float) -> None:
@@ -697,42 +741,7 @@ def main() -> None:
     ok = False
     try:
         soak = Soak(broker, args)
-        t0 = time.monotonic()
-        producers = [threading.Thread(target=soak.produce, args=(p,)) for p in range(PRODUCERS)]
-        consumers = [
-            threading.Thread(target=soak.consume, args=(i,)) for i in range(CONSUMER_SLOTS)
-        ]
-        monitor = threading.Thread(target=soak.monitor, args=(t0,), daemon=True)
-        for t in [*producers, *consumers, monitor]:
-            t.start()
-        soak.stop_producing.wait(args.minutes * 60)
-        soak.stop_producing.set()
-        for t in producers:
-            t.join()
-        produce_seconds = time.monotonic() - t0
-        console.print("producers stopped; closing consumers ...")
-        soak.stop_consuming.set()
-        for t in consumers:
-            t.join()
-        monitor.join()
-        soak.sample_memory()
-        closed = [q.stats() for q in soak.queues]
-        console.print(
-            "consumers closed; in flight "
-            + ", ".join(f"{n} {s['in_flight']:,}" for n, s in zip(QUEUES, closed, strict=True))
-            + "; draining ..."
-        )
-        d0 = time.monotonic()
-        for qi in range(len(QUEUES)):
-            soak.drain(qi, args.drain_timeout)
-        drain_seconds = time.monotonic() - d0
-        soak.sample_memory()
-        final = [q.stats() for q in soak.queues]
-        seconds = {
-            "produce": produce_seconds,
-            "drain": drain_seconds,
-            "all": time.monotonic() - t0,
-        }
+        closed, final, seconds = soak.run()
         ok = report(soak, final, closed, seconds)
     finally:
         stop_broker(broker)
