@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 
 import numpy as np
 import pyarrow as pa
@@ -33,7 +32,7 @@ from raymq.core.target_list import (
     FetchAnswer,
     FetchFailed,
 )
-from raymq.errors import BrokerUnavailable, NotLeader, RayMQError
+from raymq.errors import BrokerUnavailable, NotLeader, RayMQError, ray_reason
 from raymq.fetch_channel import (
     CONNECT_TIMEOUT_SECONDS,
     REMEMBERED_CONNECT_SECONDS,
@@ -55,7 +54,6 @@ REVIVE_SECONDS = 60.0
 #: Longest a TargetList registered over the FetchChannel puts off its Ray registration
 #: (the queue's death watch), unless its first delivery comes sooner (seconds).
 WATCH_DELAY_SECONDS = 0.1
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 #: Longest one fetch waits in the queue actor (seconds); the loader simply asks again.
 LOADER_POLL_SECONDS = 1.0
@@ -70,7 +68,6 @@ REVIVE_SECONDS = 60.0
 WATCH_DELAY_SECONDS = 0.1
 #: How long ``close`` keeps asking a restarting queue actor (seconds).
 CLOSE_RETRY_SECONDS = 30.0
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 class TargetListLink:
@@ -439,8 +436,4 @@ class _StaleEndpoint(Exception):
         super().__init__(f"the remembered fetch channel {host}:{port} failed: {cause}")
 
 
-def _reason(exc: BaseException) -> str:
-    """The last line of Ray's message for ``exc`` (where it puts the cause), without
-    colour codes, at most 300 characters."""
-    lines = [line.strip() for line in _ANSI.sub("", str(exc)).splitlines() if line.strip()]
-    return (lines[-1] if lines else type(exc).__name__)[:300]
+_reason = ray_reason

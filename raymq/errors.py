@@ -6,6 +6,8 @@ setting or file is involved, and raising one never changes or loses data.
 
 from __future__ import annotations
 
+import re
+
 
 class RayMQError(Exception):
     """Base class of every RayMQ error."""
@@ -80,3 +82,13 @@ class NotEnoughReplicas(RayMQError):
 class NotLeader(BrokerUnavailable):
     """This replica of a replicated queue no longer leads it (a newer epoch does): it
     acknowledges nothing more; the client finds the new leader and tries again."""
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def ray_reason(exc: BaseException) -> str:
+    """The last line of Ray's message for ``exc`` (where it puts the cause), without
+    colour codes, at most 300 characters: Ray's errors run to many lines."""
+    lines = [line.strip() for line in _ANSI.sub("", str(exc)).splitlines() if line.strip()]
+    return (lines[-1] if lines else type(exc).__name__)[:300]

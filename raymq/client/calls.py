@@ -14,6 +14,7 @@ from raymq.errors import (
     BrokerUnavailable,
     NotLeader,
     RayMQError,
+    ray_reason,
 )
 
 #: How long a call keeps retrying while an actor restarts (seconds).
@@ -34,9 +35,8 @@ def fault_of(exc: BaseException) -> Fault:
 
 
 def _reason(exc: BaseException) -> str:
-    """The first line of a Ray error's message (they run to many lines)."""
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"
+    """A Ray error in one line: its class and ``raymq.errors.ray_reason``."""
+    return f"{type(exc).__name__}: {ray_reason(exc)}"
 
 
 def _unwrap(exc: BaseException) -> BaseException:

@@ -7,7 +7,6 @@ locator."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import threading
@@ -435,8 +434,8 @@ class _RayTransport:
                 raise LinkFault(fault_of(exc.cause), _reason(exc.cause)) from None
             raise _unwrap(exc) from None
         except ray.exceptions.GetTimeoutError:
-            with contextlib.suppress(Exception):
-                ray.cancel(ref)
+            # Not cancelled: a call half done in the queue (a send in its group commit)
+            # is left to finish; the link reports its outcome as unknown.
             raise LinkFault(Fault.SILENT, f"no answer in {timeout:g} s") from None
         except _FAULTS as exc:
             raise LinkFault(fault_of(exc), _reason(exc)) from None
