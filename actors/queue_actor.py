@@ -36,10 +36,10 @@ from raymq.core.replication import ReplicationLeader
 from raymq.core.subscription import Delivery
 from raymq.core.target_list import FetchAnswer
 from raymq.errors import BrokerUnavailable, NotLeader
-from raymq.fetch_channel import FetchChannelServer
-from raymq.send_channel_server import SendChannelServer
 from raymq.storage.mirror import read_epochs, write_epochs
 from raymq.storage.subscriptions import SubscriptionSpec
+from raymq.wire.fetch import FetchServer
+from raymq.wire.send import SendServer
 
 #: How often the back-up to the death watches looks for silent consumers (seconds).
 #: Rare: the pending ``until_closed`` call tells of a death at once (bench.redelivery).
@@ -113,7 +113,7 @@ class QueueActor:
             "FAIL",
             "BLOCK",
         )
-        self._channel = SendChannelServer(
+        self._channel = SendServer(
             self._channel_send_batch,
             config.name,
             broker.max_message_size,
@@ -384,7 +384,7 @@ class QueueActor:
     #: The FetchChannel's server, and its start (answering its (host, port, secret)),
     #: by the first registration: a queue nobody consumes from listens on no second
     #: socket.
-    _fetch_server: FetchChannelServer | None = None
+    _fetch_server: FetchServer | None = None
     _fetch_starting: asyncio.Future | None = None
 
     async def fetch_endpoint(self) -> tuple[str, int, str] | None:
@@ -400,7 +400,7 @@ class QueueActor:
         return await asyncio.shield(self._fetch_starting)
 
     async def _start_fetch_server(self) -> tuple[str, int, str] | None:
-        server = FetchChannelServer(
+        server = FetchServer(
             self._channel_fetch,
             self._channel_give_back,
             self.core.name,
@@ -485,7 +485,7 @@ class QueueActor:
     async def fetch_parked(self, token: int) -> tuple[FetchAnswer, pa.RecordBatch | None]:
         """A delivery the FetchChannel parked (too large to send inline), as
         ``fetch_batch`` answers (called with ``num_returns=2``); an empty answer if it
-        is unknown (dropped after ``raymq.fetch_channel.PARKED_SECONDS``, or a restart)."""
+        is unknown (dropped after ``raymq.wire.fetch.PARKED_SECONDS``, or a restart)."""
         await self._ensure_started()
         delivery = None if self._fetch_server is None else self._fetch_server.take_parked(token)
         if delivery is None:

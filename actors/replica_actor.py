@@ -23,8 +23,9 @@ import ray
 from raymq.actors.names import BROKER_ACTOR_NAME
 
 from raymq.core.replication import ReplicationFollower
-from raymq.replica_channel import ChannelFailed, ReplicaChannel, ReplicaChannelServer
 from raymq.storage.mirror import MirrorState, MirrorWrite, ReplicaFiles
+from raymq.wire.errors import WireBroken
+from raymq.wire.replica import ReplicaChannel, ReplicaServer
 
 #: A leader silent this long is reported to the controller (seconds); it writes to
 #: idle followers every ``replication.HEARTBEAT_SECONDS``.
@@ -43,7 +44,7 @@ class ReplicaActor:
         self.namespace = namespace
         self.follower = ReplicationFollower(ReplicaFiles(directory, queue), epoch)
         self._watch: asyncio.Task | None = None
-        self._channel = ReplicaChannelServer(self.follower, queue)
+        self._channel = ReplicaServer(self.follower, queue)
         self._endpoint: tuple[str, int, str] | None = None
         self._channel_started = False
 
@@ -192,7 +193,7 @@ class RayFollowerLink:
     async def _guarded(self, answer) -> None:
         try:
             await answer
-        except (TimeoutError, ChannelFailed, asyncio.CancelledError):
+        except (TimeoutError, WireBroken, asyncio.CancelledError):
             # Failed, or given up on: found again next time (the follower may have
             # restarted), never left half-connected.
             self._drop_channel()

@@ -59,9 +59,9 @@ from raymq.core.target_list import (
     FetchFailed,
     TargetList,
 )
-from raymq.delivery_channel import BY_REFERENCE, DeliveryChannelServer, answer_of
 from raymq.errors import BrokerUnavailable, NotLeader, RayMQError
-from raymq.fetch_channel import (
+from raymq.wire.delivery import BY_REFERENCE, DeliveryServer, answer_of
+from raymq.wire.fetch import (
     STALE_FETCH_ENDPOINT,
     FetchChannel,
     InlineDelivery,
@@ -108,7 +108,7 @@ class TargetListActor(TargetListLink):
         self._death = ""  # Ray's reason for that death
         self._namespace: str | None = None  # the broker's, once known
         #: The consumer's receives come over this socket (``raymq.delivery_channel``).
-        self._channel: DeliveryChannelServer | None = None
+        self._channel: DeliveryServer | None = None
         self.channel_lost_batches = 0  # batches lost with a restarted queue, skipped
         #: The secret of the queue process's FetchChannel we registered with last: it
         #: tells a new process (``_note_queue_process``).
@@ -154,7 +154,7 @@ class TargetListActor(TargetListLink):
         return await asyncio.shield(self._listening)
 
     async def _open_channel(self) -> tuple[str, int, str] | None:
-        server = DeliveryChannelServer(
+        server = DeliveryServer(
             self._channel_take, self._channel_give_back, "a spare", start=self._channel_start
         )
         try:

@@ -25,7 +25,7 @@ import pyarrow as pa
 import ray
 from raymq.actors.names import BROKER_ACTOR_NAME, queue_actor_name
 
-from raymq import fetch_channel, metrics
+from raymq import metrics
 from raymq.batch import offsets_of
 from raymq.core.target_list import (
     DirectEntry,
@@ -33,10 +33,11 @@ from raymq.core.target_list import (
     FetchFailed,
 )
 from raymq.errors import BrokerUnavailable, NotLeader, RayMQError, ray_reason
-from raymq.fetch_channel import (
+from raymq.wire import fetch as fetch_channel
+from raymq.wire.errors import WireBroken
+from raymq.wire.fetch import (
     CONNECT_TIMEOUT_SECONDS,
     REMEMBERED_CONNECT_SECONDS,
-    ChannelBroken,
     FetchChannel,
     InlineDelivery,
 )
@@ -203,7 +204,7 @@ class TargetListLink:
         if self._fetch_channel_enabled and not self._fetch_channel and self._fetch_endpoint:
             try:
                 self._fetch_channel = await FetchChannel.connect(*self._fetch_endpoint, self.queue)
-            except ChannelBroken as exc:
+            except WireBroken as exc:
                 self._fetch_channel_broke(exc)
 
     async def _send_fetch(self, room: int, first: bool) -> None:
@@ -244,7 +245,7 @@ class TargetListLink:
             if task.done() and (task.cancelled() or task.exception() is not None):
                 self._fetch_task = None
             raise
-        except ChannelBroken as exc:
+        except WireBroken as exc:
             self._fetch_task = None
             self._fetch_channel_broke(exc)
             return None  # the next fetch goes through Ray
@@ -304,9 +305,9 @@ class TargetListLink:
         except BaseException as exc:
             if channel is not None:
                 channel.close()
-            if cached and isinstance(exc, ChannelBroken | NotLeader):
+            if cached and isinstance(exc, WireBroken | NotLeader):
                 raise _StaleEndpoint(endpoint, exc) from None
-            if isinstance(exc, ChannelBroken):
+            if isinstance(exc, WireBroken):
                 self._fetch_channel_broke(exc)
                 return False
             raise
@@ -390,7 +391,7 @@ class TargetListLink:
                 exc,
             )
 
-    def _fetch_channel_broke(self, exc: ChannelBroken) -> None:
+    def _fetch_channel_broke(self, exc: WireBroken) -> None:
         """The FetchChannel failed: fetch through Ray until we register again (after a
         failure of the queue actor, which may be a new one then) (counted, logged)."""
         self.fetch_channel_failures += 1

@@ -41,7 +41,7 @@ import ray
 from raymq.placement import spares
 
 from bench.common import console, print_table, start_broker, stop_broker
-from raymq import delivery_channel
+from raymq.wire import delivery as delivery_channel
 
 BODY = b"x" * 1024
 #: ``send()`` calls one thread keeps up with at a steady rate (it waits ~1 ms each).

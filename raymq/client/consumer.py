@@ -16,7 +16,6 @@ import numpy as np
 import pyarrow as pa
 import ray
 
-from raymq import delivery_channel
 from raymq.batch import (
     EMPTY_DELIVERY,
     warm_arrow_conversions,
@@ -33,8 +32,6 @@ from raymq.client.messages import (
     _messages,
     _offsets_of,
 )
-from raymq.delivery_channel import BY_REFERENCE, INLINE_BYTES, DeliveryChannel
-from raymq.delivery_channel import ChannelBroken as DeliveryBroken
 from raymq.errors import (
     BrokerUnavailable,
     ConsumerClosed,
@@ -43,7 +40,10 @@ from raymq.errors import (
     NotLeader,
     RayMQError,
 )
-from raymq.fetch_channel import STALE_FETCH_ENDPOINT
+from raymq.wire import delivery as delivery_channel
+from raymq.wire.delivery import BY_REFERENCE, INLINE_BYTES, DeliveryChannel
+from raymq.wire.errors import WireBroken
+from raymq.wire.fetch import STALE_FETCH_ENDPOINT
 
 
 class ConsumedQueue(Protocol):
@@ -180,7 +180,7 @@ class Consumer(AsyncReceives):
                 # Started over its channel, not by a Ray call (``raymq.delivery_channel``).
                 try:
                     self._channel = DeliveryChannel(*spare_channel, queue.name)
-                except DeliveryBroken as exc:  # the spare died since it was up, say
+                except WireBroken as exc:  # the spare died since it was up, say
                     _log.warning(
                         "queue %r: a new TargetList for consumer %s: %s",
                         queue.name,
@@ -207,7 +207,7 @@ class Consumer(AsyncReceives):
         if self._channel is None and endpoint is not None and connect:
             try:
                 self._channel = DeliveryChannel(*endpoint, queue.name)
-            except DeliveryBroken as exc:
+            except WireBroken as exc:
                 self._channel_broke(exc)
         # The next consumer's spare: once this one has its first answer, not before.
         spares.warm(node, after=self._first_answer)
@@ -225,13 +225,13 @@ class Consumer(AsyncReceives):
             )
         try:
             return self._channel.start(named, CLOSE_TIMEOUT_SECONDS)
-        except DeliveryBroken as exc:  # it may have started or not: not ours to use
+        except WireBroken as exc:  # it may have started or not: not ours to use
             raise BrokerUnavailable(
                 f"queue {self.queue.name!r}: consumer {self.consumer_id}: its TargetList"
                 f" did not start: {exc}"
             ) from exc
 
-    def _channel_broke(self, exc: DeliveryBroken, channel: DeliveryChannel | None = None) -> None:
+    def _channel_broke(self, exc: WireBroken, channel: DeliveryChannel | None = None) -> None:
         """The DeliveryChannel failed: receive through Ray from now on (counted, logged).
 
         If it broke with a request under way, the TargetList may have written rows this
@@ -324,7 +324,7 @@ class Consumer(AsyncReceives):
         if channel is not None and not self._by_reference:
             try:
                 got = channel.take(min(max(want, CHANNEL_TAKE_MESSAGES), self.prefetch), wait)
-            except DeliveryBroken as exc:
+            except WireBroken as exc:
                 self._channel_broke(exc, channel)  # the Ray call below raises the typed error
                 if self._closed:
                     raise self._closed_error() from None

@@ -40,7 +40,8 @@ from raymq.errors import (
 )
 from raymq.properties import encode_properties, validate_properties
 from raymq.selector import Selector
-from raymq.send_channel import ChannelBroken, SendChannel
+from raymq.wire.errors import WireBroken
+from raymq.wire.send import SendChannel
 
 
 class BrokerOfQueue(Protocol):
@@ -228,7 +229,7 @@ class Queue:
             try:
                 first, count = channel.send_batch(batch, timeout)
                 return list(range(first, first + count))
-            except (ChannelBroken, NotLeader):
+            except (WireBroken, NotLeader):
                 pass  # as in ``send``: Ray calls follow a restart or a new leader
         first, count = self._invoke("send_batch", batch, timeout, answer_seconds=timeout)
         return list(range(first, first + count))
@@ -255,7 +256,7 @@ class Queue:
         if channel is not None:
             try:
                 return await channel.send_async(body, props, timeout)
-            except (ChannelBroken, NotLeader):
+            except (WireBroken, NotLeader):
                 pass  # as in ``send``: a Ray call follows a restart or a new leader
         batch = MessageBatch.from_encoded([body], [props])
         first, count = await self._send_batch_by_ray(batch, timeout)
@@ -277,7 +278,7 @@ class Queue:
                 try:
                     first, count = await channel.send_batch_async(batch, timeout)
                     return list(range(first, first + count))
-                except (ChannelBroken, NotLeader):
+                except (WireBroken, NotLeader):
                     pass  # as in ``send_batch``
         first, count = await self._send_batch_by_ray(batch, timeout)
         return list(range(first, first + count))

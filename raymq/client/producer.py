@@ -32,7 +32,7 @@ Guarantees:
 - The channel breaking with batches in flight (the queue actor restarted, the network
   failed): their outcome is unknown, so they are sent again, in order, through Ray
   calls (which also follow a replicated queue's new leader): at-least-once, as a
-  waiting ``send`` retried after ``ChannelBroken``. No future is left unresolved.
+  waiting ``send`` retried after ``WireBroken``. No future is left unresolved.
 - A batch's bytes stay within ``max_batch_bytes`` (but for a single larger message), so
   a producer made with the channel's limit never sends a frame the channel refuses.
 """
@@ -49,13 +49,14 @@ from typing import Any
 
 from raymq.batch import MessageBatch
 from raymq.errors import NotLeader, RayMQError
-from raymq.send_channel import REPLY_PATIENCE_SECONDS, ChannelBroken, SendChannel
+from raymq.wire.errors import WireBroken
+from raymq.wire.send import REPLY_PATIENCE_SECONDS, SendChannel
 
 log = logging.getLogger("raymq.producer")
 
 #: Errors after which a batch's outcome is unknown or it went to the wrong actor: it is
 #: sent again through Ray.
-_RESENT = (ChannelBroken, NotLeader)
+_RESENT = (WireBroken, NotLeader)
 
 #: A batch ships once it holds this many messages (messages).
 MAX_BATCH_MESSAGES = 2048
@@ -364,7 +365,7 @@ class Producer:
                     else:
                         channel.submit_batch(self._wire(batch), batch.timeout, batch)
                     return
-                except ChannelBroken:
+                except WireBroken:
                     batch.on_channel = False
                     self._on_channel.discard(batch.seq)
         self._to_lane(batch)

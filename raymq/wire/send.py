@@ -1,0 +1,284 @@
+"""The send protocol: producers' sends to a queue actor over the wire, not a Ray call each.
+
+A Ray actor call costs 1-2 ms of round trip here (docs/ARCHITECTURE.md). A producer that
+sends one message at a time and waits for each is bound by that round trip, however
+well the actor's group commit shares fsyncs; and a batch as a Ray argument goes through
+the object store (~6 ms of the producer's CPU per 1 MiB batch here, measured). So a
+queue actor serves this protocol (docs/WIRE.md "send"), and each client process keeps
+one connection per queue (``raymq.client.handles``), many sends in flight at once.
+
+Ops:
+
+- ``send [body, properties, timeout]``: one message (properties msgpack-encoded as in a
+  ``MessageBatch``; timeout seconds or nil), answered with its offset once durable (nil:
+  DROPped). Single sends that arrive together are gathered into one ``MessageBatch``
+  (one record on disk, one group commit), as a client's producer gathers its threads'.
+- ``send_batch [timeout]`` with four raw buffers (``MessageBatch.wire_buffers``),
+  answered ``[first offset, count stored]``.
+
+A server that stopped serving (its queue hibernates or stops) answers ``NotLeader``
+(the client sends through Ray, which finds the queue's next actor) and closes once the
+stores under way are answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from concurrent.futures import TimeoutError as FutureTimeout  # not the builtin before 3.11
+from typing import Any
+
+from raymq import errors
+from raymq.batch import MessageBatch
+from raymq.properties import check_encoded_properties
+from raymq.wire.blocking import BlockingClient
+from raymq.wire.client import PATIENCE_SECONDS, Answer
+from raymq.wire.errors import WireBroken
+from raymq.wire.server import DEFERRED, Op, Protocol, Request, WireServer
+
+log = logging.getLogger("raymq.wire.send")
+
+PROTOCOL = "send"
+#: Room for a request's framing beside its body and properties (bytes).
+FRAME_OVERHEAD = 64 * 1024
+#: Connections a queue actor serves at once; more are closed at once.
+MAX_CONNECTIONS = 256
+#: After ``SendServer.close``, open connections are closed once the stores under way
+#: are answered, or after this long at most (seconds).
+CLOSE_GRACE_SECONDS = 5.0
+#: A client waiting this long for an answer pings the server; a ping unanswered as long
+#: again breaks the connection (seconds). A BLOCKed send may wait for ever, a dead peer not.
+REPLY_PATIENCE_SECONDS = PATIENCE_SECONDS
+
+#: ``send_batch(batch, timeout)``: store a batch, (first offset, count stored).
+SendBatch = Callable[[MessageBatch, "float | None"], Awaitable[tuple[int, int]]]
+
+
+# -- the queue actor's side -------------------------------------------------------------
+
+
+class SendServer:
+    """Serves one queue's sends: ``send_batch(batch, timeout)`` stores a batch and
+    returns (first offset, count stored), as ``QueueCore.send_batch`` does.
+
+    ``gather`` False: each single send is stored as a batch of its own (a queue whose
+    ``address_full_policy`` FAIL or BLOCK judges a batch whole must not refuse a send
+    that fits because another shared its batch; the group commit still writes them
+    together)."""
+
+    def __init__(
+        self, send_batch: SendBatch, queue: str, max_message_size: int, *, gather: bool = True
+    ):
+        self._send_batch = send_batch
+        self._gathers = gather
+        self._queue = queue
+        self._max_message_size = max_message_size
+        self._where = f"a message for queue {queue!r}"
+        # Single sends gathered since the last flush: (body, properties, timeout, request).
+        self._gathered: list[tuple[bytes, bytes, float | None, Request]] = []
+        limit = max_message_size + FRAME_OVERHEAD
+        protocol = Protocol(
+            PROTOCOL,
+            {
+                "send": Op(self._send, _check_send),
+                "send_batch": Op(self._batch, _check_batch, max_buffers=4),
+            },
+            request_limit=limit,
+            payload_limit=limit,
+            max_connections=MAX_CONNECTIONS,
+        )
+        self.server = WireServer(protocol, f"queue {queue!r}")
+
+    @property
+    def secret(self) -> str:
+        """What a client shows in its hello."""
+        return self.server.secret
+
+    async def start(self, host: str) -> tuple[str, int, str]:
+        """Listen on ``host``; returns (host, port, secret)."""
+        return await self.server.start(host)
+
+    def close(self) -> None:
+        """Stop serving (the queue hibernates or stops): requests from now on, and those
+        gathered but not yet handed to the queue, are answered ``NotLeader``; open
+        connections close once the stores under way are answered, at most
+        ``CLOSE_GRACE_SECONDS`` later. Call it on the event loop's thread."""
+        refusal = errors.NotLeader(
+            f"queue {self._queue!r} is not served here any more: ask the broker again"
+        )
+        gathered, self._gathered = self._gathered, []
+        for *_, request in gathered:  # not handed to the queue yet: refused, never half stored
+            request.fail(refusal)
+        self.server.close(refusal, CLOSE_GRACE_SECONDS)
+
+    def _send(self, request: Request) -> object:
+        body, props, timeout = request.args
+        if len(body) + len(props) > self._max_message_size:
+            # The queue counts properties toward max_message_size; checked here, not in
+            # the gathered batch, where it would fail every message of the gather.
+            raise errors.MessageTooLarge(
+                f"message 0 for queue {self._queue!r} is {len(body) + len(props)} bytes;"
+                f" max_message_size is {self._max_message_size}"
+            )
+        if props:  # b"": no properties, nothing to decode
+            check_encoded_properties(props, where=self._where)
+        if not self._gathered:
+            # After every request already received is decoded (in the same callback):
+            # those arriving together share one commit.
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._gathered.append((body, props, timeout, request))
+        return DEFERRED
+
+    def _batch(self, request: Request) -> Awaitable[list[int]]:
+        (timeout,) = request.args
+        if self._gathered:  # single sends received before it are stored before it
+            self._flush()
+        batch = MessageBatch.from_wire(request.buffers, self._queue)  # ValueError: its answer
+
+        async def store() -> list[int]:
+            first, count = await self._send_batch(batch, timeout)
+            return [first, count]
+
+        return store()
+
+    def _flush(self) -> None:
+        gathered, self._gathered = self._gathered, []
+        if not gathered:  # refused by close() meanwhile
+            return
+        if not self._gathers:
+            for item in gathered:  # in the order received: the queue keeps it
+                self._spawn([item])
+            return
+        # One timeout per stored batch: runs of equal timeouts, in the order received
+        # (the queue stores the tasks' batches in the order they start).
+        run = [gathered[0]]
+        for item in gathered[1:]:
+            if item[2] != run[0][2]:
+                self._spawn(run)
+                run = []
+            run.append(item)
+        self._spawn(run)
+
+    def _spawn(self, items: list) -> None:
+        self.server.spawn(self._store(items))  # a closing server waits for it
+
+    async def _store(self, items: list) -> None:
+        """Store gathered single sends as one batch and answer each."""
+        try:
+            batch = MessageBatch.from_encoded([i[0] for i in items], [i[1] for i in items])
+            first, count = await self._send_batch(batch, items[0][2])
+        except Exception as exc:  # every request of the batch gets the error
+            for *_, request in items:
+                request.fail(exc)
+            return
+        for k, (*_, request) in enumerate(items):
+            request.answer(first + k if k < count else None)  # None: DROPped
+
+
+def _check_send(args: list, buffers: list) -> None:
+    if len(args) != 3:
+        raise ValueError("send takes [body, properties, timeout]")
+    body, props, timeout = args
+    if not isinstance(body, bytes) or not isinstance(props, bytes):
+        raise TypeError("send: body and properties as bytes")
+    _check_timeout(timeout)
+
+
+def _check_batch(args: list, buffers: list) -> None:
+    if len(args) != 1 or len(buffers) != 4:
+        raise ValueError("send_batch takes [timeout] and four raw buffers")
+    _check_timeout(args[0])
+
+
+def _check_timeout(value: object) -> None:
+    """None or a number of seconds >= 0 (not a bool)."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise TypeError(f"send: timeout {value!r:.40}")
+
+
+# -- the client's side -------------------------------------------------------------------
+
+
+class SendChannel:
+    """This process's connection to one queue actor's ``SendServer``, shared by its
+    threads (a ``BlockingClient``). Once broken it stays broken: every waiting and
+    later send raises ``WireBroken`` (the message may have been stored: at-least-once,
+    as any retried send).
+
+    ``submit_one`` / ``submit_batch`` send without waiting: the answer goes to a reply
+    object's ``set_result`` / ``set_exception``, called on the wire loop's thread."""
+
+    def __init__(self, host: str, port: int, secret: str, queue: str):
+        self.queue = queue
+        self._client = BlockingClient((host, port, secret), PROTOCOL, f"queue {queue!r}")
+
+    @property
+    def broken(self) -> WireBroken | None:
+        """Why the connection broke (None while it works)."""
+        return self._client.broken
+
+    def send(self, body: bytes, properties: bytes, timeout: float | None) -> int | None:
+        """Store one message; returns its offset once durable (None: DROPped). Raises
+        the queue's typed error, or ``WireBroken``."""
+        return self._client.call("send", [body, properties, timeout]).value
+
+    def send_batch(self, batch: MessageBatch, timeout: float | None) -> tuple[int, int]:
+        """Store a batch; returns (first offset, count stored) once durable."""
+        first, count = self._client.call("send_batch", [timeout], batch.wire_buffers()).value
+        return first, count
+
+    def submit_one(self, body: bytes, properties: bytes, timeout: float | None, reply: Any) -> None:
+        """Send one message without waiting: ``reply.set_result(offset)`` (None:
+        DROPped) once durable, or ``reply.set_exception(error)``. ``WireBroken`` at once
+        (``reply`` not called) if the connection is known broken."""
+        self._client.submit("send", [body, properties, timeout], (), _replier(reply))
+
+    def submit_batch(self, batch: MessageBatch, timeout: float | None, reply: Any) -> None:
+        """Send a batch without waiting: ``reply.set_result([first offset, count
+        stored])`` once durable, or ``reply.set_exception(error)``; errors as
+        ``submit_one``."""
+        self._client.submit("send_batch", [timeout], batch.wire_buffers(), _replier(reply))
+
+    async def send_async(self, body: bytes, properties: bytes, timeout: float | None) -> int | None:
+        """``send`` for asyncio code: awaits without blocking the loop."""
+        return (await self._client.call_async("send", [body, properties, timeout])).value
+
+    async def send_batch_async(self, batch: MessageBatch, timeout: float | None) -> tuple[int, int]:
+        """``send_batch`` for asyncio code."""
+        answer = await self._client.call_async("send_batch", [timeout], batch.wire_buffers())
+        first, count = answer.value
+        return first, count
+
+    def check_alive(self) -> bool:
+        """Ping the server and wait up to ``REPLY_PATIENCE_SECONDS``; unanswered, the
+        connection breaks (failing every waiting send). False if it is (now) broken."""
+        try:
+            waiter = self._client.submit("ping", [])
+            assert waiter is not None
+            waiter.result(timeout=REPLY_PATIENCE_SECONDS)
+            return True
+        except FutureTimeout:
+            self._client.close()
+        except WireBroken:
+            pass
+        return False
+
+    def close(self) -> None:
+        """Close the connection; waiting sends raise ``WireBroken``."""
+        self._client.close()
+
+
+def _replier(reply: Any) -> Callable[[Answer | None, BaseException | None], None]:
+    """``done`` for ``BlockingClient.submit`` telling a reply object (the producer's
+    batches) its answer."""
+
+    def done(answer: Answer | None, error: BaseException | None) -> None:
+        if error is not None:
+            reply.set_exception(error)
+        else:
+            reply.set_result(answer.value)  # type: ignore[union-attr]
+
+    return done
