@@ -12,6 +12,7 @@ import pytest
 import ray
 
 from raymq.errors import ConsumerClosed, InvalidAck
+from raymq.wire.errors import WireBroken
 
 
 def fill(q, n: int) -> None:
@@ -174,14 +175,19 @@ def test_rows_of_an_answer_lost_mid_read_on_the_delivery_channel_come_back(broke
     q = broker.create_queue("unread-answer")
     with q.consumer() as c:
         assert c._channel is not None
-        real = c._channel._read_exactly
+        client = c._channel._client
+        real = client.call
 
-        def breaks_in_the_body(n: int):
-            if n > 64:  # the answer's rows (an Arrow stream), after its header: "broken"
-                raise ConnectionResetError("cut mid-answer")
-            return real(n)
+        def cut_mid_answer(op, args, buffers=(), **kw):
+            answer = real(op, args, buffers, **kw)
+            if op == "take" and answer.value == "ipc":  # written by the TargetList, unread
+                client.close()
+                broken = WireBroken("cut mid-answer")
+                broken.answer_pending = True
+                raise broken
+            return answer
 
-        c._channel._read_exactly = breaks_in_the_body
+        client.call = cut_mid_answer
         fill(q, 5)
         got = {}
         while len(got) < 5:

@@ -19,10 +19,10 @@ from raymq.actors.target_list_actor import TargetListActor
 from raymq.placement import spares
 from raymq.placement.nodes import current_node_id
 
-from raymq import delivery_channel
-from raymq.delivery_channel import DeliveryChannel
 from raymq.errors import SelectorError
 from raymq.selector.parser import MAX_SELECTOR_LENGTH
+from raymq.wire import delivery as delivery_channel
+from raymq.wire.delivery import DeliveryChannel
 from tests.consumer_helpers import receive_all, unwatched_consumer
 
 
@@ -62,7 +62,7 @@ def test_without_a_channel_or_after_it_broke_receives_go_through_ray(broker, mon
         c.ack(offset, wait=True)
     monkeypatch.setattr(delivery_channel, "USE_CHANNEL", True)
     with q.consumer() as c:
-        c._channel._sock.close()  # the connection breaks under it
+        c._channel._client.close()  # the connection breaks under it
         offset = q.send(b"b")
         assert [m.offset for m in c.receive(timeout=30)] == [offset]
         assert c._channel is None and c.delivery_channel_failures == 1

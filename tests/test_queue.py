@@ -262,7 +262,7 @@ def test_sigkill_of_the_queue_actor_loses_no_acknowledged_send(broker):
 
 def test_single_sends_go_over_the_send_channel_and_survive_a_sigkill(broker):
     from raymq.client import handles as client
-    from raymq.send_channel import SendChannel
+    from raymq.wire.send import SendChannel
 
     q = broker.create_queue("crash-single")
 
