@@ -372,7 +372,7 @@ class QueueActor:
     ) -> tuple[str, int, str] | None:
         """Register a consumer with its prefetch, selector and TargetList actor handle.
         Returns the (host, port, secret) of this queue's FetchChannel, for the
-        TargetList's fetches (``raymq.fetch_channel``), None if it has none."""
+        TargetList's fetches (``raymq.wire.fetch``), None if it has none."""
         await self._ensure_started()
         self.core.register_consumer(
             consumer_id, prefetch, selector, watch, subscription=subscription
@@ -388,7 +388,7 @@ class QueueActor:
     _fetch_starting: asyncio.Future | None = None
 
     async def fetch_endpoint(self) -> tuple[str, int, str] | None:
-        """(host, port, secret) of this queue's FetchChannel (``raymq.fetch_channel``),
+        """(host, port, secret) of this queue's FetchChannel (``raymq.wire.fetch``),
         None if it has none: a client hands it to a new consumer's TargetList, which
         then registers and fetches over it without a first Ray call to this actor."""
         await self._ensure_started()

@@ -8,7 +8,7 @@ consumers it has not heard from) and delivers what it held again.
 Its eager loader (``raymq.core.target_list.EagerLoader``, a supervised task) keeps the
 direct references filled up to the high watermark: from the PendingCache first, else by
 fetching from the queue actor (``raymq.actors.target_list_link``, the link to the queue:
-over the FetchChannel, ``raymq.fetch_channel``, a socket;
+over the wire (``raymq.wire.fetch``);
 small deliveries come inline and are held in this process, large ones are taken by a
 Ray call as references this actor owns), or through Ray calls (``fetch_batch``) before
 it is connected, after it broke, and while deliveries are large (a deep queue: each
@@ -107,7 +107,7 @@ class TargetListActor(TargetListLink):
         self._queue_dead = False
         self._death = ""  # Ray's reason for that death
         self._namespace: str | None = None  # the broker's, once known
-        #: The consumer's receives come over this socket (``raymq.delivery_channel``).
+        #: The consumer's receives come over this socket (``raymq.wire.delivery``).
         self._channel: DeliveryServer | None = None
         self.channel_lost_batches = 0  # batches lost with a restarted queue, skipped
         #: The secret of the queue process's FetchChannel we registered with last: it
@@ -115,7 +115,7 @@ class TargetListActor(TargetListLink):
         self._queue_process: str | None = None
         self.stale_dropped = 0  # messages loaded from a queue process since replaced
         #: The loader's fetches go over this socket to the queue actor
-        #: (``raymq.fetch_channel``); its (host, port, secret) from our registration.
+        #: (``raymq.wire.fetch``); its (host, port, secret) from our registration.
         self._fetch_endpoint: tuple[str, int, str] | None = None
         self._fetch_channel: FetchChannel | None = None
         #: The loader's channel fetch under way (an asyncio task: a cancelled loader

@@ -177,7 +177,7 @@ class Consumer(AsyncReceives):
         queue = self.queue
         try:
             if spare_channel is not None and delivery_channel.USE_CHANNEL:
-                # Started over its channel, not by a Ray call (``raymq.delivery_channel``).
+                # Started over its channel, not by a Ray call (``raymq.wire.delivery``).
                 try:
                     self._channel = DeliveryChannel(*spare_channel, queue.name)
                 except WireBroken as exc:  # the spare died since it was up, say

@@ -167,7 +167,7 @@ class Queue:
 
         Both modes go through this handle's producer (``raymq.client.producer``): the message
         joins its open batch, which travels over this process's SendChannel to the queue
-        actor (a socket, see ``raymq.send_channel``), else through a Ray call. A batch
+        actor (a socket, see ``raymq.wire.send``), else through a Ray call. A batch
         leaves at once when none is in flight, else when the one in flight is answered:
         sends from many threads of one process then share one frame, one write and one
         fsync. At the queue's ``max_size_bytes``: PAGE stores it anyway, DROP drops it
