@@ -13,6 +13,7 @@ fails with ``WireBroken``.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import logging
@@ -38,6 +39,8 @@ ANSWER_LIMIT = 1 << 20
 ANSWER_PAYLOAD_LIMIT = 1 << 31
 
 Endpoint = tuple[str, int, str]  # host, port, secret
+#: Most buffers one ``sendmsg`` is given (the system's IOV_MAX is 1,024).
+_MAX_PARTS = 64
 
 
 class Answer(NamedTuple):
@@ -47,8 +50,14 @@ class Answer(NamedTuple):
     buffers: list
 
 
-class WireClient(asyncio.BufferedProtocol):
-    """One connection to a server of ``protocol``; see the module's docstring."""
+class WireClient:
+    """One connection to a server of ``protocol``; see the module's docstring.
+
+    It owns its socket (non-blocking, watched by the loop's reader and writer
+    callbacks) rather than an asyncio transport: a request's raw buffers (a producer's
+    1 MiB batch) are sent from where they lie with ``sendmsg``, where a transport copies
+    what the kernel does not take at once into its own buffer and moves the rest down
+    after each send (measured: 0.67 ms of CPU per 1 MiB batch, against 0.1 ms)."""
 
     def __init__(self, protocol: str, what: str, patience: float):
         self.protocol = protocol
@@ -57,7 +66,11 @@ class WireClient(asyncio.BufferedProtocol):
         self.caps: dict[str, Any] = {}
         self.broken: WireBroken | None = None
         self.requests_written = 0
-        self._transport: asyncio.Transport | None = None
+        self._loop = asyncio.get_running_loop()
+        self._sock: socket.socket | None = None
+        self._out: collections.deque[memoryview] = collections.deque()
+        self._writer_on = False
+        self._eof_after_out = False
         self._decoder = frames.FrameDecoder(self._frame, ANSWER_LIMIT, ANSWER_PAYLOAD_LIMIT)
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future] = {}
@@ -65,7 +78,7 @@ class WireClient(asyncio.BufferedProtocol):
         self._heard = time.monotonic()
         self._ping_sent: float | None = None
         self._watch: asyncio.TimerHandle | None = None
-        self._lost = asyncio.get_running_loop().create_future()
+        self._lost = self._loop.create_future()
 
     @classmethod
     async def connect(
@@ -99,14 +112,27 @@ class WireClient(asyncio.BufferedProtocol):
         self, loop: asyncio.AbstractEventLoop, host: str, port: int, secret: str
     ) -> None:
         address = unix_address(self.protocol, secret)
+        sock = None
         if address is not None:
-            with contextlib.suppress(OSError):  # another machine (or namespace): TCP
-                await loop.create_unix_connection(lambda: self, address)
-                return
-        await loop.create_connection(lambda: self, host, port)
-        sock = self._transport.get_extra_info("socket") if self._transport else None
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            try:
+                await loop.sock_connect(sock, address)
+            except OSError:  # another machine (or namespace): TCP
+                sock.close()
+                sock = None
+        if sock is None:
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            try:
+                await loop.sock_connect(sock, (host, port))
+            except BaseException:
+                sock.close()
+                raise
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._sock = sock
+        loop.add_reader(sock.fileno(), self._readable)
 
     # -- requests
 
@@ -129,14 +155,7 @@ class WireClient(asyncio.BufferedProtocol):
             return fut
         req_id = next(self._ids) if _id is None else _id
         self._waiting[req_id] = fut
-        parts = frames.encode([req_id, op, args], buffers)
-        transport = self._transport
-        assert transport is not None
-        if len(parts) == 1:
-            transport.write(parts[0])
-        else:
-            for part in parts:
-                transport.write(part)
+        self._write(frames.encode([req_id, op, args], buffers))
         self.requests_written += 1
         if within is not None:
             self._bounds[req_id] = loop.call_later(within, self._overdue, req_id, within)
@@ -156,11 +175,15 @@ class WireClient(asyncio.BufferedProtocol):
         return await self.request(op, args, buffers, within=within)
 
     def half_close(self) -> None:
-        """End our side: the server cancels the requests that wait on us (a waiting
-        fetch answers "nothing"); answers under way still arrive."""
-        if self._transport is not None and self.broken is None:
-            with contextlib.suppress(OSError, RuntimeError):
-                self._transport.write_eof()
+        """End our side (once what is written left): the server cancels the requests
+        that wait on us (a waiting fetch answers "nothing"); answers under way still
+        arrive."""
+        if self._sock is None or self.broken is not None:
+            return
+        self._eof_after_out = True
+        if not self._out:
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_WR)
 
     def close(self, reason: str = "closed") -> None:
         """Close the connection: requests waiting fail with ``WireBroken``."""
@@ -203,29 +226,71 @@ class WireClient(asyncio.BufferedProtocol):
         if req_id in self._waiting:
             self._break(WireBroken(f"{self.what}: no answer in {within} s"))
 
-    # -- asyncio's side
+    # -- the socket
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = transport  # type: ignore[assignment]
+    def _write(self, parts: list[frames.Buffer]) -> None:
+        """Send ``parts`` now, as far as the socket takes them; the rest when it can
+        (in order, without a copy)."""
+        for part in parts:
+            view = part if isinstance(part, memoryview) else memoryview(part)
+            if view.nbytes:
+                self._out.append(view)
+        if not self._writer_on:
+            self._pump()
 
-    def get_buffer(self, sizehint: int) -> memoryview:
-        return self._decoder.get_buffer(sizehint)
+    def _pump(self) -> None:
+        sock, out = self._sock, self._out
+        if sock is None:
+            return
+        try:
+            while out:
+                sent = sock.sendmsg(list(itertools.islice(out, _MAX_PARTS)))
+                while sent:
+                    head = out[0]
+                    if sent >= head.nbytes:
+                        sent -= head.nbytes
+                        out.popleft()
+                    else:
+                        out[0] = head[sent:]
+                        sent = 0
+        except (BlockingIOError, InterruptedError):
+            pass  # the socket is full: the loop calls us when it has room
+        except OSError as exc:
+            self._break(WireBroken(f"{self.what}: {self.protocol} connection failed: {exc!r}"))
+            return
+        if out and not self._writer_on:
+            self._loop.add_writer(sock.fileno(), self._pump)
+            self._writer_on = True
+        elif not out:
+            if self._writer_on:
+                self._loop.remove_writer(sock.fileno())
+                self._writer_on = False
+            if self._eof_after_out:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_WR)
 
-    def buffer_updated(self, nbytes: int) -> None:
+    def _readable(self) -> None:
+        sock = self._sock
+        if sock is None:
+            return
+        try:
+            with self._decoder.get_buffer() as view:
+                n = sock.recv_into(view)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._break(WireBroken(f"{self.what}: {self.protocol} connection lost: {exc!r}"))
+            return
+        if not n:
+            self._break(
+                WireBroken(f"{self.what}: the server closed the {self.protocol} connection")
+            )
+            return
         self._heard = time.monotonic()
         try:
-            self._decoder.buffer_updated(nbytes)
+            self._decoder.buffer_updated(n)
         except Exception as exc:  # FrameError, or a waiter's callback failing
             self._break(WireBroken(f"{self.what}: {self.protocol} answered nonsense: {exc!r}"))
-
-    def eof_received(self) -> bool:
-        self._break(WireBroken(f"{self.what}: the server closed the {self.protocol} connection"))
-        return False
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._break(WireBroken(f"{self.what}: {self.protocol} connection lost: {exc!r}"))
-        if not self._lost.done():
-            self._lost.set_result(None)
 
     def _frame(self, header: list, buffers: list) -> None:
         req_id, error, value, _sizes = header
@@ -258,5 +323,14 @@ class WireClient(asyncio.BufferedProtocol):
         if self._watch is not None:
             self._watch.cancel()
             self._watch = None
-        if self._transport is not None:
-            self._transport.close()
+        self._out.clear()
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            with contextlib.suppress(Exception):  # (a loop closed at the process's exit)
+                self._loop.remove_reader(sock.fileno())
+                if self._writer_on:
+                    self._loop.remove_writer(sock.fileno())
+            self._writer_on = False
+            sock.close()
+        if not self._lost.done():
+            self._lost.set_result(None)

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgpack
+import numpy as np
 
 LENGTH = struct.Struct(">I")
 #: Longest header a peer may send before it showed the secret (bytes).
@@ -91,13 +92,13 @@ class FrameDecoder:
         # A frame whose raw buffers are received on their own: its header, sizes, and
         # the buffer being filled (``_got`` bytes so far).
         self._pending: tuple[list, list[int]] | None = None
-        self._direct = bytearray()
+        self._direct = memoryview(b"")
         self._got = 0
 
     def get_buffer(self, sizehint: int = -1) -> memoryview:
         """Where the next received bytes go."""
         if self._pending is not None:
-            return memoryview(self._direct)[self._got :]
+            return self._direct[self._got :]
         if self._end == len(self._buf):
             self._make_room()
         return memoryview(self._buf)[self._end :]
@@ -107,7 +108,7 @@ class FrameDecoder:
         completed (``on_frame`` may raise; the bytes it was given are consumed)."""
         if self._pending is not None:
             self._got += nbytes
-            if self._got < len(self._direct):
+            if self._got < self._direct.nbytes:
                 return
             self._finish_direct()
         else:
@@ -180,7 +181,8 @@ class FrameDecoder:
                 break  # wait for the rest in place
             # Large: into a buffer of its own, starting with what arrived already.
             have = min(end - pos, total)
-            self._direct = bytearray(total)
+            # Not zeroed (a bytearray's would cost ~40 µs a MiB): every byte is received.
+            self._direct = memoryview(np.empty(total, dtype=np.uint8))
             self._direct[:have] = buf[pos : pos + have]
             self._got = have
             self._start = pos + have
@@ -194,8 +196,7 @@ class FrameDecoder:
 
     def _finish_direct(self) -> None:
         header, sizes = self._pending  # type: ignore[misc]
-        data, self._direct, self._pending = self._direct, bytearray(), None
-        view = memoryview(data)
+        view, self._direct, self._pending = self._direct, memoryview(b""), None
         buffers, pos = [], 0
         for size in sizes:
             buffers.append(view[pos : pos + size])
