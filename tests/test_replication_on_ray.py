@@ -65,6 +65,15 @@ def test_a_handle_idle_across_a_failover_follows_the_new_leader_for_every_call(o
     assert idle["consumer"] >= 0 and idle["send"] >= 0 and idle["stats"] >= 0
 
 
+def test_consumers_made_before_and_after_a_failover_on_the_same_handle_consume(observed):
+    """Issue 28, Observed 1 as reported: the application's handle, used before the loss
+    (sends, a consumer), then ``consumer()`` after it raised ``ActorUnschedulableError``;
+    and the consumer made before the loss goes on receiving."""
+    same = observed["leader"]["same_handle"]
+    assert same["errors"] == {}, same
+    assert same["consumer_before"] >= 1 and same["consumer_after"] >= 0
+
+
 def test_messages_held_unacknowledged_across_a_failover_are_delivered_again(observed):
     r = observed["leader"]
     assert r["held"] >= 300
