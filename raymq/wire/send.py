@@ -213,7 +213,9 @@ class SendChannel:
 
     def __init__(self, host: str, port: int, secret: str, queue: str):
         self.queue = queue
-        self._client = BlockingClient((host, port, secret), PROTOCOL, f"queue {queue!r}")
+        self._client = BlockingClient(
+            (host, port, secret), PROTOCOL, f"queue {queue!r}", patience=REPLY_PATIENCE_SECONDS
+        )
 
     @property
     def broken(self) -> WireBroken | None:
