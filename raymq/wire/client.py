@@ -259,4 +259,7 @@ class WireClient(asyncio.BufferedProtocol):
             self._watch.cancel()
             self._watch = None
         if self._transport is not None:
-            self._transport.close()
+            # abort, not close: close waits for the bytes not yet sent to leave, which a
+            # peer that reads nothing never takes (the socket would stay for ever), and
+            # nobody waits for the requests among them any more.
+            self._transport.abort()
