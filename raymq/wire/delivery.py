@@ -281,8 +281,10 @@ class DeliveryChannel:
                     raise broken from exc
                 self.answers_read += 1
                 return got
-            if answer.value is None or answer.value == BY_REFERENCE:
-                return answer.value
+            if answer.value == BY_REFERENCE:
+                return BY_REFERENCE  # itself: the consumer tells it by identity
+            if answer.value is None:
+                return None
             self._client.close()
             broken = WireBroken(f"queue {self.queue!r}: a take answered {answer.value!r:.100}")
             broken.answer_pending = True
