@@ -87,7 +87,8 @@ class ReplicaServer:
         self.server.close(grace=0.0)
 
     def _apply(self, request: Request) -> object:
-        return _outcome(self._follower.apply, _mirror_write(request.args, request.buffers))
+        write = _mirror_write(request.args, request.buffers)
+        return _outcome(self._follower.apply, request.args[0], write)  # (epoch, write)
 
     def _heartbeat(self, request: Request) -> object:
         return _outcome(self._follower.heartbeat, request.args[0])
