@@ -207,9 +207,11 @@ SPECS = {
             ("send", [b"m", b"", "soon"], [], TypeError),
             ("send", [b"m", b"", -1], [], TypeError),
             ("send", [b"m", b"", True], [], TypeError),
+            ("send", [b"m", b"", float("nan")], [], TypeError),  # a queue's timer on NaN
             ("send_batch", [None], [], ValueError),
             ("send_batch", [], BATCH.wire_buffers(), ValueError),
             ("send_batch", ["x"], BATCH.wire_buffers(), TypeError),
+            ("send_batch", [float("nan")], BATCH.wire_buffers(), TypeError),
             ("send_batch", [None], FOUR, ValueError),  # offsets that do not fit the data
         ],
         ("send", [b"held", b"", None], []),
