@@ -752,7 +752,6 @@ def test_a_server_killed_mid_request_fails_it_answer_pending_and_later_ones_at_o
             (conn,) = s.wire._open
             conn.transport.pause_reading()  # the request is written, never answered
             waiting = client.request(op, args, buffers)
-            await asyncio.sleep(0)
             conn.transport.abort()  # the server's process dies
             with pytest.raises(WireBroken) as broken:
                 await waiting
@@ -899,6 +898,22 @@ def test_a_request_unanswered_after_the_close_grace_fails_wire_broken(name):
             s.backend.gate.set()
 
     run(main())
+
+
+def test_a_released_follower_drops_its_leaders_connection_at_once():
+    async def main():
+        backend = ReplicaBackend()
+        follower = backend.server()
+        client = await WireClient.connect(await follower.start("127.0.0.1"), "replica", "test")
+        assert (await client.call("heartbeat", [1])).value is True
+        assert follower.connections == 1
+        follower.close()  # released: it takes no more commits
+        await client.wait_closed()
+        with pytest.raises(WireBroken):
+            await client.call("heartbeat", [1])
+        return backend
+
+    assert run(main()).calls == [("heartbeat", 1)]
 
 
 # -- (h) max_connections -------------------------------------------------------------------
