@@ -680,11 +680,11 @@ def frame_lists():
     """Frames to encode: (header start, raw buffers), some large (received on their
     own), some empty."""
     pattern = bytes(range(251)) * 1200  # ~300 KB: slices of it are large buffers
-    large = st.integers(frames.COPY_BYTES - 2, 3 * frames.COPY_BYTES).map(
+    large = st.integers(frames.COPY_BYTES - 2, 2 * frames.COPY_BYTES).map(
         lambda n: pattern[n % 251 : n % 251 + n]
     )
     buffers = st.lists(st.binary(max_size=300) | large, max_size=4).filter(
-        lambda bs: sum(map(len, bs)) <= 6 * frames.COPY_BYTES
+        lambda bs: sum(map(len, bs)) <= 4 * frames.COPY_BYTES
     )
     start = st.tuples(st.integers(0, 2**64 - 1), VALUES, VALUES).map(list)
     return st.lists(st.tuples(start, buffers), max_size=6)
