@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import socket
 import threading
 import time
@@ -640,8 +641,22 @@ class ThreadServer:
         self.thread.join(WAIT_SECONDS)
 
 
+class Errors(logging.Handler):
+    """Collects what the wire logs as errors: a handler's bug (an error answer it did
+    not mean), or a connection that failed other than by bytes that are no frame."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.records: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(f"{record.getMessage()} {record.exc_info and record.exc_info[1]!r}")
+
+
 @pytest.mark.parametrize("name", PROTOCOLS)
 def test_fuzzed_bytes_after_a_hello_never_break_the_server_nor_reach_a_handler_unchecked(name):
+    errors = Errors()
+    logging.getLogger("raymq.wire").addHandler(errors)
     served = ThreadServer(name)
     witness = served.connect()  # another client: answered after every poke
     pokes = [0]
@@ -672,7 +687,9 @@ def test_fuzzed_bytes_after_a_hello_never_break_the_server_nor_reach_a_handler_u
     finally:
         witness.close()
         served.close()
+        logging.getLogger("raymq.wire").removeHandler(errors)
     assert served.violations == []
+    assert errors.records == []
     assert pokes[0] >= 100
 
 
