@@ -1,8 +1,9 @@
-"""The DeliveryChannel without Ray: a consumer's receives over a socket to its
-TargetList. Messages come back inline as Arrow; a large answer goes by reference; the
-queue's typed errors cross as themselves; a wrong secret, a dead server or a broken
-answer is ``ChannelBroken`` (the consumer then uses Ray), and rows the server took for
-an answer it could not write are given back, not lost. Also the TargetList pieces the
+"""The delivery protocol (``raymq.wire.delivery``) without Ray: a consumer's receives
+over a socket to its TargetList. Messages come back inline as Arrow; a large answer goes
+by reference; the queue's typed errors (and its bugs, named) cross as errors and leave
+the channel usable, as a malformed request's error does; a wrong secret, a dead server
+or a broken answer is ``WireBroken`` (the consumer then uses Ray), and rows the server
+took for an answer it could not write are given back, not lost. Also the TargetList pieces the
 server uses: ``bytes_ahead`` and the loader's ``wait``/``take_now``; and the loader's
 small first fetch (a new consumer's first message waits for it), doubling after."""
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import struct
+from types import SimpleNamespace
 
 import msgpack
 import numpy as np
@@ -19,20 +21,19 @@ import pytest
 
 from raymq.batch import EMPTY_DELIVERY
 from raymq.core.target_list import FIRST_FETCH_MESSAGES, DirectEntry, EagerLoader, TargetList
-from raymq.delivery_channel import (
+from raymq.errors import ConsumerClosed, RayMQError, SelectorError, StorageError
+from raymq.wire import frames
+from raymq.wire.delivery import (
     BY_REFERENCE,
     INLINE_BYTES,
-    START_LIMIT,
-    ChannelBroken,
+    REQUEST_LIMIT,
     DeliveryChannel,
-    DeliveryChannelServer,
+    DeliveryServer,
     Encoded,
     answer_of,
-    frame,
-    from_ipc,
-    to_ipc,
 )
-from raymq.errors import ConsumerClosed, SelectorError, StorageError
+from raymq.wire.errors import WireBroken
+from raymq.wire.ipc import from_ipc, to_ipc
 
 #: Bound on a call that must return, in real seconds: only a wedge takes this long.
 ANSWER_SECONDS = 30.0
@@ -53,7 +54,7 @@ def delivery(first: int, n: int, body: bytes = b"x" * 100) -> pa.RecordBatch:
 
 
 class Served:
-    """A DeliveryChannelServer on 127.0.0.1 with scripted answers, and a client channel
+    """A DeliveryServer on 127.0.0.1 with scripted answers, and a client channel
     used from a thread (as a consumer's receive is)."""
 
     def __init__(self, answers: list, started: list | None = None):
@@ -63,7 +64,7 @@ class Served:
         #: What each start request answers (an exception is raised); None: no start.
         self.started = started
         self.starts: list[dict] = []
-        self.server = DeliveryChannelServer(
+        self.server = DeliveryServer(
             self._take,
             self._give_back,
             "consumer c of 'q'",
@@ -128,7 +129,7 @@ def test_an_encoded_answer_crosses_and_its_rows_are_given_back_if_unwritten():
         given.append(batch.column(0).to_pylist())
 
     async def main():
-        server = DeliveryChannelServer(take, give_back, "test")
+        server = DeliveryServer(take, give_back, "test")
         host, port, secret = await server.start("127.0.0.1")
         channel = await asyncio.to_thread(DeliveryChannel, host, port, secret, "q")
         got = await asyncio.to_thread(channel.take, 10, 1.0)
@@ -139,17 +140,9 @@ def test_an_encoded_answer_crosses_and_its_rows_are_given_back_if_unwritten():
     assert run(main()).equals(rows)
     assert given == []
 
-    class BrokenWriter:
-        def write(self, data) -> None:
-            pass
-
-        async def drain(self) -> None:
-            raise ConnectionResetError("the consumer went away")
-
     async def broken():
-        server = DeliveryChannelServer(take, give_back, "test")
-        with pytest.raises(ConnectionResetError):
-            await server._answer(BrokenWriter(), 10, 0.1)
+        server = DeliveryServer(take, give_back, "test")
+        await server._answer_take(unwritable([10, 0.1]))  # the consumer went away
         return server
 
     server = run(broken())
@@ -199,7 +192,7 @@ def test_the_queues_typed_error_is_raised_and_the_channel_stays_usable():
 def test_a_wrong_secret_is_refused():
     async def main():
         served = Served([])
-        with pytest.raises(ChannelBroken, match="'q'"):
+        with pytest.raises(WireBroken, match="'q'"):
             await served.client(secret="0" * 32)
         return served
 
@@ -207,30 +200,50 @@ def test_a_wrong_secret_is_refused():
     assert served.asked == []
 
 
+def test_a_bug_in_the_target_list_is_an_error_naming_it_and_the_channel_stays_usable():
+    async def main():
+        served = Served([RuntimeError("a bug in the TargetList"), None])
+        channel = await served.client()
+        with pytest.raises(RayMQError, match="RuntimeError: a bug in the TargetList"):
+            await asyncio.to_thread(channel.take, 1, 0.1)
+        last = await asyncio.to_thread(channel.take, 1, 0.1)
+        channel.close()
+        return last
+
+    assert run(main()) is None
+
+
 def test_a_dead_server_breaks_the_channel_for_good():
     async def main():
-        served = Served([RuntimeError("a bug in the TargetList")])
+        served = Served([])
         channel = await served.client()
-        with pytest.raises(ChannelBroken):
-            await asyncio.to_thread(channel.take, 1, 0.1)  # the server drops the connection
-        with pytest.raises(ChannelBroken, match="closed"):
+        for conn in list(served.server.server._open):  # the TargetList's process dies
+            conn.transport.abort()
+        with pytest.raises(WireBroken):
             await asyncio.to_thread(channel.take, 1, 0.1)
+        with pytest.raises(WireBroken):
+            await asyncio.to_thread(channel.take, 1, 0.1)
+        return served
 
-    run(main())
+    assert run(main()).asked == []
+
+
+def unwritable(args: list) -> SimpleNamespace:
+    """A take whose connection closed: its answer cannot be written."""
+
+    def answer(value=None, buffers=()) -> bool:
+        request.answered = True
+        return False
+
+    request = SimpleNamespace(args=args, answered=False, answer=answer)
+    request.conn = SimpleNamespace(state={})
+    return request
 
 
 def test_rows_of_an_answer_that_cannot_be_written_are_given_back():
-    class BrokenWriter:
-        def write(self, data) -> None:
-            pass
-
-        async def drain(self) -> None:
-            raise ConnectionResetError("the consumer went away")
-
     async def main():
         served = Served([delivery(7, 4)])
-        with pytest.raises(ConnectionResetError):
-            await served.server._answer(BrokenWriter(), 10, 0.1)
+        await served.server._answer_take(unwritable([10, 0.1]))
         return served
 
     served = run(main())
@@ -239,17 +252,20 @@ def test_rows_of_an_answer_that_cannot_be_written_are_given_back():
     assert served.server.given_back == 4 and served.server.answers == 0
 
 
-def test_a_malformed_request_drops_the_connection_without_taking():
+def test_a_malformed_request_is_refused_without_taking_and_the_channel_goes_on():
     async def main():
         served = Served([delivery(0, 1)])
         channel = await served.client()
-        channel._sock.sendall(frame(["x"]))  # not [max_messages, timeout]
-        with contextlib.suppress(ChannelBroken):
-            await asyncio.to_thread(channel.take, 1, 0.1)
-        return served
+        with pytest.raises(ValueError, match="malformed take"):  # not [max_messages, timeout]
+            await asyncio.to_thread(channel._client.call, "take", ["x"])
+        assert served.asked == []
+        got = await asyncio.to_thread(channel.take, 1, 0.1)
+        channel.close()
+        return served, got
 
-    served = run(main())
-    assert served.asked == []
+    served, got = run(main())
+    assert [a[:2] for a in served.asked] == [(1, 0.1)]
+    assert got.column("offset").to_pylist() == [0]
 
 
 def test_a_spare_is_started_by_its_first_request_and_its_typed_error_crosses():
@@ -274,29 +290,26 @@ def test_a_spare_is_started_by_its_first_request_and_its_typed_error_crosses():
     assert got[2].column("offset").to_pylist() == [0, 1]
 
 
-def test_a_start_after_a_take_or_to_a_server_without_one_drops_the_connection():
+def test_a_start_to_a_server_without_one_is_refused_and_the_channel_goes_on():
     async def main():
-        served = Served([None, None], started=[["h", 1]])
-        channel = await served.client()
-        await asyncio.to_thread(channel.take, 1, 0.0)
-        with pytest.raises(ChannelBroken):  # a start comes first or not at all
-            await asyncio.to_thread(channel.start, {"queue": "q"}, 5.0)
         plain = Served([None])
         other = await plain.client()
-        with pytest.raises(ChannelBroken):  # a server that cannot start anything
+        with pytest.raises(ValueError, match="no op 'start'"):  # it cannot start anything
             await asyncio.to_thread(other.start, {"queue": "q"}, 5.0)
-        return served, plain
+        got = await asyncio.to_thread(other.take, 1, 0.0)
+        other.close()
+        return plain, got
 
-    served, plain = run(main())
-    assert served.starts == [] and plain.asked == []
+    plain, got = run(main())
+    assert got is None and [a[:2] for a in plain.asked] == [(1, 0.0)]
 
 
 def test_a_start_request_over_its_limit_drops_the_connection_unstarted():
     async def main():
         served = Served([], started=[["h", 1]])
         channel = await served.client()
-        with pytest.raises(ChannelBroken):
-            await asyncio.to_thread(channel.start, {"selector": "x" * START_LIMIT}, 5.0)
+        with pytest.raises(WireBroken):
+            await asyncio.to_thread(channel.start, {"selector": "x" * REQUEST_LIMIT}, 5.0)
         return served
 
     assert run(main()).starts == []
@@ -385,16 +398,16 @@ def test_close_from_another_thread_ends_a_take_waiting_for_its_answer_at_once():
         async def give_back(batch: pa.RecordBatch) -> None:
             pass
 
-        server = DeliveryChannelServer(take, give_back, "consumer c of 'q'")
+        server = DeliveryServer(take, give_back, "consumer c of 'q'")
         host, port, secret = await server.start("127.0.0.1")
         channel = await asyncio.to_thread(DeliveryChannel, host, port, secret, "q")
         waiting = asyncio.create_task(asyncio.to_thread(channel.take, 10, 50.0))
         while not channel._lock.locked():  # the take holds the lock while it waits
             await asyncio.sleep(0.001)
         await asyncio.to_thread(channel.close)
-        with pytest.raises(ChannelBroken):
+        with pytest.raises(WireBroken):
             await waiting
-        with pytest.raises(ChannelBroken, match="closed"):
+        with pytest.raises(WireBroken, match="closed"):
             await asyncio.to_thread(channel.take, 1, 0.1)
         never.set()
         server.close()
@@ -406,16 +419,20 @@ def test_a_break_mid_answer_says_an_answer_was_pending_and_how_many_were_read():
     # The client's half of giving back an answer it never read (the consumer asks its
     # TargetList for the rows of answers beyond ``answers_read``).
     async def main():
+        async def read_header(reader) -> list:
+            (n,) = struct.unpack(">I", await reader.readexactly(4))
+            return msgpack.unpackb(await reader.readexactly(n))
+
         async def serve(reader, writer):
-            await reader.readexactly(4 + len(msgpack.packb([secret])))
-            writer.write(frame([True]))
+            await read_header(reader)  # the hello
+            writer.write(frames.header_bytes([0, None, {}, []]))
             for answer in range(2):
-                (n,) = struct.unpack(">I", await reader.readexactly(4))
-                await reader.readexactly(n)
+                req_id = (await read_header(reader))[0]
                 data = to_ipc(delivery(answer * 10, 3))
-                writer.write(frame(["batch", data.size]))
+                head, raw = frames.encode([req_id, None, "ipc"], [data])
+                writer.write(head)
                 # The second answer breaks off half-way.
-                writer.write(memoryview(data) if answer == 0 else memoryview(data)[:10])
+                writer.write(raw if answer == 0 else raw[:10])
                 await writer.drain()
             writer.close()
 
@@ -425,7 +442,7 @@ def test_a_break_mid_answer_says_an_answer_was_pending_and_how_many_were_read():
         channel = await asyncio.to_thread(DeliveryChannel, "127.0.0.1", port, secret, "q")
         first = await asyncio.to_thread(channel.take, 3, 1.0)
         assert first.column("offset").to_pylist() == [0, 1, 2] and channel.answers_read == 1
-        with pytest.raises(ChannelBroken) as broken:
+        with pytest.raises(WireBroken) as broken:
             await asyncio.to_thread(channel.take, 3, 1.0)
         server.close()
         return broken.value, channel.answers_read

@@ -1,16 +1,17 @@
-"""The DeliveryChannel server's give-back of answers a broken client never read
-(``TargetListActor.channel_broke``), without Ray: an answer written after the last
-one the client read whole goes back to the queue; one it read does not; one written
+"""The DeliveryServer's give-back (``raymq.wire.delivery``) of answers a broken client
+never read (``TargetListActor.channel_broke``), without Ray: an answer written after the
+last one the client read whole goes back to the queue; one it read does not; one written
 after the break goes back too; a new request confirms the answer before it."""
 
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pyarrow as pa
 
 from raymq.batch import EMPTY_DELIVERY
-from raymq.delivery_channel import DeliveryChannelServer, _Connection
+from raymq.wire.delivery import DeliveryServer
 
 #: Bound on a call that must return, in real seconds: only a wedge takes this long.
 ANSWER_SECONDS = 30.0
@@ -24,26 +25,38 @@ def delivery(first: int, n: int) -> pa.RecordBatch:
     return pa.RecordBatch.from_pylist(rows, schema=EMPTY_DELIVERY.schema)
 
 
-class Writer:
-    """A connection's writer that takes every write (the client may not read them)."""
+class Connection:
+    """One client connection's requests, each answer written (the client may not read
+    them)."""
 
     def __init__(self) -> None:
-        self.data = b""
+        self.state: dict = {}
+        self.written: list = []
 
-    def write(self, data) -> None:
-        self.data += bytes(data)
+    def take(self, max_messages: int = 10, timeout: float = 0.1) -> SimpleNamespace:
+        def answer(value=None, buffers=()) -> bool:
+            request.answered = True
+            self.written.append(value)
+            return True
 
-    async def drain(self) -> None:
-        pass
+        request = SimpleNamespace(
+            conn=self, args=[max_messages, timeout], answered=False, answer=answer
+        )
+        return request
 
 
 class Scripted:
-    def __init__(self, answers: list):
+    def __init__(self, answers: list, gate: asyncio.Event | None = None):
         self.answers = list(answers)
+        self.gate = gate
+        self.taking = asyncio.Event()  # a take waits in the TargetList
         self.given_back: list[list[int]] = []
-        self.server = DeliveryChannelServer(self._take, self._give_back, "consumer c of 'q'")
+        self.server = DeliveryServer(self._take, self._give_back, "consumer c of 'q'")
 
     async def _take(self, max_messages: int, timeout: float, inline_bytes: int):
+        self.taking.set()
+        if self.gate is not None:
+            await self.gate.wait()
         return self.answers.pop(0)
 
     async def _give_back(self, batch: pa.RecordBatch) -> None:
@@ -57,10 +70,10 @@ def run(coro):
 def test_an_answer_written_but_not_read_goes_back_and_a_read_one_does_not():
     async def main():
         s = Scripted([delivery(0, 2), delivery(2, 3)])
-        conn = s.server._latest = _Connection()
-        await s.server._answer(Writer(), 10, 0.1, conn=conn)  # read by the client ...
-        conn.unconfirmed.clear()  # ... which its next request shows
-        await s.server._answer(Writer(), 10, 0.1, conn=conn)  # written, never read
+        conn = Connection()
+        await s.server._answer_take(conn.take())  # read by the client, as ...
+        await s.server._answer_take(conn.take())  # ... its next request shows; never read
+        assert conn.written == ["ipc", "ipc"]
         n = await s.server.give_back_unread(answers_read=1)
         return s, n
 
@@ -71,8 +84,8 @@ def test_an_answer_written_but_not_read_goes_back_and_a_read_one_does_not():
 def test_nothing_goes_back_when_the_client_read_every_answer():
     async def main():
         s = Scripted([delivery(0, 2)])
-        conn = s.server._latest = _Connection()
-        await s.server._answer(Writer(), 10, 0.1, conn=conn)
+        conn = Connection()
+        await s.server._answer_take(conn.take())
         return s, await s.server.give_back_unread(answers_read=1)
 
     s, n = run(main())
@@ -81,10 +94,14 @@ def test_nothing_goes_back_when_the_client_read_every_answer():
 
 def test_an_answer_written_after_the_break_goes_back_too():
     async def main():
-        s = Scripted([delivery(7, 1)])
-        conn = s.server._latest = _Connection()
+        gate = asyncio.Event()
+        s = Scripted([delivery(7, 1)], gate)
+        conn = Connection()
+        under_way = asyncio.ensure_future(s.server._answer_take(conn.take()))
+        await s.taking.wait()  # the take is under way when the client's connection breaks
         assert await s.server.give_back_unread(answers_read=0) == 0  # nothing written yet
-        await s.server._answer(Writer(), 10, 0.1, conn=conn)  # the take was under way
+        gate.set()
+        await under_way  # written after the break: never read
         return s
 
     s = run(main())

@@ -1,28 +1,28 @@
-"""The FetchChannel without Ray: a TargetList's fetches over a socket to its queue actor.
-A small delivery comes back inline as Arrow; a large one is parked for a Ray call and
-taken once; registration works over it, and the end of a connection reports the
-consumers it registered (the queue closes those not yet watched); the queue's typed
-errors cross as themselves and leave the channel usable;
-a wrong secret, a dead server, a malformed request or a cancelled fetch end the
-channel (``ChannelBroken``: the TargetList then fetches through Ray); rows the server
-took for an answer it could not write are given back, not lost; a parked delivery
-nobody takes is dropped and counted."""
+"""The fetch protocol (``raymq.wire.fetch``) without Ray: a TargetList's fetches over a
+socket to its queue actor. A small delivery comes back inline as Arrow; a large one is
+parked for a Ray call and taken once; registration works over it, and the end of a
+connection reports the consumers it registered (the queue closes those not yet watched);
+the queue's typed errors (and its bugs, named) cross as errors and leave the channel
+usable, as a malformed request's error does; a wrong secret, a dead server or a
+cancelled fetch end the channel (``WireBroken``: the TargetList then fetches through
+Ray); rows the server took for an answer it could not write are given back, not lost; a
+parked delivery nobody takes is dropped and counted."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+from types import SimpleNamespace
 
 import numpy as np
 import pyarrow as pa
 import pytest
 
-from raymq import fetch_channel
 from raymq.batch import EMPTY_DELIVERY, offsets_of
 from raymq.core.subscription import NOTHING, Delivery
-from raymq.delivery_channel import frame
-from raymq.errors import ConsumerClosed, SelectorError
-from raymq.fetch_channel import ChannelBroken, FetchChannel, FetchChannelServer
+from raymq.errors import ConsumerClosed, RayMQError, SelectorError
+from raymq.wire import fetch
+from raymq.wire.errors import WireBroken
+from raymq.wire.fetch import FetchChannel, FetchServer
 
 #: Bound on a call that must return, in real seconds: only a wedge takes this long.
 ANSWER_SECONDS = 30.0
@@ -44,7 +44,7 @@ def delivery(first: int, n: int, body: bytes = b"x" * 100) -> Delivery:
 
 
 class Served:
-    """A FetchChannelServer on 127.0.0.1 with scripted deliveries (each answer waits
+    """A FetchServer on 127.0.0.1 with scripted deliveries (each answer waits
     for ``gate`` if given), and a client channel."""
 
     def __init__(self, answers: list, gate: asyncio.Event | None = None):
@@ -54,7 +54,7 @@ class Served:
         self.gate = gate
         self.registered: list[tuple] = []
         self.lost: list[list] = []
-        self.server = FetchChannelServer(
+        self.server = FetchServer(
             self._fetch, self._give_back, "q", register=self._register, lost=self.lost.append
         )
 
@@ -123,20 +123,39 @@ def test_the_queues_typed_error_is_raised_and_the_channel_stays_usable():
 def test_a_wrong_secret_is_refused():
     async def main():
         served = Served([])
-        with pytest.raises(ChannelBroken):
+        with pytest.raises(WireBroken):
             await served.client(secret="0" * 32)
         return served
 
     assert run(main()).asked == []
 
 
+def test_a_bug_in_the_queue_is_an_error_naming_it_and_the_channel_stays_usable():
+    async def main():
+        served = Served([RuntimeError("a bug in the queue"), delivery(0, 1)])
+        channel = await served.client()
+        with pytest.raises(RayMQError, match="RuntimeError: a bug in the queue"):
+            await channel.fetch("c1", 1, 0.1, 10, None, None)
+        return await channel.fetch("c1", 1, 0.1, 10, None, None)
+
+    assert run(main()).column("offset").to_pylist() == [0]
+
+
 def test_a_dead_server_breaks_the_channel_for_good():
     async def main():
-        served = Served([RuntimeError("a bug in the queue")])
+        gate = asyncio.Event()  # never set: the fetch waits in the server
+        served = Served([delivery(0, 1)], gate)
         channel = await served.client()
-        with pytest.raises(ChannelBroken):
-            await channel.fetch("c1", 1, 0.1, 10, None, None)  # the server drops us
-        with pytest.raises(ChannelBroken, match="closed"):
+        task = asyncio.create_task(channel.fetch("c1", 1, 5.0, 10, None, None))
+        while not served.asked:
+            await asyncio.sleep(0.001)
+        for conn in list(served.server.server._open):  # the queue actor's process dies
+            conn.transport.abort()
+        with pytest.raises(WireBroken) as broken:
+            await task
+        assert broken.value.answer_pending
+        assert channel.closed
+        with pytest.raises(WireBroken):
             await channel.fetch("c1", 1, 0.1, 10, None, None)
 
     run(main())
@@ -153,24 +172,30 @@ def test_a_cancelled_fetch_closes_the_channel():
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        with pytest.raises(ChannelBroken, match="closed"):  # mid-answer: not used again
+        with pytest.raises(WireBroken, match="closed"):  # mid-answer: not used again
             await channel.fetch("c1", 1, 0.1, 10, None, None)
 
     run(main())
 
 
+def unwritable(args: list) -> SimpleNamespace:
+    """A request whose connection closed: its answer cannot be written."""
+
+    def answer(value=None, buffers=()) -> bool:
+        request.answered = True
+        return False
+
+    request = SimpleNamespace(args=args, answered=False, answer=answer)
+    request.conn = SimpleNamespace(state={})
+    return request
+
+
 def test_rows_of_an_answer_that_cannot_be_written_are_given_back():
-    class BrokenWriter:
-        def write(self, data) -> None:
-            pass
-
-        async def drain(self) -> None:
-            raise ConnectionResetError("the TargetList went away")
-
     async def main():
         served = Served([delivery(7, 4)])
-        with pytest.raises(ConnectionResetError):
-            await served.server._answer(BrokenWriter(), "c1", 10, 0.1, 10, None, "s", 10_000)
+        request = unwritable(["c1", 10, 0.1, 10, None, "s", 10_000])
+        await served.server._answer_fetch(request)
+        assert request.answered
         return served
 
     served = run(main())
@@ -178,21 +203,24 @@ def test_rows_of_an_answer_that_cannot_be_written_are_given_back():
     assert served.server.given_back == 4 and served.server.answers == 0
 
 
-def test_a_malformed_request_drops_the_connection_without_fetching():
+def test_a_malformed_request_is_refused_without_fetching_and_the_channel_goes_on():
     async def main():
         served = Served([delivery(0, 1)])
         channel = await served.client()
-        channel._writer.write(frame(["c1", 1, 0.1]))  # too short
-        with contextlib.suppress(ChannelBroken):
-            await channel.fetch("c1", 1, 0.1, 10, None, None)
-        return served
+        with pytest.raises(ValueError, match="malformed fetch"):
+            await channel._client.call("fetch", ["c1", 1, 0.1])  # too short
+        assert served.asked == []
+        got = await channel.fetch("c1", 1, 0.1, 10, None, None)
+        return served, got
 
-    assert run(main()).asked == []
+    served, got = run(main())
+    assert served.asked == [("c1", 1, 0.1, 10, None, None)]
+    assert got.column("offset").to_pylist() == [0]
 
 
 def test_a_parked_delivery_nobody_takes_is_dropped_and_counted(monkeypatch):
-    monkeypatch.setattr(fetch_channel, "PARKED_SECONDS", -1.0)  # stale at once
-    server = FetchChannelServer(None, None, "q")
+    monkeypatch.setattr(fetch, "PARKED_SECONDS", -1.0)  # stale at once
+    server = FetchServer(None, None, "q")
     first = server._park("c1", delivery(0, 5))
     second = server._park("c1", delivery(5, 5))  # the first one is stale by now
     assert server.take_parked(first) is None

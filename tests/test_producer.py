@@ -15,7 +15,8 @@ import pytest
 from raymq.batch import MessageBatch
 from raymq.client.producer import Producer, SendFuture
 from raymq.errors import AddressFull, NotLeader
-from raymq.send_channel import ChannelBroken, SendChannel
+from raymq.wire.errors import WireBroken
+from raymq.wire.send import SendChannel
 from tests.test_send_channel import MAX_MESSAGE, served  # noqa: F401 - the fixture
 
 # -- Ray-free: a real SendChannel to a server storing into a list ----------------------
@@ -297,17 +298,17 @@ def test_channel_sends_into_a_queue_that_hibernates_go_to_its_revived_actor(brok
 
 
 def test_an_async_send_outlives_its_patience_while_the_server_answers_pings(served, monkeypatch):
-    from raymq import send_channel
+    from raymq.wire import send
 
     store, server, endpoint, loop = served
     # Long enough for a loaded machine to answer a ping within it: a miss breaks the channel.
-    monkeypatch.setattr(send_channel, "REPLY_PATIENCE_SECONDS", 0.5)
+    monkeypatch.setattr(send, "REPLY_PATIENCE_SECONDS", 0.5)
     channel = SendChannel(*endpoint, "q")
     store.hold = True
 
     async def main():
         pending = asyncio.ensure_future(channel.send_async(b"late", b"", None))
-        while not server.pings_answered:  # it pinged: the server still holds the send
+        while not server.server.pings_answered:  # it pinged: the server still holds the send
             await asyncio.sleep(0.01)
         assert not pending.done()
         loop.call_soon_threadsafe(store.release.set)
@@ -337,7 +338,7 @@ class FakeChannel:
 
     def _submit(self, bodies: list[bytes], reply) -> None:
         if self.broken is not None:
-            raise ChannelBroken("broken")
+            raise WireBroken("broken")
         self.waiting.append((bodies, reply))
 
     def answer_all(self) -> None:
@@ -350,7 +351,7 @@ class FakeChannel:
     def fail_all(self) -> None:
         waiting, self.waiting = self.waiting, []
         for _, reply in waiting:
-            reply.set_exception(ChannelBroken("reset"))
+            reply.set_exception(WireBroken("reset"))
 
     def check_alive(self) -> bool:
         return self.broken is None
@@ -461,17 +462,17 @@ def test_a_closed_server_answers_its_stores_refuses_new_requests_then_closes(ser
     """F11: a queue that hibernates closes its channel server: requests arriving after
     get NotLeader at once (a producer's go through Ray, after its earlier batches);
     stores under way are answered, then the connections close."""
-    from raymq import send_channel_server
+    from raymq.wire import send
 
     store, server, endpoint, loop = served
-    monkeypatch.setattr(send_channel_server, "CLOSE_GRACE_SECONDS", 600)  # not what closes them
+    monkeypatch.setattr(send, "CLOSE_GRACE_SECONDS", 600)  # not what closes them
     channel = SendChannel(*endpoint, "q")
     assert channel.send(b"before", b"", None) == 0
     store.hold = True  # a store under way when the queue closes
     # One message a batch: each ships at once, the later ones while "held" is in flight.
     producer, pchannel, ray_send = producer_for(endpoint, store, max_batch_messages=1)
     held = producer.send(b"held", b"", None)
-    until(lambda: len(server._tasks) == 1, "the store under way")
+    until(lambda: server.server._under_way == 1, "the store under way")
     asyncio.run_coroutine_threadsafe(_close(server), loop).result(10)
     with pytest.raises(NotLeader, match="ask the broker"):
         channel.send(b"after", b"", None)
@@ -493,11 +494,11 @@ def test_a_closed_server_answers_its_stores_refuses_new_requests_then_closes(ser
 
 def test_a_store_unanswered_after_the_close_grace_fails_with_channel_broken(served, monkeypatch):
     """F11: a store the closing queue never answers does not hang its sender: the
-    connection closes after CLOSE_GRACE_SECONDS and the send raises ChannelBroken."""
-    from raymq import send_channel_server
+    connection closes after CLOSE_GRACE_SECONDS and the send raises WireBroken."""
+    from raymq.wire import send
 
     store, server, endpoint, loop = served
-    monkeypatch.setattr(send_channel_server, "CLOSE_GRACE_SECONDS", 0.2)
+    monkeypatch.setattr(send, "CLOSE_GRACE_SECONDS", 0.2)
     channel = SendChannel(*endpoint, "q")
     store.hold = True  # never released before the close
     errors: list[BaseException] = []
@@ -510,10 +511,10 @@ def test_a_store_unanswered_after_the_close_grace_fails_with_channel_broken(serv
 
     t = threading.Thread(target=send)
     t.start()
-    until(lambda: len(server._tasks) == 1, "the store under way")
+    until(lambda: server.server._under_way == 1, "the store under way")
     asyncio.run_coroutine_threadsafe(_close(server), loop).result(10)
     t.join(30)
-    assert len(errors) == 1 and isinstance(errors[0], ChannelBroken)
+    assert len(errors) == 1 and isinstance(errors[0], WireBroken)
     loop.call_soon_threadsafe(store.release.set)
 
 

@@ -499,7 +499,7 @@ def test_a_follower_remembers_its_fence_across_a_restart(tmp_path):
         again.heartbeat(2)
 
 
-# -- the ReplicaChannel (raymq.replica_channel): commits over a socket ---------------
+# -- the ReplicaChannel (raymq.wire.replica): commits over a socket -----------------
 
 
 class ChannelLink(LocalLink):
@@ -507,7 +507,7 @@ class ChannelLink(LocalLink):
 
     def __init__(self, replica_id, follower, endpoint):
         super().__init__(replica_id, follower)
-        from raymq.replica_channel import ReplicaChannel
+        from raymq.wire.replica import ReplicaChannel
 
         self.channel = ReplicaChannel(*endpoint, replica=replica_id)
 
@@ -519,14 +519,15 @@ class ChannelLink(LocalLink):
 
 
 def test_commits_over_the_replica_channel_make_the_same_copy(tmp_path):
-    from raymq.replica_channel import ChannelFailed, ReplicaChannel, ReplicaChannelServer
+    from raymq.wire.errors import WireBroken
+    from raymq.wire.replica import ReplicaChannel, ReplicaServer
 
     async def main():
         root = str(tmp_path)
         links, servers = [], []
         for rid in ("r1", "r2"):
             f = ReplicationFollower(ReplicaFiles(os.path.join(root, rid), "rq"), 1)
-            server = ReplicaChannelServer(f, "rq")
+            server = ReplicaServer(f, "rq")
             servers.append(server)
             links.append(ChannelLink(rid, f, await server.start("127.0.0.1")))
         core, rep, _ = open_leader(root, links)
@@ -540,7 +541,7 @@ def test_commits_over_the_replica_channel_make_the_same_copy(tmp_path):
         await core.close()
         host, port, _secret = await servers[1].start("127.0.0.1")
         wrong = ReplicaChannel(host, port, "not the secret", "r2")
-        with pytest.raises(ChannelFailed):
+        with pytest.raises(WireBroken):
             await wrong.heartbeat(1)
         for link, server in zip(links, servers, strict=True):
             link.channel.close()

@@ -1,21 +1,33 @@
-"""SendChannel without Ray: a real socket between a client and a server whose event loop
-runs in a thread; the server stores into a list instead of a QueueCore."""
+"""The send protocol (``raymq.wire.send``) without Ray: a real socket between a
+SendChannel and a SendServer whose event loop runs in a thread; the server stores into a
+list instead of a QueueCore."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import socket
 import sys
 import threading
 import time
+from concurrent.futures import Future
 
 import msgpack
 import pytest
 
 from raymq.batch import MessageBatch
 from raymq.errors import AddressFull
-from raymq.send_channel import ChannelBroken, SendChannel, _Reply, frame
-from raymq.send_channel_server import SendChannelServer
+from raymq.wire import frames
+from raymq.wire.errors import WireBroken
+from raymq.wire.send import SendChannel, SendServer
+from tests.wire_helpers import (
+    MutePeer,
+    hello,
+    raw_client,
+    read_answers,
+    read_frame,
+    request,
+)
 
 MAX_MESSAGE = 1024
 
@@ -30,12 +42,14 @@ class Store:
         self.batches: list[int] = []
         self.release = asyncio.Event()
         self.hold = False
+        self.started = threading.Event()  # a store call began
         self._tickets = 0  # calls begun
         self._served = 0  # calls stored (or refused)
 
     async def send_batch(self, batch: MessageBatch, timeout: float | None) -> tuple[int, int]:
         ticket = self._tickets
         self._tickets += 1
+        self.started.set()
         if self.hold:
             await self.release.wait()
         while self._served != ticket:  # stored in the order the calls began, as by a queue
@@ -77,7 +91,7 @@ def _serve(gather: bool):
 
     def run():
         asyncio.set_event_loop(loop)
-        server = SendChannelServer(store.send_batch, "q", MAX_MESSAGE, gather=gather)
+        server = SendServer(store.send_batch, "q", MAX_MESSAGE, gather=gather)
         out["server"] = server
         out["endpoint"] = loop.run_until_complete(server.start("127.0.0.1"))
         ready.set()
@@ -131,9 +145,9 @@ def test_a_server_that_does_not_gather_stores_each_send_alone(served_apart):
     client's send alone, even when many arrive in one read."""
     store, _, (host, port, secret), _ = served_apart
     sock = raw_client(host, port, secret)
-    sock.sendall(b"".join(frame([k, f"m{k}".encode(), b"", None]) for k in range(50)))
-    answers = sorted(read_frame(sock)[:2] for _ in range(50))
-    assert answers == [[k, k] for k in range(50)]
+    sock.sendall(b"".join(request(k, "send", [f"m{k}".encode(), b"", None]) for k in range(50)))
+    answers = read_answers(sock, 50)
+    assert answers == {k: (None, k) for k in range(50)}
     assert store.bodies == [f"m{k}".encode() for k in range(50)]
     assert store.batches == [1] * 50
     sock.close()
@@ -151,7 +165,7 @@ def test_errors_come_back_typed_and_drops_as_none(served):
 
 def test_a_wrong_secret_gets_no_channel(served):
     store, _, (host, port, _secret), _ = served
-    with pytest.raises(ChannelBroken):
+    with pytest.raises(WireBroken):
         SendChannel(host, port, "not the secret", "q")
     assert store.bodies == []
 
@@ -159,15 +173,15 @@ def test_a_wrong_secret_gets_no_channel(served):
 def test_an_oversize_frame_ends_the_connection_and_stores_nothing(served):
     store, _, (host, port, secret), _ = served
     channel = SendChannel(host, port, secret, "q")
-    with pytest.raises(ChannelBroken):
+    with pytest.raises(WireBroken):
         channel.send(b"x" * (MAX_MESSAGE + 100_000), b"", None)
-    with pytest.raises(ChannelBroken):  # broken stays broken
+    with pytest.raises(WireBroken):  # broken stays broken
         channel.send(b"small", b"", None)
     assert store.bodies == []
 
 
 def test_sends_waiting_when_the_server_goes_away_raise_channel_broken(served):
-    store, _, (host, port, secret), loop = served
+    store, server, (host, port, secret), loop = served
     store.hold = True  # the "queue" does not answer yet
     channel = SendChannel(host, port, secret, "q")
     errors: list[BaseException] = []
@@ -180,16 +194,31 @@ def test_sends_waiting_when_the_server_goes_away_raise_channel_broken(served):
 
     t = threading.Thread(target=send)
     t.start()
-    # Cut the connection under the waiting (or about to write) send: the reader sees
-    # EOF and fails what waits, or the write itself fails; either way ChannelBroken.
-    channel._sock.shutdown(socket.SHUT_RDWR)
+    assert store.started.wait(10)  # the send waits in the store
+    # The server's side of the connection goes away under the waiting send.
+    cut = asyncio.run_coroutine_threadsafe(_abort_connections(server), loop)
+    assert cut.result(10) == 1
     t.join(10)
-    assert len(errors) == 1 and isinstance(errors[0], ChannelBroken)
+    assert len(errors) == 1 and isinstance(errors[0], WireBroken)
+    assert errors[0].answer_pending  # written: the queue may have stored it
+    with pytest.raises(WireBroken):  # broken stays broken
+        channel.send(b"after", b"", None)
     loop.call_soon_threadsafe(store.release.set)
 
 
-def test_frames_are_length_then_msgpack():
-    assert frame([True]) == b"\x00\x00\x00\x02\x91\xc3"
+async def _abort_connections(server: SendServer) -> int:
+    conns = list(server.server._open)
+    for conn in conns:
+        conn.transport.abort()
+    return len(conns)
+
+
+def test_frames_are_a_length_then_a_msgpack_header_then_raw_buffers():
+    assert frames.header_bytes([True]) == b"\x00\x00\x00\x02\x91\xc3"
+    body = bytearray(b"raw")
+    head, raw = frames.encode([7, "send_batch", [None]], [body])
+    assert bytes(head) == b"\x00\x00\x00\x11" + msgpack.packb([7, "send_batch", [None], [3]])
+    assert raw.obj is body  # a raw buffer is not copied
 
 
 def test_batches_and_single_sends_share_a_channel_from_many_threads(served):
@@ -242,49 +271,24 @@ def test_a_batch_whose_offsets_do_not_fit_its_data_is_refused(served):
     channel.close()
 
 
-def raw_client(host: str, port: int, secret: str | None) -> socket.socket:
-    """A bare socket, authenticated when ``secret`` is given (as a hostile client)."""
-    sock = socket.create_connection((host, port), timeout=30)
-    if secret is not None:
-        sock.sendall(frame([secret]))
-        assert read_frame(sock) == [True]
-    return sock
-
-
-def read_frame(sock: socket.socket) -> object:
-    def exactly(n: int) -> bytes:
-        data = b""
-        while len(data) < n:
-            chunk = sock.recv(n - len(data))
-            if not chunk:
-                raise ConnectionError("closed")
-            data += chunk
-        return data
-
-    return msgpack.unpackb(exactly(int.from_bytes(exactly(4), "big")))
-
-
 def test_a_malformed_request_fails_alone_and_the_good_one_in_its_gather_is_stored(served):
     store, _, (host, port, secret), _ = served
     sock = raw_client(host, port, secret)
     bad_props = b"\xc1"  # never valid msgpack
     sock.sendall(  # one write: the server gathers them together
-        frame([1, b"good", b"", None])
-        + frame([2, b"bad", b"", [1]])  # an unhashable timeout
-        + frame([3, b"bad", bad_props, None])
-        + frame([4, b"bad", msgpack.packb({"k": [1, 2]}), None])  # a list is no property
-        + frame([5, b"bad", b"", -1.0])
+        request(1, "send", [b"good", b"", None])
+        + request(2, "send", [b"bad", b"", [1]])  # an unhashable timeout
+        + request(3, "send", [b"bad", bad_props, None])
+        + request(4, "send", [b"bad", msgpack.packb({"k": [1, 2]}), None])  # a list: no property
+        + request(5, "send", [b"bad", b"", -1.0])
     )
-    answers = {}
-    while len(answers) < 5:
-        req_id, result, error, _message = read_frame(sock)
-        answers[req_id] = (result, error)
-    assert answers[1] == (0, None)
-    assert answers[2][1] == answers[5][1] == "TypeError"
-    assert answers[3][1] == answers[4][1] == "InvalidProperties"
+    answers = read_answers(sock, 5)
+    assert answers[1] == (None, 0)
+    assert answers[2][0] == answers[5][0] == "TypeError"
+    assert answers[3][0] == answers[4][0] == "InvalidProperties"
     assert store.bodies == [b"good"]
-    sock.sendall(frame([6]))  # a ping: the connection is still served
-    assert read_frame(sock) == [6, True, None, None]
+    sock.sendall(request(6, "ping", []))  # the connection is still served
+    assert read_frame(sock) == ([6, None, True, []], [])
     sock.close()
 
 
@@ -294,95 +298,72 @@ def test_an_oversized_message_fails_alone_in_its_gather(served):
     store, _, (host, port, secret), _ = served
     sock = raw_client(host, port, secret)
     sock.sendall(
-        frame([1, b"a", b"", None])
-        + frame([2, b"x" * (MAX_MESSAGE + 1), b"", None])
-        + frame([3, b"x" * (MAX_MESSAGE - 4), msgpack.packb({"k": "too much"}), None])
-        + frame([4, b"b", b"", None])
+        request(1, "send", [b"a", b"", None])
+        + request(2, "send", [b"x" * (MAX_MESSAGE + 1), b"", None])
+        + request(3, "send", [b"x" * (MAX_MESSAGE - 4), msgpack.packb({"k": "too much"}), None])
+        + request(4, "send", [b"b", b"", None])
     )
-    answers = {}
-    while len(answers) < 4:
-        req_id, result, error, _message = read_frame(sock)
-        answers[req_id] = (result, error)
-    assert answers[2][1] == answers[3][1] == "MessageTooLarge"
-    assert answers[1][1] is None and answers[4][1] is None
+    answers = read_answers(sock, 4)
+    assert answers[2][0] == answers[3][0] == "MessageTooLarge"
+    assert answers[1][0] is None and answers[4][0] is None
     assert store.bodies == [b"a", b"b"]
     sock.close()
 
 
 def test_a_silent_connection_is_closed_and_connections_are_capped(served, monkeypatch):
-    from raymq import send_channel_server
+    from raymq.wire import server as wire_server
 
     _, server, (host, port, secret), _ = served
-    monkeypatch.setattr(send_channel_server, "HELLO_TIMEOUT_SECONDS", 0.2)
+    monkeypatch.setattr(wire_server, "HELLO_TIMEOUT_SECONDS", 0.2)
     silent = raw_client(host, port, None)  # never sends the secret
     assert silent.recv(1) == b""  # closed by the server, not by us
     silent.close()
-    monkeypatch.setattr(send_channel_server, "MAX_CONNECTIONS", 2)
-    monkeypatch.setattr(send_channel_server, "HELLO_TIMEOUT_SECONDS", 60)
+    wire = server.server
+    monkeypatch.setattr(wire, "protocol", dataclasses.replace(wire.protocol, max_connections=2))
+    monkeypatch.setattr(wire_server, "HELLO_TIMEOUT_SECONDS", 60)
     kept = [raw_client(host, port, secret) for _ in range(2)]
     extra = socket.create_connection((host, port), timeout=30)
     assert extra.recv(1) == b""  # over the cap: closed at once
-    assert server.refused_connections == 1
+    assert wire.refused_connections == 1
     extra.close()
     for sock in kept:
         sock.close()
 
 
-def _mute_peer() -> tuple[socket.socket, list[socket.socket], threading.Thread]:
-    """A peer that authenticates one client and then reads and answers nothing."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    accepted: list[socket.socket] = []
+def test_a_client_waiting_on_a_dead_server_gets_wire_broken(monkeypatch):
+    from raymq.wire import send
 
-    def mute() -> None:
-        conn, _ = listener.accept()
-        accepted.append(conn)
-        conn.recv(1024)
-        conn.sendall(frame([True]))
-
-    t = threading.Thread(target=mute)
-    t.start()
-    return listener, accepted, t
-
-
-def test_a_client_waiting_on_a_dead_server_gets_channel_broken(served, monkeypatch):
-    from raymq import send_channel
-
-    store, _, _endpoint, loop = served
-    monkeypatch.setattr(send_channel, "REPLY_PATIENCE_SECONDS", 0.3)
+    monkeypatch.setattr(send, "REPLY_PATIENCE_SECONDS", 0.3)
     # A peer that authenticates clients and then answers nothing, not even pings.
-    listener, accepted, t = _mute_peer()
-    channel = SendChannel("127.0.0.1", listener.getsockname()[1], "s", "q")
-    t.join(10)
-    with pytest.raises(ChannelBroken, match="ping"):
+    peer = MutePeer()
+    channel = SendChannel(*peer.endpoint(), "q")
+    with pytest.raises(WireBroken, match="ping"):
         channel.send(b"lost?", b"", None)
     channel.close()
-    for sock in [*accepted, listener]:
-        sock.close()
-    loop.call_soon_threadsafe(store.release.set)
+    peer.close()
 
 
 def test_a_write_to_a_peer_that_reads_nothing_breaks_the_channel_in_bounded_time(monkeypatch):
-    """A paused queue actor takes no bytes: a write (under the channel's lock, which
-    every sender and the liveness ping need) must not wait for ever. The broken
-    channel's connection is closed for real: its reader thread ends."""
-    from raymq import send_channel
+    """A paused queue actor takes no bytes: a send whose bytes cannot all be written
+    must not wait for ever. The broken channel's connection is closed for real (its
+    unsent bytes dropped), not left waiting for the peer to read them."""
+    from raymq.wire import send
 
-    monkeypatch.setattr(send_channel, "SEND_TIMEOUT_SECONDS", 0.3)
-    listener, accepted, t = _mute_peer()
-    channel = SendChannel("127.0.0.1", listener.getsockname()[1], "s", "q")
-    t.join(10)
+    monkeypatch.setattr(send, "REPLY_PATIENCE_SECONDS", 0.3)
+    peer = MutePeer()
+    channel = SendChannel(*peer.endpoint(), "q")
     # More than any socket buffer holds: the write must wait for the peer.
     batch = MessageBatch.from_bodies([b"x" * 2**20] * 64, max_message_size=2**21)
     started = time.monotonic()
-    with pytest.raises(ChannelBroken):
+    with pytest.raises(WireBroken):
         channel.send_batch(batch, None)
     assert time.monotonic() - started < 20
-    channel._reader.join(10)
-    assert not channel._reader.is_alive()
-    with pytest.raises(ChannelBroken):  # broken for good: the sender goes by Ray
+    client = channel._client._client
+    closed = asyncio.run_coroutine_threadsafe(client.wait_closed(), channel._client._loop)
+    closed.result(10)  # the transport is gone, unsent bytes and all
+    with pytest.raises(WireBroken):  # broken for good: the sender goes by Ray
         channel.send(b"after", b"", None)
-    for sock in [*accepted, listener]:
-        sock.close()
+    peer.close()
 
 
 def test_an_answer_for_a_send_whose_event_loop_ended_leaves_the_channel_working(served):
@@ -398,7 +379,7 @@ def test_an_answer_for_a_send_whose_event_loop_ended_leaves_the_channel_working(
 
     asyncio.run(impatient())
     asyncio.run(impatient())  # two stale replies: neither may stop the others
-    later = _Reply()
+    later: Future = Future()
     channel.submit_one(b"next", b"", None, later)
     loop.call_soon_threadsafe(store.release.set)
     assert later.result(timeout=30) == 2
@@ -410,17 +391,17 @@ def test_an_answer_for_a_send_whose_event_loop_ended_leaves_the_channel_working(
 def test_a_blocked_send_outlives_the_reply_patience_while_the_server_answers_pings(
     served, monkeypatch
 ):
-    from raymq import send_channel
+    from raymq.wire import send
 
     store, server, (host, port, secret), loop = served
-    monkeypatch.setattr(send_channel, "REPLY_PATIENCE_SECONDS", 0.1)
+    monkeypatch.setattr(send, "REPLY_PATIENCE_SECONDS", 0.1)
     store.hold = True
     channel = SendChannel(host, port, secret, "q")
     result: list[int] = []
     t = threading.Thread(target=lambda: result.append(channel.send(b"late", b"", None)))
     t.start()
     idle = threading.Event()
-    while server.pings_answered < 3:  # the send waits on while its pings are answered
+    while server.server.pings_answered < 3:  # the send waits on while its pings are answered
         idle.wait(0.01)
     loop.call_soon_threadsafe(store.release.set)
     t.join(30)
@@ -438,46 +419,49 @@ def test_frames_split_anywhere_or_run_together_are_each_answered(served):
     batch = MessageBatch.from_bodies([b"b1", b"b2"], max_message_size=MAX_MESSAGE)
     buffers = [memoryview(b).cast("B").tobytes() for b in batch.wire_buffers()]
     stream = (
-        frame([secret])
-        + frame([1, b"one", b"", None])
-        + frame([2, None, [len(b) for b in buffers]])
-        + b"".join(buffers)
-        + frame([3])
+        hello(secret, "send")
+        + request(1, "send", [b"one", b"", None])
+        + request(2, "send_batch", [None], buffers)
+        + request(3, "ping", [])
     )
     for i in range(len(stream)):  # a byte a write: TCP_NODELAY sends each at once
         sock.sendall(stream[i : i + 1])
-    assert read_frame(sock) == [True]
-    answers = {}
-    while len(answers) < 3:
-        req_id, result, error, _message = read_frame(sock)
-        answers[req_id] = (result, error)
-    sock.sendall(frame([4, b"two", b"", None]) + frame([5, b"three", b"", 1.5]) + frame([6]))
-    while len(answers) < 6:
-        req_id, result, error, _message = read_frame(sock)
-        answers[req_id] = (result, error)
+    assert read_frame(sock)[0][:2] == [0, None]  # the hello's answer
+    answers = read_answers(sock, 3)
+    sock.sendall(
+        request(4, "send", [b"two", b"", None])
+        + request(5, "send", [b"three", b"", 1.5])
+        + request(6, "ping", [])
+    )
+    answers.update(read_answers(sock, 3))
     # A single send and a batch are stored in whichever order their commits take.
-    (one, _), ((first, count), _) = answers[1], answers[2]
+    (_, one), (_, (first, count)) = answers[1], answers[2]
     assert count == 2 and {one, first, first + 1} == {0, 1, 2}
     assert store.bodies[one] == b"one" and store.bodies[first : first + 2] == [b"b1", b"b2"]
-    assert answers[3] == (True, None)
-    assert {answers[4][0], answers[5][0]} == {3, 4}  # the two timeouts: two gathers
-    assert all(error is None for _, error in answers.values())
+    assert answers[3] == (None, True)
+    assert {answers[4][1], answers[5][1]} == {3, 4}  # the two timeouts: two gathers
+    assert all(error is None for error, _ in answers.values())
     assert sorted(store.bodies) == sorted([b"one", b"b1", b"b2", b"two", b"three"])
     sock.close()
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="abstract Unix sockets")
 def test_a_client_on_the_same_machine_connects_over_the_unix_socket_else_tcp(served, monkeypatch):
-    from raymq import send_channel
+    from raymq.wire import client, server
 
     store, _, (host, port, secret), _ = served
     near = SendChannel(host, port, secret, "q")
-    assert near._sock.family == socket.AF_UNIX
-    assert secret not in send_channel.unix_address(secret)  # local users see the names
-    monkeypatch.setattr(send_channel, "unix_address", lambda secret: None)  # as elsewhere
+    assert family(near) == socket.AF_UNIX
+    assert secret not in server.unix_address("send", secret)  # local users see the names
+    monkeypatch.setattr(client, "unix_address", lambda protocol, secret: None)  # as elsewhere
     far = SendChannel(host, port, secret, "q")
-    assert far._sock.family == socket.AF_INET
+    assert family(far) == socket.AF_INET
     assert (near.send(b"a", b"", None), far.send(b"b", b"", None)) == (0, 1)
     assert store.bodies == [b"a", b"b"]
     near.close()
     far.close()
+
+
+def family(channel: SendChannel) -> int:
+    """The address family of ``channel``'s connection."""
+    return channel._client._client._sock.family

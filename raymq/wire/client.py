@@ -18,6 +18,7 @@ import contextlib
 import itertools
 import logging
 import socket
+import struct
 import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -41,6 +42,8 @@ ANSWER_PAYLOAD_LIMIT = 1 << 31
 Endpoint = tuple[str, int, str]  # host, port, secret
 #: Most buffers one ``sendmsg`` is given (the system's IOV_MAX is 1,024).
 _MAX_PARTS = 64
+#: SO_LINGER on, 0 seconds: ``close`` resets the connection.
+_RESET = struct.pack("ii", 1, 0)
 
 
 class Answer(NamedTuple):
@@ -331,6 +334,12 @@ class WireClient:
                 if self._writer_on:
                     self._loop.remove_writer(sock.fileno())
             self._writer_on = False
+            if sock.family != socket.AF_UNIX:
+                # Reset, not a graceful close: the kernel would otherwise go on trying to
+                # hand bytes not yet sent to a peer that reads nothing, and nobody waits
+                # for the requests among them any more.
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET)
             sock.close()
         if not self._lost.done():
             self._lost.set_result(None)

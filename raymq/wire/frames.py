@@ -165,9 +165,9 @@ class FrameDecoder:
                 )
             pos = body + n
             sizes = header[3]
-            if not total:
+            if not total:  # no bytes, but as many (empty) buffers as announced
                 self._start = pos
-                self._on_frame(header, [])
+                self._on_frame(header, [b""] * len(sizes))
                 continue
             if total <= COPY_BYTES and end - pos >= total:
                 buffers = []

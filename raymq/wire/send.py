@@ -195,7 +195,7 @@ def _check_timeout(value: object) -> None:
     """None or a number of seconds >= 0 (not a bool)."""
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:  # NaN
         raise TypeError(f"send: timeout {value!r:.40}")
 
 
@@ -213,7 +213,9 @@ class SendChannel:
 
     def __init__(self, host: str, port: int, secret: str, queue: str):
         self.queue = queue
-        self._client = BlockingClient((host, port, secret), PROTOCOL, f"queue {queue!r}")
+        self._client = BlockingClient(
+            (host, port, secret), PROTOCOL, f"queue {queue!r}", patience=REPLY_PATIENCE_SECONDS
+        )
 
     @property
     def broken(self) -> WireBroken | None:
