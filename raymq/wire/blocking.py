@@ -20,7 +20,6 @@ from typing import Any
 from raymq.wire import frames
 from raymq.wire.client import (
     CONNECT_TIMEOUT_SECONDS,
-    PATIENCE_SECONDS,
     Answer,
     Endpoint,
     WireClient,
@@ -93,7 +92,7 @@ class BlockingClient:
         what: str,
         *,
         timeout: float = CONNECT_TIMEOUT_SECONDS,
-        patience: float = PATIENCE_SECONDS,
+        patience: float | None = None,
     ):
         self.what = what
         self._loop = wire_loop()

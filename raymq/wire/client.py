@@ -91,13 +91,14 @@ class WireClient:
         what: str,
         *,
         timeout: float = CONNECT_TIMEOUT_SECONDS,
-        patience: float = PATIENCE_SECONDS,
+        patience: float | None = None,
     ) -> WireClient:
         """Connect to ``endpoint`` (its Unix socket when on this machine, else TCP) and
-        say hello, within ``timeout`` seconds; ``WireBroken`` if that fails."""
+        say hello, within ``timeout`` seconds; ``WireBroken`` if that fails.
+        ``patience``: seconds (None: ``PATIENCE_SECONDS``, read now)."""
         host, port, secret = endpoint
         loop = asyncio.get_running_loop()
-        client = cls(protocol, what, patience)
+        client = cls(protocol, what, PATIENCE_SECONDS if patience is None else patience)
         try:
             async with asyncio.timeout(timeout):
                 await client._open(loop, host, port, secret)

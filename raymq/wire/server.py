@@ -48,6 +48,8 @@ CLOSE_GRACE_SECONDS = 10.0
 WIRE_VERSION = 1
 #: An op's handler returns this when it keeps the request to answer later itself.
 DEFERRED = object()
+#: Longest a closed connection may take to write what it still holds (seconds).
+ABORT_SECONDS = 10.0
 #: Answers up to this many bytes in all are joined into one write (bytes).
 JOIN_BYTES = 64 * 1024
 
@@ -246,10 +248,16 @@ class Connection(asyncio.BufferedProtocol):
                 transport.write(part)
 
     def close(self) -> None:
-        """Close the connection now (answers queued are written first)."""
-        if self.transport is not None:
-            self._flush()
-            self.transport.close()
+        """Close the connection now: answers queued are written first, for at most
+        ``ABORT_SECONDS`` (a client that reads nothing would keep it, and its place
+        among ``max_connections``, for ever)."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        self._flush()
+        transport.close()
+        with contextlib.suppress(RuntimeError):  # no loop runs: the process is ending
+            asyncio.get_running_loop().call_later(ABORT_SECONDS, transport.abort)
 
     def _close_soon(self) -> None:
         asyncio.get_running_loop().call_soon(self.close)
