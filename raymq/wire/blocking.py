@@ -10,10 +10,9 @@ had to take again from the loop's thread: a second hand-off for every answer).
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import TimeoutError as FutureTimeout  # not the builtin before 3.11
 from typing import Any
 
@@ -21,19 +20,15 @@ from raymq.wire import frames
 from raymq.wire.client import (
     CONNECT_TIMEOUT_SECONDS,
     Answer,
+    Done,
     Endpoint,
     WireClient,
 )
 from raymq.wire.errors import WireBroken
 
-log = logging.getLogger("raymq.wire")
-
 _lock = threading.Lock()
 _loop: asyncio.AbstractEventLoop | None = None
 _loop_pid = 0
-
-#: ``done(answer, error)``: called once, on the wire loop's thread.
-Done = Callable[["Answer | None", "BaseException | None"], None]
 
 
 def wire_loop() -> asyncio.AbstractEventLoop:
@@ -120,19 +115,16 @@ class BlockingClient:
         args: list,
         buffers: Sequence[frames.Buffer] = (),
         done: Done | None = None,
-        *,
-        within: float | None = None,
     ) -> Waiter | None:
-        """Send a request without waiting. ``done(answer, error)`` is called once, on
-        the wire loop's thread (None: a ``Waiter`` is returned). ``WireBroken`` at once
-        if the connection is known broken (``done`` is then not called)."""
-        if self._client.broken is not None:
-            raise self._client.broken
+        """Send a request without waiting (from this thread: no hand-off to the wire
+        loop's). ``done(answer, error)`` is called once, on the wire loop's thread
+        (None: a ``Waiter`` is returned). ``WireBroken`` at once if the connection is
+        known broken (``done`` is then not called)."""
         waiter = None
         if done is None:
             waiter = Waiter()
             done = waiter.done
-        self._loop.call_soon_threadsafe(self._start, op, args, buffers, within, done)
+        self._client.submit(op, args, buffers, done)
         return waiter
 
     def call(
@@ -144,18 +136,23 @@ class BlockingClient:
         within: float | None = None,
     ) -> Answer:
         """Send a request and wait for its answer (raises its typed error, or
-        ``WireBroken``); the client's pings bound the wait on a silent server."""
-        waiter = self.submit(op, args, buffers, within=within)
+        ``WireBroken``); the client's pings bound the wait on a silent server, and
+        ``within`` (seconds) this request's: past it the connection is broken."""
+        waiter = self.submit(op, args, buffers)
         assert waiter is not None
-        return waiter.result()
+        try:
+            return waiter.result(timeout=within)
+        except FutureTimeout:
+            self.close()
+            broken = WireBroken(f"{self.what}: no answer in {within} s")
+            broken.answer_pending = True
+            raise broken from None
 
     async def call_async(
         self,
         op: str,
         args: list,
         buffers: Sequence[frames.Buffer] = (),
-        *,
-        within: float | None = None,
     ) -> Answer:
         """``call`` for code on another event loop: awaits without blocking it."""
         loop = asyncio.get_running_loop()
@@ -165,7 +162,7 @@ class BlockingClient:
             if not loop.is_closed():  # its awaiter went with its loop: nobody to tell
                 loop.call_soon_threadsafe(_resolve, fut, answer, error)
 
-        self.submit(op, args, buffers, done, within=within)
+        self.submit(op, args, buffers, done)
         return await fut
 
     def close(self) -> None:
@@ -173,26 +170,6 @@ class BlockingClient:
         thread: a request waiting in another thread ends at once)."""
         if not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._client.close)
-
-    def _start(
-        self, op: str, args: list, buffers: Sequence, within: float | None, done: Done
-    ) -> None:
-        try:
-            fut = self._client.request(op, args, buffers, within=within)
-        except BaseException as exc:  # (a bug: never leave the waiter waiting)
-            done(None, exc)
-            return
-        fut.add_done_callback(lambda f: _tell(f, done))
-
-
-def _tell(fut: asyncio.Future, done: Done) -> None:
-    """Give ``done`` the future's outcome; one that fails is logged and left, never
-    breaking the connection nor the answers after it."""
-    error: BaseException | None = WireBroken("cancelled") if fut.cancelled() else fut.exception()
-    try:
-        done(None if error is not None else fut.result(), error)
-    except Exception:
-        log.warning("wire: an answer could not be handed over", exc_info=True)
 
 
 def _resolve(fut: asyncio.Future, answer: Answer | None, error: BaseException | None) -> None:

@@ -19,8 +19,9 @@ import itertools
 import logging
 import socket
 import struct
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from raymq.wire import frames
@@ -40,6 +41,8 @@ ANSWER_LIMIT = 1 << 20
 ANSWER_PAYLOAD_LIMIT = 1 << 31
 
 Endpoint = tuple[str, int, str]  # host, port, secret
+#: ``done(answer, error)``: a thread's request's outcome, called once on the loop's thread.
+Done = Callable[["Answer | None", "BaseException | None"], None]
 #: Most buffers one ``sendmsg`` is given (the system's IOV_MAX is 1,024).
 _MAX_PARTS = 64
 #: SO_LINGER on, 0 seconds: ``close`` resets the connection.
@@ -70,13 +73,18 @@ class WireClient:
         self.broken: WireBroken | None = None
         self.requests_written = 0
         self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
         self._sock: socket.socket | None = None
         self._out: collections.deque[memoryview] = collections.deque()
         self._writer_on = False
         self._eof_after_out = False
         self._decoder = frames.FrameDecoder(self._frame, ANSWER_LIMIT, ANSWER_PAYLOAD_LIMIT)
         self._ids = itertools.count(1)
-        self._waiting: dict[int, asyncio.Future] = {}
+        #: Guards what threads share: ids, ``_waiting``, ``_out``, ``broken``.
+        self._lock = threading.Lock()
+        #: request id -> its future (loop's requests) or ``done`` callable (threads').
+        self._waiting: dict[int, asyncio.Future | Done] = {}
+        self._writer_asked = False  # a thread asked the loop to watch for room
         self._bounds: dict[int, asyncio.TimerHandle] = {}
         self._heard = time.monotonic()
         self._ping_sent: float | None = None
@@ -137,6 +145,7 @@ class WireClient:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock = sock
         loop.add_reader(sock.fileno(), self._readable)
+        self._watch = loop.call_later(self.patience, self._check)
 
     # -- requests
 
@@ -149,23 +158,50 @@ class WireClient:
         within: float | None = None,
         _id: int | None = None,
     ) -> asyncio.Future:
-        """Write one request now; returns the future of its ``Answer`` (or of the
-        server's typed error, or ``WireBroken``). ``within``: seconds after which an
-        unanswered request breaks the connection."""
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        if self.broken is not None:
-            fut.set_exception(self.broken)
+        """Write one request now (on the loop's thread); returns the future of its
+        ``Answer`` (or of the server's typed error, or ``WireBroken``). ``within``:
+        seconds after which an unanswered request breaks the connection."""
+        fut = self._loop.create_future()
+        try:
+            req_id = self._enqueue(op, args, buffers, fut, _id)
+        except WireBroken as exc:
+            fut.set_exception(exc)
             return fut
-        req_id = next(self._ids) if _id is None else _id
-        self._waiting[req_id] = fut
-        self._write(frames.encode([req_id, op, args], buffers))
-        self.requests_written += 1
         if within is not None:
-            self._bounds[req_id] = loop.call_later(within, self._overdue, req_id, within)
-        if self._watch is None:
-            self._watch = loop.call_later(self.patience, self._check)
+            self._bounds[req_id] = self._loop.call_later(within, self._overdue, req_id, within)
         return fut
+
+    def submit(self, op: str, args: list, buffers: Sequence[frames.Buffer], done: Done) -> None:
+        """Write one request now, from any thread (the bytes leave from this thread
+        when the socket takes them: no hand-off to the loop's); ``done(answer, error)``
+        is called once, on the loop's thread. ``WireBroken`` at once (``done`` not
+        called) if the connection is broken."""
+        self._enqueue(op, args, buffers, done, None)
+
+    def _enqueue(
+        self,
+        op: str,
+        args: list,
+        buffers: Sequence[frames.Buffer],
+        waiter: asyncio.Future | Done,
+        req_id: int | None,
+    ) -> int:
+        if req_id is None:
+            req_id = next(self._ids)  # (atomic: itertools.count is C)
+        parts = frames.encode([req_id, op, args], buffers)
+        with self._lock:
+            if self.broken is not None:
+                raise self.broken
+            self._waiting[req_id] = waiter
+            was_empty = not self._out
+            for part in parts:
+                view = part if isinstance(part, memoryview) else memoryview(part)
+                if view.nbytes:
+                    self._out.append(view)
+            if was_empty:  # else bytes wait before these: they leave after them
+                self._send_locked()
+            self.requests_written += 1
+        return req_id
 
     async def call(
         self,
@@ -182,12 +218,13 @@ class WireClient:
         """End our side (once what is written left): the server cancels the requests
         that wait on us (a waiting fetch answers "nothing"); answers under way still
         arrive."""
-        if self._sock is None or self.broken is not None:
-            return
-        self._eof_after_out = True
-        if not self._out:
-            with contextlib.suppress(OSError):
-                self._sock.shutdown(socket.SHUT_WR)
+        with self._lock:
+            if self._sock is None or self.broken is not None:
+                return
+            self._eof_after_out = True
+            if not self._out:
+                with contextlib.suppress(OSError):
+                    self._sock.shutdown(socket.SHUT_WR)
 
     def close(self, reason: str = "closed") -> None:
         """Close the connection: requests waiting fail with ``WireBroken``."""
@@ -200,16 +237,17 @@ class WireClient:
     # -- liveness
 
     def _check(self) -> None:
-        """Every ``patience`` seconds while requests wait: ping a server not heard
-        from, and break a connection whose ping went unanswered."""
+        """Every ``patience`` seconds while connected (threads' requests need no timer
+        armed): ping a server not heard from while requests wait, and break a
+        connection whose ping went unanswered."""
         self._watch = None
-        if self.broken is not None or not self._waiting:
+        if self.broken is not None:
             return
+        loop = self._loop
         now = time.monotonic()
         quiet = now - self._heard
-        loop = asyncio.get_running_loop()
-        if quiet < self.patience:
-            self._watch = loop.call_later(self.patience - quiet, self._check)
+        if not self._waiting or quiet < self.patience:
+            self._watch = loop.call_later(max(self.patience - quiet, 0.01), self._check)
             return
         if self._ping_sent is not None and now - self._ping_sent >= self.patience:
             self._break(WireBroken(f"{self.what}: no answer to a ping in {self.patience} s"))
@@ -232,17 +270,9 @@ class WireClient:
 
     # -- the socket
 
-    def _write(self, parts: list[frames.Buffer]) -> None:
-        """Send ``parts`` now, as far as the socket takes them; the rest when it can
-        (in order, without a copy)."""
-        for part in parts:
-            view = part if isinstance(part, memoryview) else memoryview(part)
-            if view.nbytes:
-                self._out.append(view)
-        if not self._writer_on:
-            self._pump()
-
-    def _pump(self) -> None:
+    def _send_locked(self) -> None:
+        """Send what waits in ``_out`` as far as the socket takes it (any thread, the
+        lock held); the rest once the loop sees room."""
         sock, out = self._sock, self._out
         if sock is None:
             return
@@ -258,20 +288,43 @@ class WireClient:
                         out[0] = head[sent:]
                         sent = 0
         except (BlockingIOError, InterruptedError):
-            pass  # the socket is full: the loop calls us when it has room
+            pass  # the socket is full: the loop sends the rest when it has room
         except OSError as exc:
-            self._break(WireBroken(f"{self.what}: {self.protocol} connection failed: {exc!r}"))
+            out.clear()  # (the break, on the loop's thread, fails every waiter)
+            error = WireBroken(f"{self.what}: {self.protocol} connection failed: {exc!r}")
+            self._on_loop(self._break, error)
             return
-        if out and not self._writer_on:
-            self._loop.add_writer(sock.fileno(), self._pump)
-            self._writer_on = True
-        elif not out:
-            if self._writer_on:
-                self._loop.remove_writer(sock.fileno())
+        if out and not self._writer_on and not self._writer_asked:
+            self._writer_asked = True
+            self._on_loop(self._watch_room)
+        elif not out and self._eof_after_out:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_WR)
+
+    def _on_loop(self, callback: Callable, *args: Any) -> None:
+        """Run ``callback`` soon on the loop's thread (never now: the caller holds the
+        lock, which ``callback`` takes)."""
+        if self._loop_thread == threading.get_ident():
+            self._loop.call_soon(callback, *args)
+        elif not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(callback, *args)
+
+    def _watch_room(self) -> None:
+        """(The loop's thread) Watch the socket for room while bytes wait."""
+        with self._lock:
+            self._writer_asked = False
+            if self._out and not self._writer_on and self._sock is not None:
+                self._loop.add_writer(self._sock.fileno(), self._writable)
+                self._writer_on = True
+
+    def _writable(self) -> None:
+        """(The loop's thread) The socket has room: send more; stop watching once
+        nothing waits."""
+        with self._lock:
+            self._send_locked()
+            if not self._out and self._writer_on and self._sock is not None:
+                self._loop.remove_writer(self._sock.fileno())
                 self._writer_on = False
-            if self._eof_after_out:
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_WR)
 
     def _readable(self) -> None:
         sock = self._sock
@@ -298,37 +351,38 @@ class WireClient:
 
     def _frame(self, header: list, buffers: list) -> None:
         req_id, error, value, _sizes = header
-        fut = self._waiting.pop(req_id, None)
+        with self._lock:
+            waiter = self._waiting.pop(req_id, None)
         bound = self._bounds.pop(req_id, None)
         if bound is not None:
             bound.cancel()
-        if fut is None or fut.done():
-            return  # its waiter gave up (cancelled)
+        if waiter is None:
+            return  # its waiter gave up
         if error is None:
-            fut.set_result(Answer(value, buffers))
+            _tell(waiter, Answer(value, buffers), None)
         elif type(error) is list and len(error) == 2:
-            fut.set_exception(error_of(str(error[0]), str(error[1])))
+            _tell(waiter, None, error_of(str(error[0]), str(error[1])))
         else:
             raise frames.FrameError(f"an error that is not [name, message]: {error!r:.80}")
 
     def _break(self, error: WireBroken) -> None:
-        if self.broken is None:
-            self.broken = error
-        waiting, self._waiting = self._waiting, {}
-        for fut in waiting.values():
-            if not fut.done():
-                broken = WireBroken(str(self.broken))
-                broken.answer_pending = True
-                fut.set_exception(broken)
-                fut.exception()  # retrieved, if its waiter is gone
+        """(The loop's thread) Broken for good: every waiter fails, the socket closes."""
+        with self._lock:
+            if self.broken is None:
+                self.broken = error
+            waiting, self._waiting = self._waiting, {}
+            self._out.clear()
+            sock, self._sock = self._sock, None
+        for waiter in waiting.values():
+            broken = WireBroken(str(self.broken))
+            broken.answer_pending = True
+            _tell(waiter, None, broken)
         for bound in self._bounds.values():
             bound.cancel()
         self._bounds.clear()
         if self._watch is not None:
             self._watch.cancel()
             self._watch = None
-        self._out.clear()
-        sock, self._sock = self._sock, None
         if sock is not None:
             with contextlib.suppress(Exception):  # (a loop closed at the process's exit)
                 self._loop.remove_reader(sock.fileno())
@@ -344,3 +398,23 @@ class WireClient:
             sock.close()
         if not self._lost.done():
             self._lost.set_result(None)
+
+
+def _tell(
+    waiter: asyncio.Future | Done, answer: Answer | None, error: BaseException | None
+) -> None:
+    """Give a waiter its outcome: a future (unless its awaiter gave up), or a ``done``
+    callable (one that fails is logged, never breaking the connection)."""
+    if isinstance(waiter, asyncio.Future):
+        if waiter.done():
+            return
+        if error is None:
+            waiter.set_result(answer)
+        else:
+            waiter.set_exception(error)
+            waiter.exception()  # retrieved, if its awaiter is gone
+        return
+    try:
+        waiter(answer, error)
+    except Exception:
+        log.warning("wire: an answer could not be handed over", exc_info=True)
