@@ -56,17 +56,6 @@ REVIVE_SECONDS = 60.0
 #: (the queue's death watch), unless its first delivery comes sooner (seconds).
 WATCH_DELAY_SECONDS = 0.1
 
-#: Longest one fetch waits in the queue actor (seconds); the loader simply asks again.
-LOADER_POLL_SECONDS = 1.0
-#: A fetch not answered in this long counts as a failure of a restarting queue actor;
-#: the loader waits for the same fetch again rather than ask twice (seconds).
-FETCH_ANSWER_SECONDS = LOADER_POLL_SECONDS + 10.0
-#: Longest a TargetList waits for its broker to start its queue's actor again (seconds):
-#: a revival is a process start, a second or two here.
-REVIVE_SECONDS = 60.0
-#: Longest a TargetList registered over the FetchChannel puts off its Ray registration
-#: (the queue's death watch), unless its first delivery comes sooner (seconds).
-WATCH_DELAY_SECONDS = 0.1
 #: How long ``close`` keeps asking a restarting queue actor (seconds).
 CLOSE_RETRY_SECONDS = 30.0
 
