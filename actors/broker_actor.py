@@ -8,7 +8,9 @@ message: a crash of it loses nothing and it rebuilds its registry from the files
 It also hibernates idle unreplicated queues (``raymq.core.hibernation``): at most
 ``max_active_queues`` queue actors run per node, and one idle for
 ``hibernate_after_seconds`` ends (its files stay). ``get_queue`` starts a hibernated
-queue's actor again; clients reach it through ``Queue._refresh``.
+queue's actor again; clients reach it through their ``QueueLink``. Queues created or
+revived together start side by side: the starts, sweeps and trims are
+``raymq.core.hibernator``'s, without Ray; their Ray calls are ``RayQueueProcesses``.
 
 For replicated queues it is the controller: the sequences (create, failover, rejoin,
 trim, replace, restore) are ``raymq.core.replication_controller``'s, without Ray; their
@@ -22,35 +24,20 @@ import asyncio
 import logging
 import os
 import shutil
-import time
 
 import ray
 from raymq.actors.names import queue_actor_name
-from raymq.actors.queue_actor import QueueActor
-from raymq.actors.ray_cluster_ops import GONE as _GONE
 from raymq.actors.ray_cluster_ops import RayClusterOps
-from raymq.placement.nodes import choose_queue_node, pinned_to
+from raymq.actors.ray_queue_processes import RayQueueProcesses
+from raymq.placement.nodes import choose_queue_node
 
 from raymq import metrics
 from raymq.config import STOP_SECONDS, BrokerConfig, QueueConfig, validate_queue_name
-from raymq.core.hibernation import (
-    HibernationPolicy,
-    HibernationSettings,
-    HibernationStats,
-)
+from raymq.core.hibernation import HibernationSettings, HibernationStats
+from raymq.core.hibernator import Hibernator
 from raymq.core.registry import QueueEntry, QueueRegistry
 from raymq.core.replication_controller import ReplicationController
-from raymq.errors import BrokerUnavailable, NotLeader, QueueExists, QueueNotFound
-
-#: Longest a queue's ``hibernate`` call (flush and close) and the release of its actor
-#: name may take (seconds); past it the hibernation is given up (logged, counted).
-HIBERNATE_SECONDS = 10.0
-#: Longest an idleness probe may take; a queue that does not answer counts as busy
-#: (seconds).
-IDLE_PROBE_SECONDS = 2.0
-#: Longest period of the hibernation sweep (seconds); shorter for a short
-#: ``hibernate_after_seconds``.
-SWEEP_PERIOD_SECONDS = 5.0
+from raymq.errors import QueueExists, QueueNotFound
 
 
 def _hibernation_settings(config: BrokerConfig) -> HibernationSettings:
@@ -76,14 +63,15 @@ class BrokerActor:
         # Replicated queues' sequences, over every Ray call they make (one wrapper).
         self._ops = RayClusterOps(namespace, config, self._registry)
         self._replication = ReplicationController(self._queues, self._ops)
-        # Hibernation of idle unreplicated queues (raymq.core.hibernation).
-        self._hibernation = HibernationPolicy(_hibernation_settings(config))
-        #: Unreplicated queue -> lock around its revival and hibernation.
-        self._queue_locks: dict[str, asyncio.Lock] = {}
-        self._sweeper: asyncio.Task | None = None
+        # Unreplicated queues' processes: started side by side, hibernated when idle
+        # (raymq.core.hibernator; its Ray calls are RayQueueProcesses).
+        self._hibernator = Hibernator(
+            _hibernation_settings(config),
+            RayQueueProcesses(namespace, config, self._registry, self._queues),
+            stopping=lambda: self._replication.stopping,
+        )
+        self._hibernation = self._hibernator.policy
         self._exporter: asyncio.Task | None = None
-        self._counts = {"hibernations": 0, "revivals": 0, "refused": 0, "over_cap": 0}
-        self._revival_seconds = 0.0
         self._find_running()
 
     def config(self) -> BrokerConfig:
@@ -94,35 +82,11 @@ class BrokerActor:
         """The actor's process id (for fault tests and diagnostics)."""
         return os.getpid()
 
-    def _actor(self, name: str, cfg: QueueConfig, node_id: str):
-        if cfg.replicas > 1:
-            raise AssertionError("replicated queues start through ReplicationController")
-        home = choose_queue_node(node_id)
-        if home != node_id:
-            self._move_here(name, cfg, node_id, home)
-        return QueueActor.options(
-            name=queue_actor_name(name),
-            namespace=self.namespace,
-            lifetime="detached",
-            get_if_exists=True,
-            scheduling_strategy=pinned_to(home),
-        ).remote(cfg, self.broker_config, self.namespace)
-
-    def _move_here(self, name: str, cfg: QueueConfig, gone: str, here: str) -> None:
-        """A queue's node is not alive: start it on this node only if its files are here
-        (one machine whose Ray restarted with a new node id, or a paging directory every
-        node mounts), and record the move; else refuse, rather than start it empty."""
-        if not self._registry.has_files(name):
-            raise BrokerUnavailable(
-                f"queue {name!r} lives on node {gone[:12] or '?'}, which is not alive, and"
-                f" its files are not in {self._registry.directory(name)} on this node: it is"
-                " unavailable until that node is back"
-            )
-        self._queues[name] = QueueEntry(cfg, here)
-        self._registry.save(self._queues[name])
-
     async def create_queue(self, cfg: QueueConfig, node_id: str | None = None):
-        """Create (or return, for equal settings) a queue; returns its actor handle."""
+        """Create (or return, for equal settings) a queue; returns its actor handle.
+        The broker's lock is held only while the queue is recorded (a replicated one:
+        while its replicas start): unreplicated queues created together start their
+        processes side by side (``Hibernator.handle``)."""
         async with self._lock:
             existing = self._queues.get(cfg.name)
             if existing is not None:
@@ -132,9 +96,10 @@ class BrokerActor:
                         f"{cfg.name!r} exists, as {kind} with settings"
                         f" {existing.config.to_dict()}, not {cfg.to_dict()}"
                     )
-                handle = await self._handle(cfg.name)
             elif cfg.replicas > 1:
                 handle = await self._replication.create(cfg, node_id)
+                await handle.ready.remote()
+                return handle
             else:
                 per_node: dict[str, int] = {}
                 for entry in self._queues.values():
@@ -142,9 +107,8 @@ class BrokerActor:
                 node = choose_queue_node(node_id, per_node)
                 self._queues[cfg.name] = QueueEntry(cfg, node)
                 self._registry.save(self._queues[cfg.name])
-                handle = await self._handle(cfg.name, new=True)
-            await handle.ready.remote()
-            return handle
+        # Its ready was awaited by _handle (a replicated leader's by the controller).
+        return await self._handle(cfg.name, new=existing is None)
 
     async def get_queue(self, name: str):
         """The actor handle of an existing queue (started if its actor is not running)."""
@@ -161,33 +125,13 @@ class BrokerActor:
         (``new``: a queue being created, not a revival). Starting one on a node at its
         ``max_active_queues`` hibernates an idle queue there meanwhile."""
         self._replication.refuse_if_stopping(name)
-        entry = self._queues[name]
+        entry = self._queues.get(name)
+        if entry is None:  # deleted meanwhile (create_queue starts it after its lock)
+            raise QueueNotFound(f"queue {name!r} does not exist (deleted)")
         if entry.config.replicas > 1:
             return await self._replication.leader(name)
         self._ensure_sweeper()
-        async with self._queue_lock(name):  # not while it hibernates
-            entry = self._queues[name]  # (it may have moved)
-            reviving = not self._hibernation.is_active(name)
-            t0 = time.monotonic()
-            handle = self._actor(name, entry.config, entry.node_id)
-            if reviving:  # while its process starts (a second of CPU): its ready comes later
-                await self._make_room(self._queues[name].node_id, name)
-            try:
-                await handle.ready.remote()
-            except (NotLeader, ray.exceptions.RayTaskError) as exc:
-                if not isinstance(getattr(exc, "cause", exc), NotLeader):
-                    raise
-                # Closed for a hibernation that its broker did not finish (it died, or
-                # gave up waiting): end it and start the queue anew.
-                log.warning("queue %r: ending an actor left hibernating", name)
-                await self._end_actor(name, handle)
-                handle = self._actor(name, entry.config, self._queues[name].node_id)
-                await handle.ready.remote()
-            self._hibernation.started(name, self._queues[name].node_id)
-            if reviving and not new:
-                self._counts["revivals"] += 1
-                self._revival_seconds += time.monotonic() - t0
-            return handle
+        return await self._hibernator.handle(name, new=new)
 
     async def dead_letter_queue(self, name: str, durable: bool):
         """The handle of dead-letter queue ``name``, created with default settings and
@@ -279,8 +223,7 @@ class BrokerActor:
         acknowledged sends' acks at most: those messages are delivered again."""
         # Stopped queues are not failed over nor hibernated.
         self._replication.stop()
-        if self._sweeper is not None:
-            self._sweeper.cancel()
+        self._hibernator.stop_background()
         async with self._lock:
             for name in list(self._queues):
                 entry = self._queues[name]
@@ -341,17 +284,14 @@ class BrokerActor:
                 self._hibernation.started(name, entry.node_id)
 
     def _queue_lock(self, name: str) -> asyncio.Lock:
-        return self._queue_locks.setdefault(name, asyncio.Lock())
+        """The lock around an unreplicated queue's start, revival and hibernation."""
+        return self._hibernator.lock_of(name)
 
     def _ensure_sweeper(self) -> None:
         """Start the metrics export and (with ``hibernate_after_seconds``) the sweep."""
         if self._exporter is None or self._exporter.done():
             self._exporter = asyncio.get_running_loop().create_task(self._export_metrics())
-        stopping = self._replication.stopping
-        if self._hibernation.settings.hibernate_after_seconds is None or stopping:
-            return
-        if self._sweeper is None or self._sweeper.done():
-            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_loop())
+        self._hibernator.ensure_sweeper()
 
     async def _export_metrics(self) -> None:
         """Every ``metrics.EXPORT_PERIOD_SECONDS``, the ``raymq_broker_*`` gauges."""
@@ -359,111 +299,6 @@ class BrokerActor:
             with metrics.guard("broker hibernation"):
                 metrics.export_hibernation(self.hibernation_stats(), self.namespace)
             await asyncio.sleep(metrics.EXPORT_PERIOD_SECONDS)
-
-    def _sweep_period(self) -> float:
-        after = self._hibernation.settings.hibernate_after_seconds
-        return SWEEP_PERIOD_SECONDS if after is None else min(SWEEP_PERIOD_SECONDS, after / 2)
-
-    async def _sweep_loop(self) -> None:
-        """Every ``_sweep_period()`` seconds, hibernate the queues idle for
-        ``hibernate_after_seconds`` (and any over the cap)."""
-        while True:
-            await asyncio.sleep(self._sweep_period())
-            try:
-                await self._sweep()
-            except Exception:
-                log.exception("hibernation sweep")
-
-    async def _idle_times(self, names: list[str]) -> dict[str, float | None]:
-        """Each running queue's idle seconds (None: busy, or no answer in time); one
-        whose actor is gone (killed, or stopped by hand) is no longer active."""
-
-        async def probe(name: str) -> float | None:
-            try:
-                handle = ray.get_actor(queue_actor_name(name), namespace=self.namespace)
-            except ValueError:
-                self._hibernation.stopped(name)
-                return None
-            try:
-                return await asyncio.wait_for(handle.idle_seconds.remote(), IDLE_PROBE_SECONDS)
-            except (TimeoutError, *_GONE):
-                return None
-
-        answers = await asyncio.gather(*(probe(n) for n in names))
-        return dict(zip(names, answers, strict=True))
-
-    async def _sweep(self, room_on: str | None = None, skip: str | None = None) -> None:
-        """Hibernate what the policy chooses (``room_on``: a node about to start one
-        more queue; ``skip``: that queue)."""
-        names = [
-            n
-            for n in self._hibernation.active()
-            if n != skip and not self._queue_lock(n).locked()  # being revived or hibernated
-        ]
-        if not names:
-            return
-        idle = await self._idle_times(names)
-        for name in self._hibernation.choose(idle, room_on):
-            await self._hibernate(name)
-
-    async def _make_room(self, node: str, name: str) -> None:
-        """Before ``name`` starts on ``node``: hibernate idle queues there if the node
-        is at its cap. None idle: it starts all the same (counted in ``over_cap``)."""
-        if not self._hibernation.needs_room(node):
-            return
-        await self._sweep(room_on=node, skip=name)
-        if self._hibernation.needs_room(node):
-            self._counts["over_cap"] += 1
-            log.warning(
-                "queue %r starts on node %s over max_active_queues=%s: no idle queue there",
-                name,
-                node[:12],
-                self._hibernation.settings.max_active_queues,
-            )
-
-    async def _hibernate(self, name: str) -> bool:
-        """Hibernate one queue if it is still idle: its actor closes its files, is
-        ended, and its name released (so that the next ``get_queue`` starts it anew).
-        Returns True if it hibernated."""
-        lock = self._queue_lock(name)
-        if lock.locked():
-            return False
-        async with lock:
-            try:
-                handle = ray.get_actor(queue_actor_name(name), namespace=self.namespace)
-            except ValueError:
-                self._hibernation.stopped(name)
-                return False
-            try:
-                done = await asyncio.wait_for(handle.hibernate.remote(), HIBERNATE_SECONDS)
-            except (TimeoutError, *_GONE) as exc:
-                log.warning("queue %r: hibernation failed: %r", name, exc)
-                self._counts["refused"] += 1
-                return False
-            if not done:  # busy meanwhile
-                self._counts["refused"] += 1
-                return False
-            # Closed: it answers every call with NotLeader until it is gone.
-            await self._end_actor(name, handle)
-            self._hibernation.stopped(name)
-            self._counts["hibernations"] += 1
-            log.info("queue %r hibernated", name)
-            return True
-
-    async def _end_actor(self, name: str, handle) -> None:
-        """Kill a closed queue actor and wait until its name is free (up to
-        ``HIBERNATE_SECONDS``), so that the next start makes a new actor."""
-        ray.kill(handle, no_restart=True)
-        deadline = time.monotonic() + HIBERNATE_SECONDS
-        while time.monotonic() < deadline:
-            try:
-                await asyncio.to_thread(ray.get_actor, queue_actor_name(name), self.namespace)
-            except ValueError:
-                return  # the name is free
-            await asyncio.sleep(0.02)
-        log.warning(
-            "queue %r: its actor name is not released %.0f s after a kill", name, HIBERNATE_SECONDS
-        )
 
     async def hibernate(self, name: str) -> bool:
         """Hibernate queue ``name`` now if it is idle (tests, ``raymq``); returns True if
@@ -474,17 +309,16 @@ class BrokerActor:
             raise QueueNotFound(f"queue {name!r} does not exist")
         if entry.replicas is not None or not self._hibernation.is_active(name):
             return False
-        return await self._hibernate(name)
+        return await self._hibernator.hibernate(name)
 
     async def set_hibernation(
         self, max_active_queues: int | None, hibernate_after_seconds: float | None
     ) -> None:
         """Change the hibernation settings of this broker actor (until it restarts;
         ``BrokerConfig`` holds the lasting ones). Applied from the next sweep or start."""
-        self._hibernation.settings = HibernationSettings(max_active_queues, hibernate_after_seconds)
-        if self._sweeper is not None:
-            self._sweeper.cancel()  # its period may change
-            self._sweeper = None
+        self._hibernator.set_settings(
+            HibernationSettings(max_active_queues, hibernate_after_seconds)
+        )
         self._ensure_sweeper()
 
     def queue_states(self) -> dict[str, str]:
@@ -500,15 +334,6 @@ class BrokerActor:
 
     def hibernation_stats(self) -> HibernationStats:
         """Settings, running queues per node, hibernated queues and counts."""
-        settings = self._hibernation.settings
-        return HibernationStats(
-            max_active_queues=settings.max_active_queues,
-            hibernate_after_seconds=settings.hibernate_after_seconds,
-            active_per_node=self._hibernation.active_per_node(),
-            hibernated=[n for n, s in self.queue_states().items() if s == "hibernated"],
-            hibernations=self._counts["hibernations"],
-            revivals=self._counts["revivals"],
-            refused=self._counts["refused"],
-            over_cap=self._counts["over_cap"],
-            revival_seconds=self._revival_seconds,
+        return self._hibernator.stats(
+            [n for n, state in self.queue_states().items() if state == "hibernated"]
         )

@@ -67,6 +67,14 @@ def test_making_room_for_one_more_on_a_node_counts_it():
     assert p.choose({"a": 1.0, "b": 2.0, "c": 0.5, "x": 9.0}) == []
 
 
+def test_a_node_is_over_its_cap_only_past_it():
+    p = policy(2, None, {"a": "n1", "b": "n1", "x": "n2"})
+    assert not p.over_cap("n1") and p.needs_room("n1")
+    p.started("c", "n1")  # started beside others that were starting: none idle
+    assert p.over_cap("n1") and not p.over_cap("n2")
+    assert not policy(None, None, {"a": "n1"}).over_cap("n1")
+
+
 def test_queues_hibernated_for_the_timeout_count_toward_making_room():
     p = policy(2, 10.0, {"a": "n1", "b": "n1", "c": "n1"})
     # a goes for its idle time, which already brings n1 within the cap.

@@ -7,6 +7,7 @@ import asyncio
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import ray
@@ -56,6 +57,59 @@ def test_five_queues_under_a_cap_of_two_lose_nothing(broker):
         assert sorted(_receive_all(fresh, 4)) == [f"{i}-{j}".encode() for j in range(4)]
     stats = broker.hibernation_stats()
     assert stats["revivals"] >= 3 and sum(stats["active_per_node"].values()) <= 2
+
+
+def test_queues_created_side_by_side_keep_the_cap_and_their_messages(broker):
+    # The broker starts their processes side by side; each makes room under a per-node
+    # lock and counts from then on, so that starts together do not hibernate the same
+    # idle queue twice, and a node they took over its cap is brought back under it
+    # (a queue handed out is not trimmed before its client's first call: test_hibernator).
+    broker.set_hibernation(max_active_queues=2, hibernate_after_seconds=None)
+
+    def create(i: int) -> str:
+        q = broker.create_queue(f"side{i}")
+        q.send_batch([f"{i}-{j}".encode() for j in range(2)])
+        return q.name
+
+    with ThreadPoolExecutor(6) as pool:
+        names = list(pool.map(create, range(6)))
+    # Starts that overlapped pass the cap (counted); idle queues then hibernate.
+    deadline = time.monotonic() + 60
+    while sum(_running(broker, n) for n in names) > 2 and time.monotonic() < deadline:
+        time.sleep(0.05)  # polling a condition, with a deadline
+    stats = broker.hibernation_stats()
+    assert sum(stats["active_per_node"].values()) <= 2, stats
+    assert sum(_running(broker, n) for n in names) <= 2, stats
+    for i, name in enumerate(names):
+        got = _receive_all(broker.get_queue(name), 2)
+        assert sorted(got) == [f"{i}-{j}".encode() for j in range(2)]
+
+
+def test_a_queue_handed_out_over_the_cap_is_not_trimmed_before_its_first_call(broker):
+    """The race behind the revert of the side-by-side starts (cc976df): a queue started
+    over the cap (the queue filling it busy) looked idle to the trimmer until its
+    client's first call, and was hibernated under it; its client followed, revived it
+    over the cap again, and so on (tests/test_hibernator.py replays it without Ray)."""
+    broker.set_hibernation(max_active_queues=1, hibernate_after_seconds=None)
+    holder = broker.create_queue("holder")
+    holder.send(b"held")
+    with holder.consumer(prefetch=1) as c:
+        assert c.receive(1, timeout=30)  # delivered, not acknowledged: busy
+        late = broker.create_queue("late")  # over the cap: the trimmer starts
+        given = late._actor
+        time.sleep(1.0)  # a slow client: the trimmer sweeps meanwhile
+        assert _running(broker, "late"), broker.hibernation_stats()
+        late.send(b"x")  # reaches the actor it was given
+        assert late._actor is given and late._link.stats().follows == 0
+        # Called, it may go (the node is over its cap): its next call follows it once,
+        # where it was hibernated again before each of its calls, for the link's whole
+        # grace (60 s, 41 revivals measured without the fix).
+        deadline = time.monotonic() + 30
+        while _running(broker, "late") and time.monotonic() < deadline:
+            time.sleep(0.05)  # polling a condition, with a deadline
+        late.send(b"y")
+        assert late._link.stats().follows <= 2, late._link.stats()
+    assert sorted(_receive_all(broker.get_queue("late"), 2)) == [b"x", b"y"]
 
 
 def test_busy_queues_do_not_hibernate_and_idle_ones_do_after_the_timeout(broker):

@@ -29,6 +29,10 @@ DEFAULT_MAX_ACTIVE_QUEUES: int | None = None
 #: Default idle time after which a queue hibernates even below the cap (seconds; None:
 #: never for idleness alone).
 DEFAULT_HIBERNATE_AFTER_SECONDS: float | None = None
+#: Longest a queue whose actor the broker handed out is kept from hibernating while
+#: its client's first call has not arrived (seconds). That call comes within ms; a
+#: client this late (a paused process) costs a revival, not a stall.
+HANDOUT_GRACE_SECONDS = 10.0
 
 
 @dataclass(frozen=True)
@@ -105,20 +109,53 @@ class Activity:
 
 
 class HibernationPolicy:
-    """The running queue actors, by node, and the choice of which hibernate."""
+    """The running queue actors, by node, the ones handed out and not called yet, and
+    the choice of which hibernate (``clock``: seconds, monotonic)."""
 
-    def __init__(self, settings: HibernationSettings):
+    def __init__(
+        self,
+        settings: HibernationSettings,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        handout_grace_seconds: float = HANDOUT_GRACE_SECONDS,
+    ):
         self.settings = settings
+        self._clock = clock
+        self._handout_grace = handout_grace_seconds
         #: Running queue -> its node id.
         self._active: dict[str, str] = {}
+        #: Running queue -> when the broker last handed its actor out (``clock``).
+        self._handed_out: dict[str, float] = {}
 
     def started(self, name: str, node: str) -> None:
-        """``name``'s actor runs on ``node``."""
+        """``name``'s actor runs (or is starting, and counts already) on ``node``."""
         self._active[name] = node
 
     def stopped(self, name: str) -> None:
         """``name``'s actor no longer runs (hibernated, stopped or deleted)."""
         self._active.pop(name, None)
+        self._handed_out.pop(name, None)
+
+    def handed_out(self, name: str) -> None:
+        """The broker just answered a client with ``name``'s actor (a lookup, a
+        creation, a revival): its first call is on its way, and until it arrives (or
+        ``handout_grace_seconds`` passed) the queue is not idle, whatever its actor
+        says (its last call was the broker's own ``ready``)."""
+        self._handed_out[name] = self._clock()
+
+    def awaits_call(self, name: str, idle: float | None, probed_at: float) -> bool:
+        """True if ``name`` was handed out less than ``handout_grace_seconds`` before
+        ``probed_at`` and its actor has seen no call since: its idle time, measured at
+        ``probed_at`` (by this clock), is at least the handout's age then. The broker
+        takes the middle of the probe's round trip for ``probed_at``: off by half of
+        it at most, less than what separates the handout from the two calls it is
+        told apart from (the broker's ``ready`` before it, whose answer had to travel
+        back; the client's first call after it, which needs a round trip)."""
+        at = self._handed_out.get(name)
+        if at is None or idle is None:
+            return False
+        age = probed_at - at
+        return age < self._handout_grace and idle >= age
 
     def is_active(self, name: str) -> bool:
         """True if ``name``'s actor is known to run."""
@@ -140,12 +177,39 @@ class HibernationPolicy:
         cap = self.settings.max_active_queues
         return cap is not None and self.active_per_node().get(node, 0) + 1 > cap
 
+    def over_cap(self, node: str) -> bool:
+        """True if more queue actors run on ``node`` than the cap allows (queues that
+        started side by side found no idle one to make room)."""
+        cap = self.settings.max_active_queues
+        return cap is not None and self.active_per_node().get(node, 0) > cap
+
     def choose(self, idle: dict[str, float | None], room_on: str | None = None) -> list[str]:
+        """The running queues to hibernate (``choose_and_held``, probed now)."""
+        return self.choose_and_held(idle, room_on)[0]
+
+    def choose_and_held(
+        self,
+        idle: dict[str, float | None],
+        room_on: str | None = None,
+        probed_at: dict[str, float] | None = None,
+    ) -> tuple[list[str], list[str]]:
         """The running queues to hibernate, given each one's idle time (seconds since
-        its last call; None: busy, or it did not answer). Those idle for
-        ``hibernate_after_seconds``; then, on each node over the cap (counting one
+        its last call; None: busy, or it did not answer), and those held back because
+        they were handed out and have not been called yet (``awaits_call``; each
+        one's idle time measured at ``probed_at[name]``, by ``clock``; default now).
+        Chosen: those idle
+        for ``hibernate_after_seconds``; then, on each node over the cap (counting one
         more on ``room_on``, which is about to start a queue), idle ones least
         recently used first until the node is within it. Busy queues never."""
+        now = self._clock()
+        at = probed_at or {}
+        held = sorted(
+            n for n, seconds in idle.items() if self.awaits_call(n, seconds, at.get(n, now))
+        )
+        idle = {n: None if n in held else seconds for n, seconds in idle.items()}
+        return self._choose(idle, room_on), held
+
+    def _choose(self, idle: dict[str, float | None], room_on: str | None) -> list[str]:
         after = self.settings.hibernate_after_seconds
         chosen = [
             n
@@ -175,6 +239,7 @@ __all__ = [
     "Activity",
     "DEFAULT_HIBERNATE_AFTER_SECONDS",
     "DEFAULT_MAX_ACTIVE_QUEUES",
+    "HANDOUT_GRACE_SECONDS",
     "HibernationPolicy",
     "HibernationSettings",
     "HibernationStats",
