@@ -1,5 +1,5 @@
 """The layout is the architecture: the cores, the storage engine, the selectors and the
-fault simulator are plain Python that imports without Ray (tested logic without Ray,
+fault simulator and the wire are plain Python that imports without Ray (tested logic without Ray,
 wiring with Ray)."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ class NoRay:
         return None
 
 sys.meta_path.insert(0, NoRay())
-import raymq.core, raymq.storage, raymq.selector, raymq.sim
-for package in (raymq.core, raymq.storage, raymq.selector, raymq.sim):
+import raymq.core, raymq.storage, raymq.selector, raymq.sim, raymq.wire
+for package in (raymq.core, raymq.storage, raymq.selector, raymq.sim, raymq.wire):
     for info in pkgutil.iter_modules(package.__path__, package.__name__ + "."):
         importlib.import_module(info.name)
 print(sorted(m for m in sys.modules if m.startswith("raymq")))
@@ -36,6 +36,8 @@ def test_cores_storage_and_selectors_import_without_ray():
         "raymq.storage.writer",
         "raymq.selector.evaluate",
         "raymq.sim.run",
+        "raymq.wire.server",
+        "raymq.wire.send",
     ):
         assert f"'{module}'" in loaded
 
