@@ -353,9 +353,7 @@ def test_a_channel_lost_twice_keeps_the_first_deadline(live, clock):
 def test_a_queue_s_own_subscription_is_none_however_it_is_named(live):
     w = watched(live, "c1")
     assert live.state("c1", "") is ConsumerState.WATCHED
-    assert live.watch_ended("c1", "", w.generation, died=True) == [
-        Close("c1", None, Death.WATCH)
-    ]
+    assert live.watch_ended("c1", "", w.generation, died=True) == [Close("c1", None, Death.WATCH)]
 
 
 def test_the_settings_are_the_module_s_constants_unless_given(clock):
