@@ -144,13 +144,22 @@ def test_a_call_while_pinged_makes_the_answer_unneeded(live, clock):
     assert next_round(live, clock) == []
 
 
+def test_a_registration_over_a_channel_while_pinged_is_a_sign_of_life(live, clock):
+    watched(live)
+    clock.now += CONSUMER_SILENCE_SECONDS + 1
+    next_round(live, clock)
+    live.registered("c1", None)  # its channel reconnected
+    assert live.state("c1", None) is ConsumerState.WATCHED
+    assert next_round(live, clock) == []
+
+
 def test_pings_go_out_in_rounds_only(live, clock):
     """However often it ticks (a channel lost wakes it), a silent consumer is pinged
     once a round."""
     watched(live)
     clock.now += CONSUMER_SILENCE_SECONDS + 1
-    assert len(next_round(live, clock)) == 1
-    live.ping_ended("c1", None, 1, PingOutcome.UNANSWERED)
+    (ping,) = next_round(live, clock)
+    live.ping_ended("c1", None, ping.generation, PingOutcome.UNANSWERED)
     for _ in range(9):
         clock.now += WATCH_PERIOD_SECONDS / 10
         assert live.tick() == []

@@ -199,6 +199,8 @@ class ConsumerLiveness:
         if watch is None:
             if c.state is ConsumerState.CHANNEL_LOST:
                 self._set(key, c, ConsumerState.UNWATCHED)
+            elif c.state is ConsumerState.PINGED:  # alive: its ping's answer is not needed
+                c.state = ConsumerState.WATCHED
             return []
         c.watch, c.generation = watch, next(self._generations)
         self._set(key, c, ConsumerState.WATCHED)
