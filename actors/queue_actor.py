@@ -8,7 +8,9 @@ whose retry after a crash may store a message twice (at-least-once).
 Consumers: for each registered TargetList actor the queue keeps one call to its
 ``until_closed`` pending; Ray fails that call as soon as it knows the actor died (its
 owner process killed, its node gone), and the queue then delivers again what it held.
-A ping of consumers not heard from for a while backs this up.
+A ping of consumers not heard from for a while backs this up, and a consumer whose
+FetchChannel connection ended before it was watched is closed after a grace. Those
+decisions are ``raymq.core.consumer_liveness``'s; this shell makes its calls.
 
 Dead letters go to the dead-letter queue through the broker actor, which creates that
 queue when first needed (with this queue's durability).
@@ -17,8 +19,10 @@ queue when first needed (with this queue's durability).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import time
 
 import numpy as np
 import pyarrow as pa
@@ -30,6 +34,16 @@ from raymq import metrics
 from raymq.batch import MessageBatch
 from raymq.config import BrokerConfig, QueueConfig
 from raymq.core.budget import QueueUsage
+from raymq.core.consumer_liveness import (
+    Action,
+    Close,
+    ConsumerKey,
+    ConsumerLiveness,
+    Ping,
+    PingOutcome,
+    Unwatch,
+    Watch,
+)
 from raymq.core.hibernation import Activity
 from raymq.core.queue import QueueCore, QueueStats
 from raymq.core.replication import ReplicationLeader
@@ -41,18 +55,6 @@ from raymq.storage.subscriptions import SubscriptionSpec
 from raymq.wire.fetch import FetchServer
 from raymq.wire.send import SendServer
 
-#: How often the back-up to the death watches looks for silent consumers (seconds).
-#: Rare: the pending ``until_closed`` call tells of a death at once (bench.redelivery).
-WATCH_PERIOD_SECONDS = 10.0
-#: A consumer not heard from for this long is pinged (seconds).
-CONSUMER_SILENCE_SECONDS = 10.0
-#: A ping unanswered for this long is retried next round, not taken as death (seconds).
-PING_TIMEOUT_SECONDS = 5.0
-#: A consumer whose FetchChannel connection closed while the queue did not watch it
-#: yet (its TargetList puts off its Ray registration until its first delivery, at most
-#: 0.1 s) is taken for dead only if it is still unwatched and registered this long
-#: after (seconds): a live TargetList registers, or closes, well within it.
-UNWATCHED_GRACE_SECONDS = 2.0
 #: Longest a dead-letter batch waits on a BLOCKed dead-letter queue before it is
 #: retried (seconds).
 DEAD_LETTER_SEND_TIMEOUT_SECONDS = 5.0
@@ -106,7 +108,13 @@ class QueueActor:
         )
         self._start_lock = asyncio.Lock()
         self._dead_letter_queue = None  # its actor handle, once found
-        self._death_watches: dict[str, asyncio.Task] = {}
+        #: Which consumers are taken for dead, and when (the clock: monotonic seconds).
+        self._liveness = ConsumerLiveness(time.monotonic)
+        #: Set when an event brought the liveness's next tick nearer (a channel lost).
+        self._liveness_moved = asyncio.Event()
+        #: The death watches running, by consumer; the pings out (kept from the GC).
+        self._watches: dict[ConsumerKey, asyncio.Task] = {}
+        self._pings: set[asyncio.Task] = set()
         self._started = False
         self._metrics_task: asyncio.Task | None = None
         judged_whole = config.max_size_bytes > 0 and config.address_full_policy in (
@@ -265,57 +273,93 @@ class QueueActor:
             self._dead_letter_queue = None  # deleted, or restarting: find it again
             raise
 
-    def _consumer_died(self, consumer_id: str, how: str, subscription: str | None) -> None:
-        n = self.core.close_consumer(consumer_id, subscription=subscription)
-        self._death_watches.pop(consumer_id, None)
+    # -- consumer liveness (raymq.core.consumer_liveness decides) -------------------
+
+    def _act(self, actions: list[Action]) -> None:
+        """Carry out what the consumer liveness decided."""
+        for action in actions:
+            if isinstance(action, Watch):
+                self._start_watch(action)
+            elif isinstance(action, Unwatch):
+                self._stop_watch((action.consumer_id, action.subscription))
+            elif isinstance(action, Ping):
+                task = asyncio.get_running_loop().create_task(self._ping(action))
+                self._pings.add(task)
+                task.add_done_callback(self._pings.discard)
+            else:
+                self._close_dead(action)
+
+    def _start_watch(self, w: Watch) -> None:
+        """Keep a call to the consumer's ``until_closed`` pending: Ray fails it as soon
+        as it knows the actor is dead, which is the fastest notice Ray gives."""
+        key = (w.consumer_id, w.subscription)
+        self._stop_watch(key)
+
+        async def watch() -> None:
+            died = False
+            try:
+                await w.watch.until_closed.remote()
+            except _ACTOR_GONE:
+                died = True
+            except Exception as exc:  # e.g. an old TargetList without until_closed
+                log.info("queue %r: no death watch on %s: %s", self.core.name, key[0], exc)
+            if self._watches.get(key) is asyncio.current_task():
+                del self._watches[key]
+            self._act(self._liveness.watch_ended(*key, w.generation, died))
+
+        self._watches[key] = asyncio.get_running_loop().create_task(watch())
+
+    def _stop_watch(self, key: ConsumerKey) -> None:
+        task = self._watches.pop(key, None)
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+
+    async def _ping(self, p: Ping) -> None:
+        """Ping a silent consumer's TargetList; the liveness judges the outcome."""
+        try:
+            await asyncio.wait_for(p.watch.ping.remote(), self._liveness.ping_timeout)
+            outcome = PingOutcome.ANSWERED
+        except _ACTOR_GONE:
+            outcome = PingOutcome.GONE
+        except TimeoutError:
+            outcome = PingOutcome.UNANSWERED  # busy, not dead: asked again next round
+        except Exception as exc:  # no death either: asked again next round
+            log.info("queue %r: ping of consumer %s: %r", self.core.name, p.consumer_id, exc)
+            outcome = PingOutcome.UNANSWERED
+        self._act(self._liveness.ping_ended(p.consumer_id, p.subscription, p.generation, outcome))
+
+    def _close_dead(self, c: Close) -> None:
+        """Close a consumer taken for dead: what it held is delivered again."""
+        if self._hibernating or not self._registered(c.consumer_id, c.subscription):
+            return  # closed meanwhile (its subscription deleted, say)
+        try:
+            n = self.core.close_consumer(c.consumer_id, subscription=c.subscription)
+        except Exception:  # a bug: a watch's or a ping's task has no caller to tell
+            log.exception("queue %r: closing consumer %s", self.core.name, c.consumer_id)
+            return
         log.warning(
             "queue %r: consumer %s died (%s); %d messages will be delivered again",
             self.core.name,
-            consumer_id,
-            how,
+            c.consumer_id,
+            c.reason.value,
             n,
         )
 
-    def _alive(self, consumer_id: str, subscription: str | None) -> bool:
-        """The consumer is registered (its subscription still exists)."""
+    def _registered(self, consumer_id: str, subscription: str | None) -> bool:
+        """The core has the consumer (and its subscription still exists)."""
         sub = self.core.subscriptions.get(subscription) if subscription else self.core._own
         return sub is not None and consumer_id in sub.area.consumers
 
-    def _watch_death(self, consumer_id: str, actor, subscription: str | None) -> None:
-        """Keep a call to the consumer's ``until_closed`` pending: Ray fails it as soon
-        as it knows the actor is dead, which is the fastest notice Ray gives."""
-        old = self._death_watches.pop(consumer_id, None)
-        if old is not None:
-            old.cancel()
-
-        async def watch() -> None:
-            try:
-                await actor.until_closed.remote()
-            except _ACTOR_GONE:
-                if self._alive(consumer_id, subscription):
-                    self._consumer_died(consumer_id, "its actor is gone", subscription)
-            except Exception as exc:  # e.g. an old TargetList without until_closed
-                log.info("queue %r: no death watch on %s: %s", self.core.name, consumer_id, exc)
-
-        self._death_watches[consumer_id] = asyncio.get_running_loop().create_task(watch())
-
     async def _watch_consumers(self) -> None:
-        """Back-up to the death watches: every ``WATCH_PERIOD_SECONDS``, ping each
-        consumer not heard from for ``CONSUMER_SILENCE_SECONDS``; a dead TargetList
-        actor is closed."""
+        """Tick the consumer liveness when it is due (its pings' rounds, the ends of
+        graces), or sooner when an event brought that time nearer."""
         while True:
-            await asyncio.sleep(WATCH_PERIOD_SECONDS)
-            silent = self.core.silent_consumers(CONSUMER_SILENCE_SECONDS)
-            for consumer_id, actor, subscription in silent:
-                try:
-                    await asyncio.wait_for(actor.ping.remote(), PING_TIMEOUT_SECONDS)
-                    if self._alive(consumer_id, subscription):
-                        self.core.heard_from(consumer_id, subscription=subscription)
-                except _ACTOR_GONE:
-                    if self._alive(consumer_id, subscription):
-                        self._consumer_died(consumer_id, "no answer to a ping", subscription)
-                except TimeoutError:
-                    pass  # busy, not dead: ask again next round
+            wait = self._liveness.next_tick() - time.monotonic()
+            if wait > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._liveness_moved.wait(), wait)
+            self._liveness_moved.clear()
+            self._act(self._liveness.tick())
 
     async def ready(self) -> dict:
         """Wait until recovery is done; returns the recovery report as a dict."""
@@ -356,6 +400,7 @@ class QueueActor:
         by reference. The delivery is the answer's shared parts, then that batch's rows
         (None when the parts carry it all). ``subscription``: an address's, by name."""
         await self._ensure_started()
+        self._liveness.heard_from(consumer_id, subscription)
         delivery = await self.core.fetch_delivery(
             consumer_id, max_messages, timeout, prefetch, selector, subscription=subscription
         )
@@ -377,8 +422,7 @@ class QueueActor:
         self.core.register_consumer(
             consumer_id, prefetch, selector, watch, subscription=subscription
         )
-        if watch is not None:
-            self._watch_death(consumer_id, watch, subscription)
+        self._act(self._liveness.registered(consumer_id, subscription, watch))
         return await self._fetch_endpoint()
 
     #: The FetchChannel's server, and its start (answering its (host, port, secret)),
@@ -426,6 +470,7 @@ class QueueActor:
     ) -> Delivery:
         """``fetch_batch`` for the FetchChannel: the delivery itself."""
         await self._ensure_started()
+        self._liveness.heard_from(consumer_id, subscription)
         return await self.core.fetch_delivery(
             consumer_id, max_messages, timeout, prefetch, selector, subscription=subscription
         )
@@ -439,37 +484,16 @@ class QueueActor:
         self.core.register_consumer(
             consumer_id, prefetch, selector, None, subscription=subscription
         )
+        self._act(self._liveness.registered(consumer_id, subscription))
 
     def _channel_lost(self, registered: list[tuple[str, str | None]]) -> None:
-        """A FetchChannel connection ended: consumers it registered that are still not
-        watched, and still so ``UNWATCHED_GRACE_SECONDS`` later (their TargetList died
-        before its Ray registration), are closed, and what they held is delivered
-        again. Not at once: a TargetList closing, or fetching through Ray after its
-        channel broke, is alive and registers or closes meanwhile."""
+        """A FetchChannel connection ended: consumers it registered that are still
+        unwatched are closed after a grace, unless watched (or closed) by then
+        (``ConsumerLiveness.channel_lost``)."""
         if not self._started or self._hibernating:
             return
-        unwatched = [(c, s) for c, s in registered if self._unwatched(c, s)]
-        if unwatched:
-            loop = asyncio.get_running_loop()
-            loop.call_later(UNWATCHED_GRACE_SECONDS, self._close_unwatched, unwatched)
-
-    def _unwatched(self, consumer_id: str, subscription: str | None) -> bool:
-        """The consumer is registered, and the queue has no handle to watch it by."""
-        sub = self.core.subscriptions.get(subscription) if subscription else self.core._own
-        target = None if sub is None else sub.area.consumers.get(consumer_id)
-        return target is not None and target.watch is None
-
-    def _close_unwatched(self, consumers: list[tuple[str, str | None]]) -> None:
-        """``_channel_lost``'s timer: close those still registered and unwatched."""
-        if not self._started or self._hibernating:
-            return
-        for consumer_id, subscription in consumers:
-            try:
-                if self._unwatched(consumer_id, subscription):
-                    how = "its fetch channel closed, unwatched"
-                    self._consumer_died(consumer_id, how, subscription)
-            except Exception:  # a bug: a timer callback has no caller to tell
-                log.exception("queue %r: closing consumer %s", self.core.name, consumer_id)
+        self._liveness.channel_lost(registered)
+        self._liveness_moved.set()  # its tick may be due sooner
 
     def _channel_give_back(
         self, consumer_id: str, offsets: np.ndarray, subscription: str | None
@@ -498,6 +522,7 @@ class QueueActor:
     ) -> int:
         """Release prefetched messages never handed to the application."""
         await self._ensure_started()
+        self._liveness.heard_from(consumer_id, subscription)
         return self.core.give_back(consumer_id, offsets, subscription=subscription)
 
     async def consumer_stats(self, consumer_id: str, subscription: str | None = None) -> dict:
@@ -521,6 +546,7 @@ class QueueActor:
     ) -> int:
         """Acknowledge; returns how many were newly acked, once durable."""
         await self._ensure_started()
+        self._liveness.heard_from(consumer_id, subscription)
         return await self.core.ack(consumer_id, offsets, subscription=subscription)
 
     async def ack_acceptable(
@@ -529,6 +555,7 @@ class QueueActor:
         """Acknowledge the offsets the consumer may ack, leaving the others alone (after
         the queue refused them together); returns (newly acked, the refusal or "")."""
         await self._ensure_started()
+        self._liveness.heard_from(consumer_id, subscription)
         return await self.core.ack_acceptable(consumer_id, offsets, subscription=subscription)
 
     async def nack(
@@ -536,6 +563,7 @@ class QueueActor:
     ) -> int:
         """Release for redelivery with delivery count + 1."""
         await self._ensure_started()
+        self._liveness.heard_from(consumer_id, subscription)
         return self.core.nack(consumer_id, offsets, subscription=subscription)
 
     async def reject(
@@ -543,6 +571,7 @@ class QueueActor:
     ) -> int:
         """Move held messages to the dead-letter queue instead of delivering them again."""
         await self._ensure_started()
+        self._liveness.heard_from(consumer_id, subscription)
         return self.core.reject(consumer_id, offsets, subscription=subscription)
 
     async def close_consumer(
@@ -553,9 +582,7 @@ class QueueActor:
     ) -> int:
         """Remove a consumer; what it held is delivered again."""
         await self._ensure_started()
-        watch = self._death_watches.pop(consumer_id, None)
-        if watch is not None:
-            watch.cancel()
+        self._act(self._liveness.closed(consumer_id, subscription))
         return self.core.close_consumer(consumer_id, not_received, subscription=subscription)
 
     # -- an address's subscriptions ----------------------------------------------------
@@ -582,6 +609,7 @@ class QueueActor:
         """Unbind a subscription; its consumers are closed."""
         await self._ensure_started()
         await self.core.delete_subscription(name)
+        self._act(self._liveness.subscription_deleted(name))
 
     async def list_subscriptions(self) -> list[SubscriptionSpec]:
         """The address's subscriptions."""

@@ -627,18 +627,6 @@ class QueueCore:
         """The queue side of one consumer's TargetList (counts in messages, bytes)."""
         return self.subscription(subscription).consumer_stats(consumer_id)
 
-    def silent_consumers(self, seconds: float) -> list[tuple[str, object, str | None]]:
-        """(consumer id, watch, subscription) of consumers not heard from for ``seconds``."""
-        return [
-            (cid, watch, sub.subscription_name)
-            for sub in self.all_subscriptions()
-            for cid, watch in sub.silent_consumers(seconds)
-        ]
-
-    def heard_from(self, consumer_id: str, *, subscription: str | None = None) -> None:
-        """Note that a consumer showed it is alive."""
-        self.subscription(subscription).heard_from(consumer_id)
-
     # -- statistics ------------------------------------------------------------------
 
     def stats(self, subscription: str | None = None) -> QueueStats:

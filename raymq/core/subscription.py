@@ -548,18 +548,3 @@ class Subscription:
             "messages_scanned": t.messages_scanned,
             "segments_skipped": t.segments_skipped,
         }
-
-    def silent_consumers(self, seconds: float) -> list[tuple[str, object]]:
-        """(consumer id, watch) of consumers not heard from for ``seconds``."""
-        now = time.monotonic()
-        return [
-            (t.consumer_id, t.watch)
-            for t in self.area.consumers.values()
-            if t.watch is not None and now - t.last_seen > seconds
-        ]
-
-    def heard_from(self, consumer_id: str) -> None:
-        """Note that a consumer showed it is alive."""
-        t = self.area.consumers.get(consumer_id)
-        if t is not None:
-            t.last_seen = time.monotonic()

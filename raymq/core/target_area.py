@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import heapq
 import logging
-import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -69,8 +68,6 @@ class ConsumerTarget:
     scan_end: int = 0
     segments_skipped: int = 0
     messages_scanned: int = 0
-    #: monotonic seconds of the consumer's last call (liveness).
-    last_seen: float = field(default_factory=time.monotonic)
     #: Opaque handle the shell uses to check the consumer is alive (its actor).
     watch: object = None
     #: Offsets below this may have reached this consumer's application before (it
@@ -154,7 +151,6 @@ class TargetArea:
         target.prefetch = prefetch
         if watch is not None:
             target.watch = watch
-        target.last_seen = time.monotonic()
         return target
 
     @property
@@ -280,7 +276,6 @@ class TargetArea:
         Returns sorted offsets and each one's delivery count (1 on first delivery).
         """
         target = self.consumers[consumer_id]
-        target.last_seen = time.monotonic()
         want = min(max_messages, target.prefetch - len(target.held))
         if want <= 0:
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32)
@@ -448,8 +443,6 @@ class TargetArea:
     def ack(self, consumer_id: str, offsets: np.ndarray) -> int:
         """Acknowledge offsets (after ``check_ack``); returns how many were newly acked."""
         target = self.consumers.get(consumer_id)
-        if target is not None:
-            target.last_seen = time.monotonic()
         listed = offsets.tolist()
         pop = self._holder.pop
         released = [o for o in listed if pop(o, None) is not None]
