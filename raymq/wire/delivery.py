@@ -43,7 +43,7 @@ from raymq.selector.parser import MAX_SELECTOR_LENGTH
 from raymq.wire.blocking import BlockingClient
 from raymq.wire.errors import WireBroken
 from raymq.wire.ipc import from_ipc, to_ipc
-from raymq.wire.server import DEFERRED, Op, Protocol, Request, WireServer
+from raymq.wire.server import DEFERRED, Op, Protocol, ProtocolServer, Request, WireServer
 
 log = logging.getLogger("raymq.wire.delivery")
 
@@ -128,7 +128,7 @@ class _Answers:
         return out
 
 
-class DeliveryServer:
+class DeliveryServer(ProtocolServer):
     """Serves one consumer's receives from its TargetList actor's event loop."""
 
     def __init__(self, take: Take, give_back: GiveBack, what: str, start: Start | None = None):
@@ -147,19 +147,6 @@ class DeliveryServer:
             PROTOCOL, ops, request_limit=REQUEST_LIMIT, max_connections=MAX_CONNECTIONS
         )
         self.server = WireServer(protocol, what)
-
-    @property
-    def secret(self) -> str:
-        """What the consumer shows in its hello."""
-        return self.server.secret
-
-    async def start(self, host: str) -> tuple[str, int, str]:
-        """Listen on ``host``; returns (host, port, secret)."""
-        return await self.server.start(host)
-
-    def close(self) -> None:
-        """Stop listening (open connections end with the actor)."""
-        self.server.close(grace=None)
 
     async def _answer_start(self, request: Request) -> object:
         assert self._start is not None

@@ -44,7 +44,7 @@ import pyarrow as pa
 from raymq.wire.client import WireClient
 from raymq.wire.errors import WireBroken
 from raymq.wire.ipc import from_ipc, to_ipc
-from raymq.wire.server import DEFERRED, Connection, Op, Request, WireServer
+from raymq.wire.server import DEFERRED, Connection, Op, ProtocolServer, Request, WireServer
 from raymq.wire.server import Protocol as WireProtocol
 
 log = logging.getLogger("raymq.wire.fetch")
@@ -109,7 +109,7 @@ Lost = Callable[[list[tuple[str, "str | None"]]], None]
 # -- the queue actor's side ----------------------------------------------------------------
 
 
-class FetchServer:
+class FetchServer(ProtocolServer):
     """Serves the TargetLists' fetches of one queue from its actor's event loop."""
 
     def __init__(
@@ -143,19 +143,6 @@ class FetchServer:
             on_connection_lost=self._connection_lost,
         )
         self.server = WireServer(protocol, f"queue {queue!r}")
-
-    @property
-    def secret(self) -> str:
-        """What a TargetList shows in its hello."""
-        return self.server.secret
-
-    async def start(self, host: str) -> tuple[str, int, str]:
-        """Listen on ``host``; returns (host, port, secret)."""
-        return await self.server.start(host)
-
-    def close(self) -> None:
-        """Stop listening (open connections end with the actor)."""
-        self.server.close(grace=None)
 
     def take_parked(self, token: int) -> Delivery | None:
         """The delivery parked under ``token`` (once), None if unknown or dropped."""

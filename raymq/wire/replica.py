@@ -33,7 +33,7 @@ from raymq.storage.mirror import Diverged, MirrorWrite
 from raymq.wire.client import WireClient
 from raymq.wire.errors import WireBroken
 from raymq.wire.frames import Buffer
-from raymq.wire.server import Op, Protocol, Request, WireServer
+from raymq.wire.server import Op, Protocol, ProtocolServer, Request, WireServer
 
 log = logging.getLogger("raymq.wire.replica")
 
@@ -49,7 +49,7 @@ CONNECT_TIMEOUT_SECONDS = 2.0
 MAX_BUFFERS = 1 << 20
 
 
-class ReplicaServer:
+class ReplicaServer(ProtocolServer):
     """Serves a leader's commits and heartbeats to one follower. ``follower`` has the
     methods of ``raymq.core.replication.ReplicationFollower`` (``apply``,
     ``heartbeat``)."""
@@ -66,20 +66,6 @@ class ReplicaServer:
             payload_limit=PAYLOAD_LIMIT,
         )
         self.server = WireServer(protocol, f"replica of queue {queue!r}")
-
-    @property
-    def secret(self) -> str:
-        """What the leader shows in its hello."""
-        return self.server.secret
-
-    @property
-    def connections(self) -> int:
-        """Connections open now."""
-        return self.server.connections
-
-    async def start(self, host: str) -> tuple[str, int, str]:
-        """Listen on ``host``; returns (host, port, secret)."""
-        return await self.server.start(host)
 
     def close(self) -> None:
         """Stop listening and drop the open connections (a released follower takes no

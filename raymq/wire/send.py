@@ -35,7 +35,7 @@ from raymq.properties import check_encoded_properties
 from raymq.wire.blocking import BlockingClient
 from raymq.wire.client import PATIENCE_SECONDS, Answer
 from raymq.wire.errors import WireBroken
-from raymq.wire.server import DEFERRED, Op, Protocol, Request, WireServer
+from raymq.wire.server import DEFERRED, Op, Protocol, ProtocolServer, Request, WireServer
 
 log = logging.getLogger("raymq.wire.send")
 
@@ -58,7 +58,7 @@ SendBatch = Callable[[MessageBatch, "float | None"], Awaitable[tuple[int, int]]]
 # -- the queue actor's side -------------------------------------------------------------
 
 
-class SendServer:
+class SendServer(ProtocolServer):
     """Serves one queue's sends: ``send_batch(batch, timeout)`` stores a batch and
     returns (first offset, count stored), as ``QueueCore.send_batch`` does.
 
@@ -89,15 +89,6 @@ class SendServer:
             max_connections=MAX_CONNECTIONS,
         )
         self.server = WireServer(protocol, f"queue {queue!r}")
-
-    @property
-    def secret(self) -> str:
-        """What a client shows in its hello."""
-        return self.server.secret
-
-    async def start(self, host: str) -> tuple[str, int, str]:
-        """Listen on ``host``; returns (host, port, secret)."""
-        return await self.server.start(host)
 
     def close(self) -> None:
         """Stop serving (the queue hibernates or stops): requests from now on, and those

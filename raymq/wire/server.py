@@ -443,6 +443,31 @@ class WireServer:
             conn.close()
 
 
+class ProtocolServer:
+    """What each protocol's server shares: its ``WireServer`` (set by the subclass's
+    ``__init__``), started and stopped by the actor that owns it."""
+
+    server: WireServer
+
+    @property
+    def secret(self) -> str:
+        """What a client shows in its hello (handed out by an authenticated Ray call)."""
+        return self.server.secret
+
+    @property
+    def connections(self) -> int:
+        """Connections open now."""
+        return self.server.connections
+
+    async def start(self, host: str) -> tuple[str, int, str]:
+        """Listen on ``host``; returns (host, port, secret)."""
+        return await self.server.start(host)
+
+    def close(self) -> None:
+        """Stop listening (open connections end with the actor)."""
+        self.server.close(grace=None)
+
+
 def _log_unexpected(server: WireServer, op: str, error: BaseException) -> None:
     """Log an op's error that is not one of the typed errors clients expect (a bug)."""
     if not isinstance(error, RayMQError | TypeError | ValueError):
