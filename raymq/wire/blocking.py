@@ -59,10 +59,6 @@ class Waiter:
         self._answer, self._error = answer, error
         self._pending.release()
 
-    def is_done(self) -> bool:
-        """True once the outcome is set."""
-        return not self._pending.locked()
-
     def result(self, timeout: float | None = None) -> Answer:
         """The answer (or its error raised) once set; ``FutureTimeout`` after
         ``timeout`` seconds (None: for ever)."""

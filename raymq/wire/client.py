@@ -71,7 +71,6 @@ class WireClient:
         self.patience = patience
         self.caps: dict[str, Any] = {}
         self.broken: WireBroken | None = None
-        self.requests_written = 0
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
         self._sock: socket.socket | None = None
@@ -200,7 +199,6 @@ class WireClient:
                     self._out.append(view)
             if was_empty:  # else bytes wait before these: they leave after them
                 self._send_locked()
-            self.requests_written += 1
         return req_id
 
     async def call(
