@@ -7,138 +7,81 @@ consumers it has not heard from) and delivers what it held again.
 
 Its eager loader (``raymq.core.target_list.EagerLoader``, a supervised task) keeps the
 direct references filled up to the high watermark: from the PendingCache first, else by
-fetching from the queue actor (``raymq.actors.target_list_link``, the link to the queue:
-over the wire (``raymq.wire.fetch``);
-small deliveries come inline and are held in this process, large ones are taken by a
-Ray call as references this actor owns), or through Ray calls (``fetch_batch``) before
-it is connected, after it broke, and while deliveries are large (a deep queue: each
-would be parked, then taken by Ray all the same). This shell turns Ray's failures of
-a fetch into typed errors naming the queue; the loader retries them with backoff, and
-one that persists (a ``StorageError`` of the queue, a queue actor that is dead or away
-longer than a restart takes) is raised by ``take``, so the consumer's ``receive()``
-raises it instead of returning nothing forever. A queue actor that died for good is
-looked up again by name: once the queue is started again, loading resumes.
+fetching from the queue actor. How it reaches the queue, and follows it when its actor
+restarts, dies, moves or is revived, is the link's business
+(``raymq.core.target_list_link.TargetListLink``, Ray-free), over the queue as Ray
+shows it (``raymq.actors.target_list_link.RayQueueEndpoint``). A failure that persists
+(a ``StorageError`` of the queue, a queue actor away longer than a restart takes) is
+raised by ``take``, so the consumer's ``receive()`` raises it instead of returning
+nothing forever.
 
 Starting: a consumer takes a warm spare (``raymq.placement.spares``) and starts it with
 the first request on its DeliveryChannel (``_channel_start``), not a Ray call; the
 queue actor's handle is then looked up by name only when needed (the Ray
 registration that gives the queue our handle for its death watch waits for the first
-delivery, at most ``WATCH_DELAY_SECONDS``; until then the queue watches the FetchChannel
+delivery, at most ``WATCH_DELAY_SECONDS`` of the link; until then the queue watches the FetchChannel
 instead). Each of those costs a new consumer's first message milliseconds here.
 
 Interleaving: ``take``, ``set_budget``, ``set_high_watermark``, ``usage`` and ``stats``
-may interleave with the loader at its awaits; ``close`` cancels the loader first.
+may interleave with the loader at its awaits; ``close`` stops the loader first.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import dataclasses
 import logging
 import os
-import time
 
 import numpy as np
 import pyarrow as pa
 import ray
-from raymq.actors.target_list_link import (
-    FETCH_ANSWER_SECONDS,
-    LOADER_POLL_SECONDS,
-    TargetListLink,
-    _reason,
-    _StaleEndpoint,
-)
+from raymq.actors.target_list_link import RayQueueEndpoint
 
 from raymq import metrics
 from raymq.batch import offsets_of
 from raymq.core.budget import ConsumerUsage
 from raymq.core.supervisor import Supervisor
-from raymq.core.target_list import (
-    EagerLoader,
-    FetchAnswer,
-    FetchFailed,
-    TargetList,
-)
-from raymq.errors import BrokerUnavailable, NotLeader, RayMQError
+from raymq.core.target_list import TargetList
+from raymq.core.target_list_link import ConsumerSpec, StaleEndpoint, TargetListLink
+from raymq.errors import BrokerUnavailable, RayMQError, ray_reason
 from raymq.wire.delivery import BY_REFERENCE, DeliveryServer, answer_of
-from raymq.wire.fetch import (
-    STALE_FETCH_ENDPOINT,
-    FetchChannel,
-    InlineDelivery,
-)
+from raymq.wire.fetch import STALE_FETCH_ENDPOINT, InlineDelivery
 
 log = logging.getLogger("raymq.consumer")
 
-#: How long ``close`` keeps asking a restarting queue actor (seconds).
-CLOSE_RETRY_SECONDS = 30.0
-
 
 @ray.remote(num_cpus=0, max_restarts=0, max_concurrency=64)
-class TargetListActor(TargetListLink):
+class TargetListActor:
     """The Ray shell of one consumer's TargetList."""
-
-    # (Also class defaults: tests make a bare instance to try one method.)
-    _starting = False  # a start under way or done (``start``)
 
     def __init__(self):
         # Created blank, as a warm spare (``raymq.placement.spares``): starting a
         # worker process takes most of a second, so a consumer takes a spare already
         # running and ``start`` gives it its queue and settings.
-        self.queue_actor = None
-        self.queue = ""
+        self._starting = False  # a start under way or done (``start``)
         self.consumer_id = ""
-        self.prefetch = 0
-        self.selector: str | None = None
-        self.subscription: str | None = None  # an address's subscription, by name
-        self.targets = TargetList(0, 0, 0)
-        self.loader = EagerLoader(self.targets, self._fetch, queue="", give_back=self._return)
-        self._loader: asyncio.Task | None = None
-        self._metrics: asyncio.Task | None = None
+        self.queue = ""
+        self.endpoint: RayQueueEndpoint | None = None
+        #: The link to the queue (``raymq.core.target_list_link``): a blank one until
+        #: ``start``, with its TargetList and eager loader.
+        self.link = TargetListLink(ConsumerSpec("", "", 0), None, TargetList(0, 0, 0))
         self._closed = False
         self._closed_event = asyncio.Event()
         self._tasks: Supervisor | None = None
-        #: The loader's fetch under way, if any: the references to its small (offsets,
-        #: bytes) result and to its batch.
-        self._in_flight: tuple | None = None
-        #: Register again before the next fetch (after a failure: the queue actor may
-        #: have restarted and forgotten us).
-        self._register_again = False
-        #: The queue actor died: look it up by name before the next fetch.
-        self._queue_dead = False
-        self._death = ""  # Ray's reason for that death
-        self._namespace: str | None = None  # the broker's, once known
         #: The consumer's receives come over this socket (``raymq.wire.delivery``).
         self._channel: DeliveryServer | None = None
         self.channel_lost_batches = 0  # batches lost with a restarted queue, skipped
-        #: The secret of the queue process's FetchChannel we registered with last: it
-        #: tells a new process (``_note_queue_process``).
-        self._queue_process: str | None = None
-        self.stale_dropped = 0  # messages loaded from a queue process since replaced
-        #: The loader's fetches go over this socket to the queue actor
-        #: (``raymq.wire.fetch``); its (host, port, secret) from our registration.
-        self._fetch_endpoint: tuple[str, int, str] | None = None
-        self._fetch_channel: FetchChannel | None = None
-        #: The loader's channel fetch under way (an asyncio task: a cancelled loader
-        #: leaves it running, for ``close`` to see what it took).
-        self._fetch_task: asyncio.Task | None = None
-        self.fetch_channel_failures = 0  # channels that broke or did not open: Ray then
-        #: Fetches that brought messages: inline over the FetchChannel, parked there
-        #: and taken by Ray, or by a Ray fetch (fetches).
-        self.fetched = {"inline": 0, "parked": 0, "ray": 0}
-        self._in_flight_kind = "ray"  # of ``_in_flight``: "ray" or "parked"
-        #: Our first registration's answer (an ObjectRef), until the loader has it.
-        self._registering = None
-        self._first_fetch = True  # made at start, without waiting for the registration
-        self._fetch_channel_enabled = True  # see use_fetch_channel
-        #: The Ray registration after one over the FetchChannel (``_watched_by_queue``).
-        self._watched: asyncio.Future | None = None
         self._listening: asyncio.Future | None = None  # see _listen
-        #: Set at the consumer's first delivery, or at close (``_watched_by_queue``).
-        self._delivered = asyncio.Event()
         self.started_over = "ray"  # or "delivery channel" (``_channel_start``)
-        #: The queue has our handle (a Ray registration): it watches for our death, and
-        #: hands us to the MemoryGovernor.
-        self.watched = False
+
+    @property
+    def targets(self) -> TargetList:
+        return self.link.targets
+
+    @property
+    def loader(self):
+        return self.link.loader
 
     async def ready(self) -> tuple[str, int, str] | None:
         """Once the process is up and its DeliveryChannel listens: the channel's (host,
@@ -209,55 +152,35 @@ class TargetListActor(TargetListLink):
         if queue_actor is None and namespace is None:
             raise ValueError("start: the broker's namespace is needed to find the queue")
         self._starting = True
-        if namespace is not None:
-            self._namespace = namespace
-        self.queue_actor, self._finding = queue_actor, None
-        self.queue, self.subscription, self.consumer_id = queue, subscription, consumer_id
-        self.prefetch, self.selector = prefetch, selector
-        self.targets = TargetList(high_watermark, high_watermark_bytes, pending_cache_bytes)
-        self.loader = EagerLoader(self.targets, self._fetch, queue=queue, give_back=self._return)
+        self.queue, self.consumer_id = queue, consumer_id
+        spec = ConsumerSpec(queue, consumer_id, prefetch, selector, subscription)
+        me = ray.get_runtime_context().current_actor
+        self.endpoint = RayQueueEndpoint(spec, queue_actor, namespace, me)
+        targets = TargetList(high_watermark, high_watermark_bytes, pending_cache_bytes)
+        self.link = TargetListLink(spec, self.endpoint, targets)
         try:
-            registered = await self._begin_registration(fetch_endpoint, endpoint_cached)
-        except _StaleEndpoint as exc:
+            registered = await self.link.begin(fetch_endpoint, endpoint_cached)
+        except StaleEndpoint as exc:
             log.info("consumer %s: %s", consumer_id, exc)
             self._starting = False  # nothing started: the client starts us again
             return STALE_FETCH_ENDPOINT
         self._tasks = Supervisor(f"consumer {consumer_id} of queue {queue!r}", log)
-        self._loader = self._tasks.spawn("eager loader", self.loader.run)
-        self._metrics = self._tasks.spawn("metrics", self._export_metrics)
+        self._tasks.spawn("eager loader", self.loader.run)
+        self._tasks.spawn("metrics", self._export_metrics)
         endpoint = await self._listen()  # (a warm spare listens already)
         if self._channel is not None:
             self._channel.what = f"consumer {consumer_id} of queue {queue!r}"
         try:
             if registered is not None:
-                self._set_fetch_endpoint(await registered)
+                await self.link.finish_registration(registered)
         except BaseException:
             # Not a consumer after all (a malformed selector, a deleted subscription...).
-            self.loader.close()
+            self.link.stop()
             await self._tasks.cancel_all()
             if self._channel is not None:
                 self._channel.close()
             raise
         return endpoint
-
-    async def _begin_registration(
-        self, fetch_endpoint: tuple[str, int, str] | None, cached: bool
-    ) -> asyncio.Future | None:
-        """Register with the queue: over its FetchChannel if ``fetch_endpoint`` is
-        given (the Ray registration, which hands the queue our handle for its death
-        watch, then goes in the background; raises ``_StaleEndpoint`` if a ``cached``
-        endpoint does not answer), else by a Ray call not waited for here. Returns that
-        call's future for ``start`` to wait on (None if registered already)."""
-        if fetch_endpoint is not None and await self._register_over_channel(fetch_endpoint, cached):
-            # Off the first message's path.
-            self._first_fetch = False
-            self._watched = asyncio.ensure_future(self._watched_by_queue())
-            return None
-        # The loader's first fetch does not wait for the registration's answer: a
-        # fetch registers an unknown consumer too (registering is idempotent), which
-        # saves a new consumer's first message a round trip. Its errors are start's.
-        self._registering = asyncio.ensure_future(self._register())
-        return self._registering
 
     async def _channel_start(self, settings: dict) -> tuple[str, int, str] | str | None:
         """``start`` for the DeliveryChannel (the consumer's first request on it): Ray's
@@ -274,10 +197,10 @@ class TargetListActor(TargetListLink):
         except ray.exceptions.RayTaskError as exc:  # as the client's ``_unwrap``
             if isinstance(exc.cause, RayMQError | TypeError | ValueError):
                 raise exc.cause from None
-            error = BrokerUnavailable(f"queue {settings.get('queue')!r}: {_reason(exc)}")
+            error = BrokerUnavailable(f"queue {settings.get('queue')!r}: {ray_reason(exc)}")
             raise error from None
         except ray.exceptions.RayError as exc:
-            raise BrokerUnavailable(f"queue {settings.get('queue')!r}: {_reason(exc)}") from None
+            raise BrokerUnavailable(f"queue {settings.get('queue')!r}: {ray_reason(exc)}") from None
 
     async def _channel_take(
         self, max_messages: int, timeout: float, inline_bytes: int
@@ -292,7 +215,7 @@ class TargetListActor(TargetListLink):
         entries = self.loader.take_now(max_messages)
         if not entries:
             return None
-        self._delivered.set()
+        self.link.delivered()
         lost = (ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError)
         # Deliveries that came over the FetchChannel are here already; others are read
         # from the object store.
@@ -306,7 +229,7 @@ class TargetListActor(TargetListLink):
                 continue
             if isinstance(item, BaseException):
                 error = BrokerUnavailable(
-                    f"queue {self.queue!r}: reading a delivery failed: {_reason(item)}"
+                    f"queue {self.queue!r}: reading a delivery failed: {ray_reason(item)}"
                 )
                 raise error from item
             if isinstance(item, InlineDelivery):
@@ -340,7 +263,7 @@ class TargetListActor(TargetListLink):
         node_id = ray.get_runtime_context().get_node_id()
         broker = ray.get_runtime_context().namespace
         with metrics.guard(f"consumer {self.consumer_id}"):
-            broker = await self._broker_namespace()
+            broker = await self.endpoint.broker_namespace()
         while not self._closed:
             with metrics.guard(f"consumer {self.consumer_id}"):
                 stats = self.targets.stats()
@@ -354,7 +277,7 @@ class TargetListActor(TargetListLink):
         ``RayMQError`` naming the queue: ``StorageError``, ``BrokerUnavailable``...)."""
         entries = await self.loader.take(max_messages, timeout)
         if entries:
-            self._delivered.set()
+            self.link.delivered()
         # Rows that came inline over the FetchChannel are in this process: put them in
         # the object store for the client (this path is the DeliveryChannel's fallback).
         out = []
@@ -376,42 +299,15 @@ class TargetListActor(TargetListLink):
     async def _give_back(self, released: np.ndarray) -> int:
         return await self.loader.give_back(released)
 
-    async def _return(self, released: np.ndarray) -> None:
-        """The loader's give-back: ``released`` go back to the queue, for delivery
-        again (not counted as deliveries). Bounded: the loader fetches nothing while
-        one is under way. Unanswered (``BrokerUnavailable``), they stay held by this
-        consumer in the queue until it closes or dies, then are delivered again."""
-        call = (await self._queue_actor()).give_back.remote(
-            self.consumer_id, released, self.subscription
-        )
-        try:
-            await asyncio.wait_for(call, FETCH_ANSWER_SECONDS)
-        except TimeoutError:
-            raise BrokerUnavailable(
-                f"queue {self.queue!r} did not take {len(released)} messages back"
-                f" in {FETCH_ANSWER_SECONDS:.0f} s"
-            ) from None
-
     def usage(self) -> ConsumerUsage:
         """Bytes held and wanted, for the MemoryGovernor."""
         return self.targets.usage(self.consumer_id)
 
     async def stats(self) -> dict:
-        """The TargetList's levels and the queue's view of this consumer."""
-        try:
-            queue_side = await self._queue_side()
-        except (ray.exceptions.RayActorError, NotLeader) as exc:
-            # The queue actor was replaced (a replicated queue's new leader): ask the
-            # new one, as the loader will (it registers us there).
-            if isinstance(exc, ray.exceptions.RayActorError) and exc.actor_init_failed:
-                raise
-            try:
-                self.queue_actor = await self._find_queue()
-            except FetchFailed as failed:  # not started again yet
-                raise failed.error from None
-            self._set_fetch_endpoint(await self._register())
-            queue_side = await self._queue_side()
+        """The TargetList's levels, its link's, and the queue's view of this consumer."""
+        queue_side = await self.link.queue_side()
         failures = self.loader.failures.stats()
+        channel = self._channel
         return {
             "consumer_id": self.consumer_id,
             "queue": self.queue,
@@ -424,94 +320,30 @@ class TargetListActor(TargetListLink):
             "loader_error_persistent": failures.persistent,
             "task_restarts": 0 if self._tasks is None else self._tasks.restarts,
             "started_over": self.started_over,
-            "watched_by_queue": self.watched,
-            "delivery_channel": self._channel is not None,
-            "delivery_channel_answers": 0 if self._channel is None else self._channel.answers,
-            "delivery_channel_by_reference": (
-                0 if self._channel is None else self._channel.by_reference
-            ),
-            "delivery_channel_given_back": 0 if self._channel is None else self._channel.given_back,
-            "fetch_channel": self._fetch_channel is not None,
-            "fetch_channel_failures": self.fetch_channel_failures,
-            "fetches_inline": self.fetched["inline"],
-            "fetches_parked": self.fetched["parked"],
-            "fetches_by_ray": self.fetched["ray"],
+            "delivery_channel": channel is not None,
+            "delivery_channel_answers": 0 if channel is None else channel.answers,
+            "delivery_channel_by_reference": 0 if channel is None else channel.by_reference,
+            "delivery_channel_given_back": 0 if channel is None else channel.given_back,
+            **dataclasses.asdict(self.link.stats()),
             "stale_fetches_given_back": self.loader.stale_fetches,
-            "stale_dropped": self.stale_dropped,
         }
 
-    async def _queue_side(self) -> dict:
-        try:
-            return await (await self._queue_actor()).consumer_stats.remote(
-                self.consumer_id, self.subscription
-            )
-        except ray.exceptions.RayTaskError as exc:
-            raise exc.cause if isinstance(exc.cause, NotLeader) else exc from None
+    def use_fetch_channel(self, enabled: bool) -> None:
+        """Fetch over the FetchChannel (``enabled``, the default) or through Ray calls
+        only: the path before it, a baseline for ``bench/latency.py`` and the fallback
+        tested. Takes effect from the next fetch."""
+        self.link.use_fetch_channel(enabled)
 
     async def close(self, not_received: np.ndarray | None) -> int:
         """Stop loading and give back everything not acknowledged; returns how many."""
         self._closed = True
         self._closed_event.set()
-        self.loader.close()
+        self.link.stop()
         if self._channel is not None:
             self._channel.close()
         if self._tasks is not None:  # the loader and the metrics: none left pending at kill
             await self._tasks.cancel_all()
-        self._delivered.set()  # a registration put off is not made now
-        if self._watched is not None:  # before close_consumer, lest it register us again
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._watched, CLOSE_RETRY_SECONDS)
-        rest = self.targets.drain()
-        fetched = await self._unreceived_fetch()
-        if len(fetched):  # taken for us by the queue, never seen by the application
-            rest = np.concatenate([rest, fetched])
-        if not_received is not None and len(not_received):
-            rest = np.concatenate([np.asarray(not_received, dtype=np.int64), rest])
-        deadline = time.monotonic() + CLOSE_RETRY_SECONDS
-        while True:
-            try:
-                return await (await self._queue_actor()).close_consumer.remote(
-                    self.consumer_id, rest, self.subscription
-                )
-            except ray.exceptions.ActorUnavailableError:
-                # Cut by a restart of the queue actor: ask the restarted one (it forgot
-                # what we held, so this only unregisters us).
-                if time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(0.2)
-            except ray.exceptions.RayActorError:
-                return 0  # the queue is gone for good (deleted): nothing to give back
-
-    async def _unreceived_fetch(self) -> np.ndarray:
-        """Offsets of the fetch the loader had under way when it was cancelled: the queue
-        counts them as held by us, so they are given back as not received (else their
-        delivery count would rise without any application having seen them)."""
-        task, self._fetch_task = self._fetch_task, None
-        if task is not None:  # over the FetchChannel
-            if self._fetch_channel is not None:
-                self._fetch_channel.finish()  # a waiting fetch ends at once, empty
-            try:
-                got = await asyncio.wait_for(task, LOADER_POLL_SECONDS + 5.0)
-            except Exception:  # broken, or the queue is slow: it forgot or counts them
-                got = None
-            if isinstance(got, InlineDelivery | pa.RecordBatch):
-                return offsets_of(got.batch if isinstance(got, InlineDelivery) else got)
-            if isinstance(got, int) and self._in_flight is None:  # parked: take it
-                self._in_flight = (
-                    (await self._queue_actor()).fetch_parked.options(num_returns=2).remote(got)
-                )
-        if self._fetch_channel is not None:
-            self._fetch_channel.close()
-            self._fetch_channel = None
-        in_flight, self._in_flight = self._in_flight, None
-        if in_flight is None:
-            return np.zeros(0, dtype=np.int64)
-        try:
-            answer: FetchAnswer = await asyncio.wait_for(in_flight[0], LOADER_POLL_SECONDS + 5.0)
-            offsets = answer.offsets
-        except Exception:  # the queue restarted or is slow: it forgot or counts them
-            return np.zeros(0, dtype=np.int64)
-        return np.asarray(offsets, dtype=np.int64)
+        return await self.link.close(not_received)
 
     def ping(self) -> bool:
         """Liveness check by the queue actor."""

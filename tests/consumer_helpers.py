@@ -25,9 +25,8 @@ def receive_all(consumer, n: int) -> list:
 
 def _put_off_the_watch(actor) -> None:
     """In a spare's process: its Ray registration waits for a first delivery."""
-    # (Read by the TargetList's link since it moved there: set on the actor module,
-    # it changed nothing and the queue watched the consumer at once.)
-    import raymq.actors.target_list_link as module
+    # (Read by the TargetList's link when it puts the registration off.)
+    import raymq.core.target_list_link as module
 
     module.WATCH_DELAY_SECONDS = 600.0
 

@@ -32,6 +32,7 @@ def test_cores_storage_and_selectors_import_without_ray():
     for module in (
         "raymq.core.queue",
         "raymq.core.target_list",
+        "raymq.core.target_list_link",
         "raymq.core.registry",
         "raymq.storage.writer",
         "raymq.selector.evaluate",

@@ -20,7 +20,6 @@ from raymq.core.target_list import (
     DirectEntry,
     EagerLoader,
     FailureStreak,
-    FetchAnswer,
     FetchFailed,
     TargetList,
 )
@@ -372,91 +371,6 @@ def test_a_loader_bug_is_restarted_by_its_supervisor_and_reaches_take_if_it_pers
 
     restarts, got = asyncio.run(main())
     assert restarts >= PERSISTENT_FAILURES - 1 and offsets_of(got) == [0, 1, 2, 3, 4]
-
-
-def test_closing_gives_back_the_fetch_under_way_as_not_received():
-    # The loader's fetch was answered but not yet taken in when the consumer closed:
-    # its offsets are held by this consumer in the queue, and go back unseen.
-    from raymq.actors.target_list_actor import TargetListActor
-
-    actor = TargetListActor.__ray_metadata__.modified_class.__new__(
-        TargetListActor.__ray_metadata__.modified_class
-    )
-
-    async def main():
-        answered = asyncio.get_running_loop().create_future()
-        answered.set_result(FetchAnswer(np.array([7, 8, 9]), 300, [("shared", 0, 3)]))
-        actor._in_flight = (answered, None)
-        return await actor._unreceived_fetch()
-
-    assert asyncio.run(main()).tolist() == [7, 8, 9]
-
-
-def test_a_fetch_that_finished_as_the_loader_was_cancelled_goes_back_at_close():
-    # The FetchChannel's answer came in the very turn close cancelled the loader: the
-    # rows are held by this consumer in the queue, and must go back unseen (else the
-    # queue counts them as delivered when the consumer closes).
-    import pyarrow as pa
-    from raymq.actors.target_list_actor import TargetListActor
-
-    from raymq.batch import EMPTY_DELIVERY
-
-    cls = TargetListActor.__ray_metadata__.modified_class
-    actor = cls.__new__(cls)
-    rows = [
-        {"offset": o, "timestamp": 1, "delivery_count": 1, "body": b"x", "properties": b""}
-        for o in (4, 5)
-    ]
-    answer = pa.RecordBatch.from_pylist(rows, schema=EMPTY_DELIVERY.schema)
-
-    async def main():
-        actor._in_flight = None
-        fetched = asyncio.get_running_loop().create_future()
-        actor._fetch_task = fetched
-        loader = asyncio.ensure_future(actor._fetch_once(10))
-        await asyncio.sleep(0)  # one turn: the loader now waits for its fetch
-        fetched.set_result(answer)
-        loader.cancel()  # close, before the loader took the answer in
-        with pytest.raises(asyncio.CancelledError):
-            await loader
-        return await actor._unreceived_fetch()
-
-    assert asyncio.run(main()).tolist() == [4, 5]
-
-
-def test_messages_loaded_from_a_queue_process_since_replaced_go_back_unseen():
-    # A registration answers the FetchChannel of a new queue process (another secret):
-    # that process delivers again everything the old one had delivered to us, so what
-    # we still hold must never be handed out (a stale copy could reach the application
-    # after the fresh one was acked). It goes back to the queue, which releases only
-    # what it counts as ours (a fetch by Ray may have reached the new process first).
-    # The same process: all is kept.
-    from raymq.actors.target_list_actor import TargetListActor
-
-    cls = TargetListActor.__ray_metadata__.modified_class
-    actor = cls.__new__(cls)
-    given_back: list[int] = []
-
-    async def give_back(offsets):
-        given_back.extend(offsets.tolist())
-
-    async def main():
-        actor.consumer_id, actor.queue, actor._fetch_endpoint = "c1", "q", None
-        actor.targets = TargetList(10, 10_000, 10_000)
-        actor.loader = EagerLoader(actor.targets, None, queue="q", give_back=give_back)
-        actor.targets.direct.extend([entry(0, 3), entry(3, 2)])
-        actor._set_fetch_endpoint(("127.0.0.1", 5000, "first"))
-        actor._set_fetch_endpoint(("127.0.0.1", 5000, "first"))  # registered again
-        assert actor.targets.watermark == 5 and actor.stale_dropped == 0
-        actor._set_fetch_endpoint(None)  # fetching by Ray meanwhile (the channel broke)
-        assert actor.targets.watermark == 5 and actor._stale_give_back is None
-        actor._set_fetch_endpoint(("127.0.0.1", 5001, "second"))  # the restarted process
-        assert actor.targets.watermark == 0 and actor.stale_dropped == 5
-        assert actor.targets.take(10) == []
-        await actor._stale_give_back
-
-    asyncio.run(main())
-    assert given_back == [0, 1, 2, 3, 4]
 
 
 class OrderedQueue:

@@ -64,16 +64,20 @@ class Fault(enum.Enum):
     MOVED = "moved"
     #: No answer within the time the attempt had (a paused or overloaded process).
     SILENT = "silent"
+    #: The call failed on its way for another reason (a transport error).
+    FAILED = "failed"
 
 
 class LinkFault(Exception):
     """A call that did not reach (or was not answered by) the actor: ``kind`` says
-    why, ``cause`` is the transport's own exception (for the message only)."""
+    why, ``cause`` is the transport's own exception (for the message only); ``final``
+    (with GONE): the actor could not start again."""
 
-    def __init__(self, kind: Fault, cause: object = None):
+    def __init__(self, kind: Fault, cause: object = None, *, final: bool = False):
         super().__init__(f"{kind.value}: {cause}" if cause is not None else kind.value)
         self.kind = kind
         self.cause = cause
+        self.final = final
 
 
 class Transport(Protocol):
