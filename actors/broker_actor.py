@@ -224,6 +224,9 @@ class BrokerActor:
         # Stopped queues are not failed over nor hibernated.
         self._replication.stop()
         self._hibernator.stop_background()
+        # A sequence cut short ends, as it unwinds, a follower it started outside the
+        # set (stop_followers ends only what the set and its bookkeeping name).
+        await self._replication.wait_stopped(timeout)
         async with self._lock:
             for name in list(self._queues):
                 entry = self._queues[name]

@@ -170,11 +170,13 @@ class RayClusterOps:
         ray.kill(handle, no_restart=True)
 
     def end_strays(self) -> None:
-        """End any queue or replica actor of this broker still running after the stop:
-        one its bookkeeping lost track of in a race, which would outlive ``raymq stop``
-        holding its files (a follower was left so in 1 of 4 runs of the replication
-        scenario; its cause is not found yet). Logged; blocking GCS calls: run off the
-        event loop."""
+        """End any queue or replica actor of this broker still running after the stop,
+        which would outlive ``raymq stop`` holding its files. A safety net: a follower
+        was left so in 1 of 4 runs of the replication scenario, by a controller
+        sequence the stop cancelled between starting a follower and recording it (or
+        retiring one and ending it); the controller now ends those itself
+        (``ReplicationController.stop_followers``, ``wait_stopped``). What it ends is
+        logged; blocking GCS calls: run off the event loop."""
         try:
             named = ray.util.list_named_actors(all_namespaces=True)
         except Exception as exc:  # the stop itself is done: logged

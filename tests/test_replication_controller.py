@@ -16,6 +16,9 @@ create, the client's retry), and the queue must be whole again: one leader in th
 current epoch holding every acknowledged message, the set at its count, every replica
 in sync and known to the leader, no follower actor outside the set. Each operation
 that waits for an actor also fails a second way: unanswered (``fail_at(n, "silence")``).
+And each such operation is where the broker's stop may cancel the sequence
+(``fail_at(n, "cancel")``): once the stop has stopped the followers and ended the
+leader, no follower actor may still run.
 No sleeps: a fake clock, and the monitor's rounds called directly.
 """
 
@@ -106,6 +109,8 @@ class FakeCluster:
         self._fail_at: int | None = None
         self._fail_how = "error"
         self._fail_next: set[str] = set()
+        #: Set once an operation told to (``fail_at(n, "cancel")``) waits for its cancel.
+        self.held = asyncio.Event()
 
     # -- the test's controls ----------------------------------------------------------
 
@@ -127,7 +132,8 @@ class FakeCluster:
         """The ``step``-th operation from now on (0: the next) fails: ``how="error"``,
         it raises ``Fault``; ``"silence"``, its actor does not answer (what
         ``RayClusterOps`` makes of a timeout or a lost actor; only for operations that
-        wait for one)."""
+        wait for one); ``"cancel"``, it waits until its task is cancelled (the broker's
+        stop cancels the controller's tasks mid-sequence; ``held`` is set meanwhile)."""
         self.calls = []
         self._fail_at, self._fail_how = step, how
 
@@ -140,18 +146,29 @@ class FakeCluster:
     def reachable(self, actor: FakeActor) -> bool:
         return not actor.ended and not actor.paused and self.nodes.get(actor.node, False)
 
-    def _step(self, op: str, silence: Exception | None = None) -> None:
+    def _step(self, op: str, silence: Exception | None = None) -> bool:
         """Count an operation; fail it if told (``silence``: its error when its actor
-        does not answer)."""
+        does not answer). True if it is to wait for its cancel."""
         self.calls.append(op)
         if op in self._fail_next:
             self._fail_next.discard(op)
             raise Fault(op)
         if self._fail_at is not None and len(self.calls) - 1 == self._fail_at:
-            if self._fail_how == "silence":
+            if self._fail_how in ("silence", "cancel"):
                 assert silence is not None, f"{op} waits for no actor"
+            if self._fail_how == "silence":
                 raise silence
+            if self._fail_how == "cancel":
+                return True
             raise Fault(f"{op} (step {self._fail_at})")
+        return False
+
+    async def _answer(self, op: str, silence: Exception) -> None:
+        """``_step`` for an operation that waits for an actor: one told to waits until
+        its task is cancelled (never answered otherwise)."""
+        if self._step(op, silence):
+            self.held.set()
+            await asyncio.Event().wait()
 
     # -- the leaders, as the queue actor behaves towards the controller ----------------
 
@@ -255,7 +272,7 @@ class FakeCluster:
         self._step("wake_follower")
 
     async def follower_ready(self, handle: FakeActor, timeout: float) -> None:
-        self._step("follower_ready", Unreachable("silent"))
+        await self._answer("follower_ready", Unreachable("silent"))
         if not self.reachable(handle):
             raise Unreachable(f"{handle.rid} does not answer")
 
@@ -271,13 +288,13 @@ class FakeCluster:
         return self.actors[key]
 
     async def leader_ready(self, handle: FakeActor, timeout: float | None) -> None:
-        self._step("leader_ready", Unreachable("silent") if timeout else Gone(handle.id))
+        await self._answer("leader_ready", Unreachable("silent") if timeout else Gone(handle.id))
         if not self.reachable(handle):
             raise Unreachable("no answer") if timeout is not None else Gone(handle.id)
         self._start(handle)
 
     async def wait_in_sync(self, leader: FakeActor, replicas: int, timeout: float) -> list[str]:
-        self._step("wait_in_sync", Gone(leader.id))
+        await self._answer("wait_in_sync", Gone(leader.id))
         if not self.reachable(leader):
             raise Gone(leader.id)
         self._start(leader)
@@ -285,7 +302,7 @@ class FakeCluster:
         return list(leader.in_sync)
 
     async def set_followers(self, leader: FakeActor, epoch: int, followers: tuple) -> None:
-        self._step("set_followers", Gone(leader.id))
+        await self._answer("set_followers", Gone(leader.id))
         if not self.reachable(leader):
             raise Gone(leader.id)
         self._start(leader)
@@ -295,7 +312,7 @@ class FakeCluster:
 
     async def ping(self, handle: FakeActor) -> int | None:
         try:
-            self._step("ping", Unreachable("silent"))
+            await self._answer("ping", Unreachable("silent"))
         except Unreachable:
             return None
         if not self.reachable(handle):
@@ -306,19 +323,19 @@ class FakeCluster:
         return -1 if handle.fenced else handle.epoch
 
     async def fence(self, handle: FakeActor, epoch: int) -> int:
-        self._step("fence", Unreachable("silent"))
+        await self._answer("fence", Unreachable("silent"))
         if not self.reachable(handle):
             raise Unreachable(f"{handle.rid} does not answer")
         handle.epoch = max(handle.epoch, epoch)
         return self.copies.get((handle.queue, handle.rid), 0)
 
     async def release(self, handle: FakeActor) -> None:
-        self._step("release", Unreachable("silent"))
+        await self._answer("release", Unreachable("silent"))
         if not self.reachable(handle):
             raise Unreachable(f"{handle.rid} does not answer")
 
     async def shutdown_replica(self, handle: FakeActor, delete_files: bool) -> None:
-        self._step("shutdown_replica", Unreachable("silent"))
+        await self._answer("shutdown_replica", Unreachable("silent"))
         if not self.reachable(handle):
             raise Unreachable(f"{handle.rid} does not answer")
         if delete_files:
@@ -560,6 +577,110 @@ def test_a_failure_at_any_step_leaves_it_retryable(sequence, step, op, how):
         await _retry(s)
         _check_always(s)
         _check_whole(s)
+
+    asyncio.run(main())
+
+
+async def _stop_queue(s: Scenario) -> None:
+    """What ``BrokerActor._stop_queue`` does after the controller's stop: under the
+    queue's lock, stop its followers, then end its leader."""
+    ctl, cluster = s.controller, s.cluster
+    if QUEUE in ctl.queues:
+        async with ctl.lock_of(QUEUE):
+            await ctl.stop_followers(QUEUE)
+    leader = cluster.leader_of(QUEUE)
+    if leader is not None:
+        cluster.kill(leader)
+
+
+def _running_followers(cluster: FakeCluster) -> list[str]:
+    return sorted(key[-1] for key, a in cluster.actors.items() if a.kind == "follower")
+
+
+async def _first(task: asyncio.Task, event: asyncio.Event) -> None:
+    """Wait until ``event`` is set or ``task`` ends (a run that never gets there)."""
+    waiter = asyncio.ensure_future(event.wait())
+    await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    waiter.cancel()
+
+
+#: Each operation that waits for an actor, where the broker's stop may cancel a sequence.
+CANCEL_CASES = [
+    (name, i, op) for name, ops in STEPS.items() for i, op in enumerate(ops) if op in WAITING
+]
+
+
+@pytest.mark.parametrize(
+    ("sequence", "step", "op"),
+    CANCEL_CASES,
+    ids=["-".join(map(str, case)) for case in CANCEL_CASES],
+)
+def test_a_stop_at_any_waiting_step_leaves_no_follower_running(sequence, step, op):
+    async def main():
+        s = await SEQUENCES[sequence]()
+        ctl = s.controller
+        s.cluster.fail_at(step, "cancel")
+        task = asyncio.get_running_loop().create_task(s.run())
+        # Sequences run in the monitor's task (or a rejoin's), which the stop cancels.
+        ctl._monitor = task
+        await _first(task, s.cluster.held)
+        assert s.cluster.held.is_set() and s.cluster.calls[step] == op
+        s.cluster.fail_at(None)
+        ctl.stop()
+        await ctl.wait_stopped(5.0)
+        assert task.cancelled()
+        await _stop_queue(s)
+        _check_always(s)
+        assert _running_followers(s.cluster) == [], "a follower actor outlives the stop"
+
+    asyncio.run(main())
+
+
+class _WatchedLock(asyncio.Lock):
+    """A lock that tells when a task waits for it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waited = asyncio.Event()
+
+    async def acquire(self) -> bool:
+        if self.locked():
+            self.waited.set()
+        return await super().acquire()
+
+
+def test_a_stop_while_a_rejoin_waits_for_the_lock_leaves_no_follower_running():
+    """A rejoin whose follower is ready waits for the queue's lock (a check holds it)
+    when the stop cancels it: that follower, not in the set yet, must end."""
+
+    async def main():
+        s, rid, node = await _failed_over_from_a_pause()
+        ctl = s.controller
+        lock = ctl._locks[QUEUE] = _WatchedLock()
+        await lock.acquire()  # a check under way
+        task = asyncio.get_running_loop().create_task(ctl.rejoin(QUEUE, rid, node))
+        ctl._rejoins[(QUEUE, rid)] = task
+        await _first(task, lock.waited)
+        assert lock.waited.is_set() and s.cluster.follower_of(QUEUE, rid) is not None
+        ctl.stop()
+        await ctl.wait_stopped(5.0)
+        assert task.cancelled()
+        lock.release()  # the check ends
+        await _stop_queue(s)
+        assert rid not in ctl.queues[QUEUE].replicas.nodes
+        assert _running_followers(s.cluster) == [], "the rejoined follower outlives the stop"
+
+    asyncio.run(main())
+
+
+def test_stop_followers_goes_on_past_a_follower_whose_shutdown_fails():
+    async def main():
+        s = await _created()
+        # Not a timeout nor a lost actor (as Ray's ActorUnschedulableError): the others
+        # are stopped all the same, and this one ended.
+        s.cluster.fail_next("shutdown_replica")
+        await _stop_queue(s)
+        assert _running_followers(s.cluster) == []
 
     asyncio.run(main())
 

@@ -131,12 +131,27 @@ class ReplicationController:
         if self.stopping:
             raise BrokerUnavailable(f"queue {name!r}: the broker is stopping")
 
+    def _tasks(self) -> list[asyncio.Task]:
+        return [t for t in (self._monitor, *self._rejoins.values()) if t is not None]
+
     def stop(self) -> None:
-        """Start nothing from now on; cancel the monitor and the rejoins under way."""
+        """Start nothing from now on; cancel the monitor and the rejoins under way
+        (``wait_stopped`` waits for them to end)."""
         self.stopping = True
-        for task in (self._monitor, *self._rejoins.values()):
-            if task is not None:
-                task.cancel()
+        for task in self._tasks():
+            task.cancel()
+
+    async def wait_stopped(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the tasks ``stop`` cancelled to end: a
+        sequence cut short ends the actors it started outside the set as it unwinds,
+        which must be done before the queues' actors are stopped. Logged if some do
+        not end."""
+        tasks = [t for t in self._tasks() if not t.done()]
+        if not tasks:
+            return
+        _done, pending = await asyncio.wait(tasks, timeout=timeout)
+        if pending:
+            log.warning("stop: %d replication tasks still run after %.0f s", len(pending), timeout)
 
     def lock_of(self, name: str) -> asyncio.Lock:
         """The lock around ``name``'s failovers and replacements."""
@@ -379,10 +394,12 @@ class ReplicationController:
             self.ops.kill(old)
         promoted = self.ops.find_follower(name, rs.leader)
         if promoted is not None:
-            with contextlib.suppress(Unreachable):
-                # its files are opened all the same (a follower writes only when told)
-                await self.ops.release(promoted)
-            self.ops.kill(promoted)
+            try:
+                with contextlib.suppress(Unreachable):
+                    # its files are opened all the same (a follower writes only when told)
+                    await self.ops.release(promoted)
+            finally:  # also if the stop cancels us: it leads nothing, and is in no set
+                self.ops.kill(promoted)
         if not h.replaced:
             h.replaced = True  # once (a set still short is restored by the monitor)
             try:
@@ -429,24 +446,26 @@ class ReplicationController:
             return
         epoch = entry.replicas.epoch
         handle = self._follower(name, rid, node, epoch)
+        recorded = False
         try:
-            await self.ops.follower_ready(handle, REJOIN_SECONDS)
-        except Unreachable as exc:
-            log.info("queue %r: replica %s does not rejoin from its node: %s", name, rid, exc)
-            self.ops.kill(handle)
-            return
-        except BaseException:  # (its start failed, or the stop cancels us)
-            self.ops.kill(handle)  # not left running outside the set
-            raise
-        async with self.lock_of(name):
-            rs = self.queues[name].replicas
-            if rs.epoch != epoch or rid in rs.nodes:
-                self.ops.kill(handle)  # another failover meanwhile
+            try:
+                await self.ops.follower_ready(handle, REJOIN_SECONDS)
+            except Unreachable as exc:
+                log.info("queue %r: replica %s does not rejoin from its node: %s", name, rid, exc)
                 return
-            rs.nodes[rid] = node
-            self._lost_nodes.pop(node, None)
-            log.warning("queue %r: replica %s rejoins as a follower", name, rid)
-            await self._publish(name)
+            # (the stop may cancel us while a check holds the lock: the follower runs)
+            async with self.lock_of(name):
+                rs = self.queues[name].replicas
+                if rs.epoch != epoch or rid in rs.nodes:
+                    return  # another failover meanwhile
+                rs.nodes[rid] = node
+                recorded = True
+                self._lost_nodes.pop(node, None)
+                log.warning("queue %r: replica %s rejoins as a follower", name, rid)
+                await self._publish(name)
+        finally:
+            if not recorded:  # failed, refused or cancelled: not left running outside the set
+                self.ops.kill(handle)
 
     async def trim_excess(self, name: str) -> None:
         """A set grown past the queue's replicas (a replaced leader rejoined): once the
@@ -500,9 +519,11 @@ class ReplicationController:
         for rid in sorted(retiring):
             handle = self.ops.find_follower(name, rid)
             if handle is not None:
-                with contextlib.suppress(Unreachable):
-                    await self.ops.shutdown_replica(handle, True)
-                self.ops.kill(handle)
+                try:
+                    with contextlib.suppress(Unreachable):
+                        await self.ops.shutdown_replica(handle, True)
+                finally:  # also if it fails or the stop cancels us (its copy may stay)
+                    self.ops.kill(handle)
         await self._tell_followers(name)
         del self._unpublished[name]
 
@@ -583,17 +604,32 @@ class ReplicationController:
                 self._missed.add((name, rid))
 
     async def stop_followers(self, name: str, delete_files: bool = False) -> None:
-        """Stop a replicated queue's follower actors (and delete their copies)."""
+        """Stop a replicated queue's follower actors (and delete their copies), each
+        within ``ClusterOps.shutdown_replica``'s bound; one that fails is ended all the
+        same (logged). Then end, without waiting, the follower actors a sequence cut
+        short may have left outside the set: replicas retired but not yet ended
+        (``_unpublished``), and the promoted leader's copy of a hand-over."""
         entry = self.queues.get(name)
         if entry is None or entry.replicas is None:
             return
-        for rid in entry.replicas.followers:
+        rs = entry.replicas
+        for rid in rs.followers:
             handle = self.ops.find_follower(name, rid)
             if handle is None:
                 continue
-            with contextlib.suppress(Unreachable):
+            try:
                 await self.ops.shutdown_replica(handle, delete_files)
-            self.ops.kill(handle)
+            except Unreachable:
+                pass
+            except Exception as exc:  # (a RayError that is not a lost actor): the next one
+                log.warning("queue %r: follower %s not shut down: %r; ended", name, rid, exc)
+            finally:
+                self.ops.kill(handle)
+        for rid in sorted({*self._unpublished.get(name, ()), rs.leader}):
+            handle = self.ops.find_follower(name, rid)
+            if handle is not None:
+                log.warning("queue %r: follower actor %s outside the set ended", name, rid)
+                self.ops.kill(handle)
 
 
 __all__ = ["ReplicationController"]
