@@ -630,6 +630,11 @@ class ReplicationController:
             if handle is not None:
                 log.warning("queue %r: follower actor %s outside the set ended", name, rid)
                 self.ops.kill(handle)
+        # Its followers are ended: nothing is left to retire or watch. (A queue made
+        # again under this name numbers its replicas from r0 again: a stale entry
+        # would end one of them.)
+        self._unpublished.pop(name, None)
+        self._missed = {(queue, rid) for queue, rid in self._missed if queue != name}
 
 
 __all__ = ["ReplicationController"]
