@@ -26,7 +26,7 @@ from raymq.placement.nodes import alive_nodes, pinned_to
 
 from raymq.config import BrokerConfig
 from raymq.core.cluster_ops import (
-    PING_TIMEOUT_SECONDS,
+    REPLICA_PING_TIMEOUT_SECONDS,
     FollowerRef,
     Handle,
     Unreachable,
@@ -148,22 +148,22 @@ class RayClusterOps:
     async def ping(self, handle: Handle) -> int | None:
         """See ``ClusterOps``."""
         try:
-            return await _bounded(handle.ping.remote(), PING_TIMEOUT_SECONDS)
+            return await _bounded(handle.ping.remote(), REPLICA_PING_TIMEOUT_SECONDS)
         except Unreachable:
             return None
 
     async def fence(self, handle: Handle, epoch: int) -> int:
         """See ``ClusterOps``."""
-        state = await _bounded(handle.fence.remote(epoch), PING_TIMEOUT_SECONDS * 2)
+        state = await _bounded(handle.fence.remote(epoch), REPLICA_PING_TIMEOUT_SECONDS * 2)
         return state.end_offset
 
     async def release(self, handle: Handle) -> None:
         """See ``ClusterOps``."""
-        await _bounded(handle.release.remote(), PING_TIMEOUT_SECONDS * 5)
+        await _bounded(handle.release.remote(), REPLICA_PING_TIMEOUT_SECONDS * 5)
 
     async def shutdown_replica(self, handle: Handle, delete_files: bool) -> None:
         """See ``ClusterOps``."""
-        await _bounded(handle.shutdown.remote(delete_files), PING_TIMEOUT_SECONDS * 5)
+        await _bounded(handle.shutdown.remote(delete_files), REPLICA_PING_TIMEOUT_SECONDS * 5)
 
     def kill(self, handle: Handle) -> None:
         """See ``ClusterOps``."""

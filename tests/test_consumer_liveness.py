@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from raymq.core.consumer_liveness import (
+    CONSUMER_PING_TIMEOUT_SECONDS,
     CONSUMER_SILENCE_SECONDS,
-    PING_TIMEOUT_SECONDS,
     UNWATCHED_GRACE_SECONDS,
     WATCH_PERIOD_SECONDS,
     Close,
@@ -118,7 +118,7 @@ def test_a_ping_unanswered_in_time_is_no_death_and_is_sent_again(live, clock):
     w = watched(live)
     clock.now += CONSUMER_SILENCE_SECONDS + 1
     (ping,) = next_round(live, clock)
-    clock.now += PING_TIMEOUT_SECONDS
+    clock.now += CONSUMER_PING_TIMEOUT_SECONDS
     assert live.ping_ended("c1", None, ping.generation, PingOutcome.UNANSWERED) == []
     assert live.state("c1", None) is ConsumerState.WATCHED
     assert live.tick() == []  # not before the next round
@@ -183,9 +183,9 @@ def test_a_death_ray_never_tells_is_found_by_the_pings_within_their_bound(live, 
         clock.now = live.next_tick()
         for action in live.tick():
             assert isinstance(action, Ping)
-            clock.now += PING_TIMEOUT_SECONDS  # the ping times out: busy or dead?
+            clock.now += CONSUMER_PING_TIMEOUT_SECONDS  # the ping times out: busy or dead?
             closed = live.ping_ended("c1", None, w.generation, PingOutcome.GONE)
-    bound = WATCH_PERIOD_SECONDS + CONSUMER_SILENCE_SECONDS + PING_TIMEOUT_SECONDS
+    bound = WATCH_PERIOD_SECONDS + CONSUMER_SILENCE_SECONDS + CONSUMER_PING_TIMEOUT_SECONDS
     assert clock.now - last_call <= bound
     assert closed[-1] == Close("c1", None, Death.PING)
 
@@ -370,7 +370,7 @@ def test_the_settings_are_the_module_s_constants_unless_given(clock):
     assert (live.watch_period, live.silence, live.ping_timeout, live.unwatched_grace) == (
         WATCH_PERIOD_SECONDS,
         CONSUMER_SILENCE_SECONDS,
-        PING_TIMEOUT_SECONDS,
+        CONSUMER_PING_TIMEOUT_SECONDS,
         UNWATCHED_GRACE_SECONDS,
     )
     quick = ConsumerLiveness(clock, watch_period=1.0, silence=0.5)

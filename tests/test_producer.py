@@ -9,6 +9,7 @@ import os
 import signal
 import threading
 import time
+import types
 
 import pytest
 
@@ -18,6 +19,7 @@ from raymq.errors import AddressFull, NotLeader
 from raymq.wire.errors import WireBroken
 from raymq.wire.send import SendChannel
 from tests.test_send_channel import MAX_MESSAGE, served  # noqa: F401 - the fixture
+from tests.wire_helpers import MutePeer
 
 # -- Ray-free: a real SendChannel to a server storing into a list ----------------------
 
@@ -150,6 +152,36 @@ def test_batches_in_flight_when_the_channel_breaks_go_again_through_ray_in_order
     assert [b for batch in ray_send.batches for b in batch] == [f"{i}".encode() for i in range(40)]
     assert producer.stats().resent_batches >= 2
     loop.call_soon_threadsafe(store.release.set)
+
+
+def test_batches_on_a_channel_gone_silent_go_through_ray_within_its_patience(monkeypatch):
+    """The producer keeps no watch of its own: the channel's wire client pings a server
+    it has not heard from and breaks the connection when the ping goes unanswered. That
+    ends each wait on its batches (a send blocked at the in-flight bound, ``result``,
+    ``flush``), and the batches go again through Ray, in order."""
+    from raymq.wire import send
+
+    monkeypatch.setattr(send, "REPLY_PATIENCE_SECONDS", 0.3)
+    peer = MutePeer()  # takes the hello, then answers nothing, not even pings
+    channel = SendChannel(*peer.endpoint(), "q")
+    ray_send = RaySend(types.SimpleNamespace(bodies=[]))
+    producer = Producer("q", lambda: channel, ray_send, max_in_flight_messages=2)
+
+    def sends() -> list[int | None]:
+        futures = [producer.send(b"%d" % i, b"", None) for i in range(3)]  # the third blocks
+        offsets = [futures[-1].result()]
+        producer.flush()
+        return offsets + [f.result() for f in futures]
+
+    started = time.monotonic()
+    # Within a few patiences (a ping after 0.3 s, the break 0.3 s later), not for ever.
+    assert bounded(sends, 30) == [2, 0, 1, 2]
+    assert time.monotonic() - started < 20
+    assert "ping" in str(channel.broken)
+    assert [b for batch in ray_send.batches for b in batch] == [b"0", b"1", b"2"]
+    assert producer.stats().resent_batches >= 1
+    channel.close()
+    peer.close()
 
 
 def test_without_a_channel_batches_go_through_ray_calls(served):
@@ -352,9 +384,6 @@ class FakeChannel:
         waiting, self.waiting = self.waiting, []
         for _, reply in waiting:
             reply.set_exception(WireBroken("reset"))
-
-    def check_alive(self) -> bool:
-        return self.broken is None
 
 
 def test_a_batch_waits_for_earlier_ones_on_a_broken_channel_to_be_resent_first():

@@ -50,7 +50,7 @@ from typing import Any
 from raymq.batch import MessageBatch
 from raymq.errors import NotLeader, RayMQError
 from raymq.wire.errors import WireBroken
-from raymq.wire.send import REPLY_PATIENCE_SECONDS, SendChannel
+from raymq.wire.send import SendChannel
 
 log = logging.getLogger("raymq.producer")
 
@@ -223,7 +223,6 @@ class Producer:
         self._in_flight = 0  # batches shipped and not answered
         self._pending_msgs = 0  # messages not answered (the open batch's included)
         self._pending_bytes = 0
-        self._answers = 0  # batches answered so far: progress, for the liveness check
         #: Waiting senders the last answer woke that have not sent again: while some
         #: are, a waiting send holds the open batch for them (up to WAIT_LINGER_SECONDS)
         #: rather than ship it alone, so that the threads go on sharing one batch.
@@ -477,7 +476,6 @@ class Producer:
             self._unfinished.pop(batch.seq, None)
             batch.wire = batch.bodies = batch.props = None
             self._in_flight -= 1
-            self._answers += 1
             self._pending_msgs -= n
             self._pending_bytes -= batch.nbytes
             held = self._open
@@ -502,19 +500,18 @@ class Producer:
         that one ships it (Nagle), with what else gathers. With nothing in flight it
         ships at once, unless waiting senders woken by the last answer are still to
         send again: then it waits for them up to ``WAIT_LINGER_SECONDS`` (the last of
-        them back ships it). No answer for ``REPLY_PATIENCE_SECONDS`` while batches are
-        on a channel pings it (a dead one breaks: never a hung wait)."""
+        them back ships it). A batch on a channel that went silent needs no watch here:
+        the channel's wire client pings a server it has not heard from while requests
+        wait, and breaks the connection when the ping goes unanswered; the batch then
+        fails with ``WireBroken`` and goes again through Ray (never a hung wait)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         waiter: threading.Lock | None = None
         lingered = False
-        answers = -1
         while True:
             with self._lock:
                 if batch.done:
                     return
-                if answers < 0:
-                    answers = self._answers
-                wait = REPLY_PATIENCE_SECONDS
+                wait = None  # until answered
                 if batch is self._open and not self._in_flight:
                     if self._returning and not lingered and self.wait_linger > 0:
                         wait, lingered = self.wait_linger, True
@@ -531,7 +528,7 @@ class Producer:
                         raise TimeoutError(
                             f"queue {self.queue!r}: pipelined send unanswered after {timeout} s"
                         )
-                    wait = min(wait, left)
+                    wait = left if wait is None else min(wait, left)
                 if waiter is None:
                     waiter = threading.Lock()
                     waiter.acquire()
@@ -539,20 +536,11 @@ class Producer:
                         batch.waiters = [waiter]
                     else:
                         batch.waiters.append(waiter)
-            if waiter.acquire(timeout=wait):
+            if waiter.acquire(timeout=-1 if wait is None else wait):
                 if batch.done:
                     return
                 waiter = None  # woken to keep the linger time of a held batch: look again
-                continue
-            if wait < REPLY_PATIENCE_SECONDS:
-                continue  # a linger or the deadline: looked at above
-            with self._lock:
-                if self._answers != answers:  # progress: the queue is alive
-                    answers = self._answers
-                    continue
-                channel = self._flight_channel if self._on_channel else None
-            if channel is not None and channel.broken is None:
-                channel.check_alive()  # without the lock: answers must get through
+            # else a linger or the deadline passed: looked at above
 
     def _wait_for_room(self, size: int) -> None:
         """Block until the message of ``size`` bytes fits the in-flight bound."""
@@ -572,47 +560,22 @@ class Producer:
         self._blocked += time.monotonic() - t0
 
     def _wait(self, done: Callable[[], bool], timeout: float | None) -> bool:
-        """Wait until ``done()``; False after ``timeout`` seconds (None: no limit). No
-        answer for ``REPLY_PATIENCE_SECONDS`` while batches are on a channel pings it:
-        a dead one breaks, and its batches go through Ray (never a hung wait)."""
+        """Wait until ``done()``; False after ``timeout`` seconds (None: no limit). Every
+        batch ends (``_wait_for``): a dead channel's wire client breaks the connection,
+        and its batches go through Ray."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        answers = self._answers
         while not done():
-            wait = REPLY_PATIENCE_SECONDS
+            wait = None
             if deadline is not None:
-                wait = min(wait, deadline - time.monotonic())
+                wait = deadline - time.monotonic()
                 if wait <= 0:
                     return False
             self._cv_waiting += 1
             try:
-                woken = self._cv.wait(wait)
+                self._cv.wait(wait)
             finally:
                 self._cv_waiting -= 1
-            if woken or self._answers != answers:
-                answers = self._answers
-                continue
-            channel = self._flight_channel
-            if self._on_channel and channel is not None and channel.broken is None:
-                # Released while pinging: answers must reach the batches meanwhile.
-                saved = self._release_all()
-                try:
-                    channel.check_alive()
-                finally:
-                    self._reacquire(saved)
         return True
-
-    def _release_all(self) -> int:
-        count = 0
-        while True:
-            try:
-                self._cv.release()
-            except RuntimeError:
-                return count
-            count += 1
-
-    def _reacquire(self, count: int) -> None:
-        for _ in range(count):
-            self._cv.acquire()
 
 
 def _summary(error: BaseException, count: int, queue: str) -> BaseException:

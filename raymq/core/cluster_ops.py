@@ -14,7 +14,7 @@ from raymq.core.registry import QueueEntry
 
 #: A leader (or follower) that does not answer a ping in this long is taken for lost
 #: (seconds); a false alarm costs a failover, never data (epochs fence the old one).
-PING_TIMEOUT_SECONDS = 1.0
+REPLICA_PING_TIMEOUT_SECONDS = 1.0
 
 #: An actor handle, opaque here: only ``ClusterOps`` looks inside.
 Handle = Any
@@ -79,7 +79,7 @@ class ClusterOps(Protocol):
 
     async def ping(self, handle: Handle) -> int | None:
         """A replica's epoch (a leader's: -1 once fenced), None if no answer within
-        ``PING_TIMEOUT_SECONDS``."""
+        ``REPLICA_PING_TIMEOUT_SECONDS``."""
 
     async def fence(self, handle: Handle, epoch: int) -> int:
         """Make a follower refuse epochs before ``epoch``; where its copy ends (next
@@ -95,4 +95,4 @@ class ClusterOps(Protocol):
         """End an actor for good (no restart)."""
 
 
-__all__ = ["PING_TIMEOUT_SECONDS", "ClusterOps", "FollowerRef", "Handle", "Unreachable"]
+__all__ = ["REPLICA_PING_TIMEOUT_SECONDS", "ClusterOps", "FollowerRef", "Handle", "Unreachable"]

@@ -10,7 +10,7 @@ tell of a death, one for each way the queue knows a consumer:
   the call as soon as it knows the actor died (the fastest notice Ray gives);
 - the ping, the death watch's back-up: every ``WATCH_PERIOD_SECONDS``, each watched
   consumer not heard from for ``CONSUMER_SILENCE_SECONDS`` is pinged. A ping that finds
-  its actor gone closes the consumer; one unanswered within ``PING_TIMEOUT_SECONDS`` is
+  its actor gone closes the consumer; one unanswered within ``CONSUMER_PING_TIMEOUT_SECONDS`` is
   sent again next round (busy, not dead);
 - the FetchChannel: a consumer registered over a connection and not watched yet (its
   TargetList puts off its Ray registration until its first delivery) whose connection
@@ -46,7 +46,7 @@ WATCH_PERIOD_SECONDS = 10.0
 #: A consumer not heard from for this long is pinged (seconds).
 CONSUMER_SILENCE_SECONDS = 10.0
 #: A ping unanswered for this long is retried next round, not taken as death (seconds).
-PING_TIMEOUT_SECONDS = 5.0
+CONSUMER_PING_TIMEOUT_SECONDS = 5.0
 #: A consumer whose FetchChannel connection closed while the queue did not watch it
 #: yet (its TargetList puts off its Ray registration until its first delivery, at most
 #: 0.1 s) is taken for dead only if it is still unwatched and registered this long
@@ -86,7 +86,7 @@ class PingOutcome(enum.Enum):
     ANSWERED = "answered"
     #: Ray says its actor is dead.
     GONE = "gone"
-    #: No answer within ``PING_TIMEOUT_SECONDS``, or an error that is no death: the
+    #: No answer within ``CONSUMER_PING_TIMEOUT_SECONDS``, or an error that is no death: the
     #: consumer is pinged again next round if it is still silent.
     UNANSWERED = "unanswered"
 
@@ -114,7 +114,7 @@ class Unwatch:
 @dataclass(frozen=True)
 class Ping:
     """Ping the consumer's TargetList (``watch``), waiting at most
-    ``PING_TIMEOUT_SECONDS``; report with ``ping_ended(..., generation, outcome)``."""
+    ``CONSUMER_PING_TIMEOUT_SECONDS``; report with ``ping_ended(..., generation, outcome)``."""
 
     consumer_id: str
     subscription: str | None
@@ -158,7 +158,7 @@ class ConsumerLiveness:
         *,
         watch_period: float = WATCH_PERIOD_SECONDS,
         silence: float = CONSUMER_SILENCE_SECONDS,
-        ping_timeout: float = PING_TIMEOUT_SECONDS,
+        ping_timeout: float = CONSUMER_PING_TIMEOUT_SECONDS,
         unwatched_grace: float = UNWATCHED_GRACE_SECONDS,
     ):
         """``clock`` returns monotonic seconds; the others are seconds, as the
@@ -335,7 +335,7 @@ class ConsumerLiveness:
 
 __all__ = [
     "CONSUMER_SILENCE_SECONDS",
-    "PING_TIMEOUT_SECONDS",
+    "CONSUMER_PING_TIMEOUT_SECONDS",
     "UNWATCHED_GRACE_SECONDS",
     "WATCH_PERIOD_SECONDS",
     "Action",

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from raymq.config import QueueConfig
 from raymq.core.cluster_ops import (
-    PING_TIMEOUT_SECONDS,
+    REPLICA_PING_TIMEOUT_SECONDS,
     ClusterOps,
     FollowerRef,
     Handle,
@@ -218,7 +218,7 @@ class ReplicationController:
 
     async def leader(self, name: str, fresh: bool = False) -> Handle:
         """The leader of a replicated queue, its followers started (if need be). A
-        leader that runs already has ``PING_TIMEOUT_SECONDS * 5`` to answer
+        leader that runs already has ``REPLICA_PING_TIMEOUT_SECONDS * 5`` to answer
         (``BrokerUnavailable`` after: it is checked, and failed over, meanwhile); one
         started here is not checked until it is up (it answers nothing while it
         recovers)."""
@@ -228,7 +228,7 @@ class ReplicationController:
         if running:
             leader = await self._leader_actor(name)
             try:
-                await self.ops.leader_ready(leader, PING_TIMEOUT_SECONDS * 5)
+                await self.ops.leader_ready(leader, REPLICA_PING_TIMEOUT_SECONDS * 5)
             except Unreachable as exc:
                 raise BrokerUnavailable(
                     f"queue {name!r}: its leader does not answer ({exc}); it is checked"

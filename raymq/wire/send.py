@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from concurrent.futures import TimeoutError as FutureTimeout  # not the builtin before 3.11
 from typing import Any
 
 from raymq import errors
@@ -244,20 +243,6 @@ class SendChannel:
         answer = await self._client.call_async("send_batch", [timeout], batch.wire_buffers())
         first, count = answer.value
         return first, count
-
-    def check_alive(self) -> bool:
-        """Ping the server and wait up to ``REPLY_PATIENCE_SECONDS``; unanswered, the
-        connection breaks (failing every waiting send). False if it is (now) broken."""
-        try:
-            waiter = self._client.submit("ping", [])
-            assert waiter is not None
-            waiter.result(timeout=REPLY_PATIENCE_SECONDS)
-            return True
-        except FutureTimeout:
-            self._client.close()
-        except WireBroken:
-            pass
-        return False
 
     def close(self) -> None:
         """Close the connection; waiting sends raise ``WireBroken``."""
