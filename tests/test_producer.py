@@ -154,6 +154,41 @@ def test_batches_in_flight_when_the_channel_breaks_go_again_through_ray_in_order
     loop.call_soon_threadsafe(store.release.set)
 
 
+def test_a_batch_resent_after_its_channel_broke_and_refused_is_of_unknown_outcome(served):
+    # The old leader may have stored it before the connection broke; the new leader's
+    # NotEnoughReplicas (its follower catching up) refuses only the second try. Its
+    # sends are told BrokerUnavailable (it may be delivered), never NotEnoughReplicas
+    # ("nothing of it is served").
+    from raymq.errors import BrokerUnavailable, NotEnoughReplicas
+
+    store, _, endpoint, loop = served
+    channel = SendChannel(*endpoint, "q")
+
+    def refuse(batch, timeout):
+        raise NotEnoughReplicas("queue 'q': 1 of 2 replicas in sync")
+
+    producer = Producer("q", lambda: channel, refuse)
+    store.hold = True
+    shipped = producer.send(b"0", b"", None)
+    until(lambda: producer._on_channel, "the batch on the channel")
+    channel.close()  # outcome unknown
+    with pytest.raises(BrokerUnavailable, match="may have been stored") as raised:
+        shipped.result()
+    assert not isinstance(raised.value, NotEnoughReplicas)
+    # One sent only now never reached the old leader: its refusal is the truth.
+    with pytest.raises(NotEnoughReplicas):
+        producer.send(b"1", b"", None).result()
+    loop.call_soon_threadsafe(store.release.set)
+
+
+def test_a_refusal_of_a_first_try_is_raised_as_it_is():
+    from raymq.client.calls import resent_refusal
+    from raymq.errors import NotEnoughReplicas
+
+    refused = NotEnoughReplicas("queue 'q': 1 of 2 replicas in sync")
+    assert resent_refusal(refused, None, "q") is refused  # no connection was lost
+
+
 def test_batches_on_a_channel_gone_silent_go_through_ray_within_its_patience(monkeypatch):
     """The producer keeps no watch of its own: the channel's wire client pings a server
     it has not heard from and breaks the connection when the ping goes unanswered. That

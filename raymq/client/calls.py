@@ -12,6 +12,7 @@ import ray
 from raymq.core.link import Fault
 from raymq.errors import (
     BrokerUnavailable,
+    NotEnoughReplicas,
     NotLeader,
     RayMQError,
     ray_reason,
@@ -32,6 +33,20 @@ def fault_of(exc: BaseException) -> Fault:
     if isinstance(exc, ray.exceptions.ActorUnschedulableError):
         return Fault.MOVED
     return Fault.GONE
+
+
+def resent_refusal(error: Exception, lost: BaseException | None, queue: str) -> Exception:
+    """The error of a send tried again after its connection was ``lost`` mid-send
+    (None: it was not). A refusal of the second try (``NotEnoughReplicas``: a new
+    leader whose followers catch up) says nothing of the first, which the old leader
+    may have stored and replicated: its outcome is unknown, so the caller is told
+    ``BrokerUnavailable`` (it may be delivered), never "not stored"."""
+    if lost is None or not isinstance(error, NotEnoughReplicas):
+        return error
+    return BrokerUnavailable(
+        f"queue {queue!r}: a send whose connection was lost ({lost}) was refused when"
+        f" sent again ({error}); the first try may have been stored, and then is delivered"
+    )
 
 
 def _reason(exc: BaseException) -> str:

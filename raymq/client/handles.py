@@ -225,13 +225,19 @@ class Queue:
         channel = (
             _send_channel(self) if batch.nbytes <= self.broker.config.max_message_size else None
         )
+        lost = None  # the channel broke mid-send: the first try may be stored
         if channel is not None:  # larger batches exceed its frame limit: Ray carries them
             try:
                 first, count = channel.send_batch(batch, timeout)
                 return list(range(first, first + count))
-            except (WireBroken, NotLeader):
-                pass  # as in ``send``: Ray calls follow a restart or a new leader
-        first, count = self._invoke("send_batch", batch, timeout, answer_seconds=timeout)
+            except WireBroken as exc:  # as in ``send``: Ray calls follow a restart
+                lost = exc
+            except NotLeader:  # refused: a Ray call follows the new leader
+                pass
+        try:
+            first, count = self._invoke("send_batch", batch, timeout, answer_seconds=timeout)
+        except RayMQError as exc:
+            raise calls.resent_refusal(exc, lost, self.name) from None
         return list(range(first, first + count))
 
     async def send_async(
@@ -253,13 +259,16 @@ class Queue:
                 lambda: producer.send(body, props, timeout, waited=True).result()
             )
         channel = await self._send_channel_async()
+        lost = None
         if channel is not None:
             try:
                 return await channel.send_async(body, props, timeout)
-            except (WireBroken, NotLeader):
-                pass  # as in ``send``: a Ray call follows a restart or a new leader
+            except WireBroken as exc:  # as in ``send``: a Ray call follows a restart
+                lost = exc
+            except NotLeader:  # refused: a Ray call follows the new leader
+                pass
         batch = MessageBatch.from_encoded([body], [props])
-        first, count = await self._send_batch_by_ray(batch, timeout)
+        first, count = await self._send_batch_by_ray(batch, timeout, lost)
         return first if count else None
 
     async def send_batch_async(
@@ -272,23 +281,34 @@ class Queue:
         producer = self._producer
         if producer is not None and producer.busy():
             await asyncio.to_thread(producer.drain)
+        lost = None
         if batch.nbytes <= self.broker.config.max_message_size:
             channel = await self._send_channel_async()
             if channel is not None:
                 try:
                     first, count = await channel.send_batch_async(batch, timeout)
                     return list(range(first, first + count))
-                except (WireBroken, NotLeader):
-                    pass  # as in ``send_batch``
-        first, count = await self._send_batch_by_ray(batch, timeout)
+                except WireBroken as exc:  # as in ``send_batch``
+                    lost = exc
+                except NotLeader:
+                    pass
+        first, count = await self._send_batch_by_ray(batch, timeout, lost)
         return list(range(first, first + count))
 
-    async def _send_batch_by_ray(self, batch: MessageBatch, timeout: float | None):
+    async def _send_batch_by_ray(
+        self, batch: MessageBatch, timeout: float | None, lost: BaseException | None = None
+    ):
         """The async sends' Ray path, as the blocking sends' (``_invoke``: it follows a
-        revived or moved queue and waits out a restart), in a worker thread."""
-        return await asyncio.to_thread(
-            functools.partial(self._invoke, "send_batch", batch, timeout, answer_seconds=timeout)
-        )
+        revived or moved queue and waits out a restart), in a worker thread. ``lost``:
+        the channel broke mid-send (``calls.resent_refusal``)."""
+        try:
+            return await asyncio.to_thread(
+                functools.partial(
+                    self._invoke, "send_batch", batch, timeout, answer_seconds=timeout
+                )
+            )
+        except RayMQError as exc:
+            raise calls.resent_refusal(exc, lost, self.name) from None
 
     async def _send_channel_async(self) -> SendChannel | None:
         """``_send_channel`` without blocking the event loop: opening one (a Ray call

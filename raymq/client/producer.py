@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from raymq.batch import MessageBatch
+from raymq.client.calls import resent_refusal
 from raymq.errors import NotLeader, RayMQError
 from raymq.wire.errors import WireBroken
 from raymq.wire.send import SendChannel
@@ -102,6 +103,7 @@ class _Batch:
         "seq",
         "wire",
         "on_channel",
+        "lost",
         "done",
         "first",
         "count",
@@ -120,6 +122,8 @@ class _Batch:
         self.seq = seq
         self.wire: MessageBatch | None = None
         self.on_channel = False
+        #: Its channel broke with it in flight: it may be stored (``resent_refusal``).
+        self.lost: BaseException | None = None
         self.done = False
         self.first = 0
         self.count = 0
@@ -424,7 +428,7 @@ class Producer:
                 value: Any = self._ray_send(self._wire(batch), batch.timeout)
                 error = None
             except Exception as exc:  # the queue's typed error, for each of its futures
-                value, error = None, exc
+                value, error = None, resent_refusal(exc, batch.lost, self.queue)
             self._finish(batch, value, error)
 
     # -- answers --------------------------------------------------------------------
@@ -436,6 +440,8 @@ class Producer:
             with self._cv:
                 if isinstance(error, NotLeader):
                     self._channel = None  # the handle finds the new leader (Ray): its channel
+                else:
+                    batch.lost = error  # its outcome is unknown
                 batch.on_channel = False
                 self._on_channel.discard(batch.seq)
                 self._resent += 1
