@@ -19,6 +19,7 @@ from raymq.core.target_list_link import ConsumerSpec, StaleEndpoint, TargetListL
 from raymq.errors import BrokerUnavailable, NotLeader, QueueNotFound
 from raymq.wire.errors import WireBroken
 from raymq.wire.fetch import INLINE_BYTES, InlineDelivery
+from tests.test_target_list import FakeTime
 
 #: Bound on any wait that must end, in real seconds: only a wedge takes this long.
 WEDGE_SECONDS = 10.0
@@ -42,20 +43,6 @@ def offsets_taken(entries: list[tuple[object, int, int]]) -> list[int]:
         batch = ref.batch if isinstance(ref, InlineDelivery | FakeCall) else ref
         out += batch.column("offset").to_pylist()[start : start + n]
     return out
-
-
-class FakeClock:
-    """Seconds that pass only when the loader sleeps (its backoff)."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    async def sleep(self, seconds: float) -> None:
-        self.now += seconds
-        await asyncio.sleep(0)
 
 
 class FakeCall:
@@ -278,7 +265,7 @@ class Consumer:
 
     def __init__(self, queue: FakeQueue, *, high_watermark: int = 10, clock=None):
         self.queue = queue
-        self.clock = clock or FakeClock()
+        self.clock = clock or FakeTime()  # moved by the loader's backoff only
         spec = ConsumerSpec("q", "c1", prefetch=high_watermark)
         targets = TargetList(high_watermark, 10**9, 0)
         self.link = TargetListLink(
@@ -287,7 +274,7 @@ class Consumer:
             targets,
             answer_seconds=ANSWER_SECONDS,
             watch_delay=0.01,
-            clock=self.clock,
+            clock=self.clock.clock,
             sleep=self.clock.sleep,
         )
         self.task: asyncio.Task | None = None
