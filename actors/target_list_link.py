@@ -23,6 +23,7 @@ from raymq.core.link import Fault, LinkFault
 from raymq.core.target_list import FetchAnswer, FetchFailed
 from raymq.core.target_list_link import ConsumerSpec, Endpoint
 from raymq.errors import BrokerUnavailable, RayMQError, ray_reason
+from raymq.ray_faults import ACTOR_FAULTS, fault_of
 from raymq.wire.fetch import FetchChannel
 
 #: Longest a TargetList waits for its broker to start its queue's actor again (seconds):
@@ -32,19 +33,16 @@ REVIVE_SECONDS = 60.0
 T = TypeVar("T")
 
 
-def fault_of(exc: ray.exceptions.RayError) -> Exception:
+def _link_fault(exc: ray.exceptions.RayError) -> Exception:
     """What a Ray failure of a call on the queue's actor means to the link: the
-    queue's typed error, or a ``LinkFault``."""
+    queue's typed error, or a ``LinkFault`` (``raymq.ray_faults``)."""
     if isinstance(exc, ray.exceptions.RayTaskError):  # (first: an instance of its cause)
         if isinstance(exc.cause, RayMQError):
             return exc.cause
         return LinkFault(Fault.FAILED, repr(exc.cause))
-    if isinstance(exc, ray.exceptions.ActorUnavailableError):
-        return LinkFault(Fault.RESTARTING, ray_reason(exc))
-    if isinstance(exc, ray.exceptions.ActorUnschedulableError):  # its node is gone
-        return LinkFault(Fault.MOVED, ray_reason(exc))
-    if isinstance(exc, ray.exceptions.RayActorError):
-        return LinkFault(Fault.GONE, ray_reason(exc), final=bool(exc.actor_init_failed))
+    if isinstance(exc, ACTOR_FAULTS):
+        final = bool(getattr(exc, "actor_init_failed", False))  # it could not start again
+        return LinkFault(fault_of(exc), ray_reason(exc), final=final)
     return LinkFault(Fault.FAILED, ray_reason(exc))
 
 
@@ -52,7 +50,7 @@ async def _ray(call: Awaitable[T]) -> T:
     try:
         return await call
     except ray.exceptions.RayError as exc:
-        raise fault_of(exc) from None
+        raise _link_fault(exc) from None
 
 
 class RayQueueEndpoint:

@@ -84,10 +84,8 @@ import argparse
 import contextlib
 import os
 import random
-import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -97,14 +95,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import psutil
 import ray
-from ray.cluster_utils import Cluster
 from raymq.actors.names import queue_actor_name
 
-import raymq
 from bench.common import console, print_table
+from bench.replication import NAMESPACE, Bench
 from raymq.errors import ConsumerClosed, InvalidAck, RayMQError
 
-NAMESPACE = "raymq-bench-failover-soak"
 QUEUE = "failover-soak"
 BALLAST = ("failover-soak.ballast-0", "failover-soak.ballast-1")
 MIB = 2**20
@@ -328,32 +324,16 @@ class FailoverSoak:
         self.acks_resent = 0
         self.close_failures = 0
         self.skipped: Counter[str] = Counter()
-        self.root = tempfile.mkdtemp(prefix="rmq-fsoak-")  # short: Ray's socket paths
-        self.paging = tempfile.mkdtemp(
-            prefix="rmq-fsoak-paging-", dir=os.environ.get("RAYMQ_BENCH_DIR")
-        )
+        #: The 4-node cluster and the broker, as ``bench.replication`` makes them.
+        self.bench: Bench | None = None
         self.cluster = self.broker = None
 
     # -- the cluster -------------------------------------------------------------------
 
     def start(self) -> None:
-        temp = os.path.join(self.root, "ray")
-        os.makedirs(os.path.join(temp, "ray"))
-        os.environ["RAY_TMPDIR"] = temp
-        self.cluster = Cluster(
-            initialize_head=True,
-            head_node_args={
-                "num_cpus": 2,
-                "object_store_memory": self.store,
-                "include_dashboard": False,
-                "temp_dir": temp,
-            },
-        )
-        self.top_up()
-        ray.init(address=self.cluster.address, log_to_driver=False, configure_logging=False)
+        bench = self.bench = Bench(self.store)
+        self.cluster, self.broker, self.head = bench.cluster, bench.broker, bench.head
         self.session = ray._private.worker._global_node.get_session_dir_path()
-        self.head = ray.get_runtime_context().get_node_id()
-        self.broker = raymq.connect(namespace=NAMESPACE, paging_directory=self.paging)
         for name in BALLAST:  # the head holds queues: followers go to workers
             self.broker.create_queue(name, node_id=self.head)
         leader = sorted(n.node_id for n in self.cluster.worker_nodes)[0]
@@ -361,21 +341,11 @@ class FailoverSoak:
         self.watch_q = self.broker.get_queue(QUEUE)  # the monitor's own handle
 
     def close(self) -> None:
-        try:
-            if self.broker is not None:
-                with contextlib.suppress(Exception):
-                    self.broker.shutdown()
-        finally:
-            ray.shutdown()
-            if self.cluster is not None:
-                self.cluster.shutdown()
-            shutil.rmtree(self.root, ignore_errors=True)
-            shutil.rmtree(self.paging, ignore_errors=True)
+        if self.bench is not None:
+            self.bench.close()
 
     def top_up(self, n: int = 3) -> None:
-        while len(self.cluster.worker_nodes) < n:
-            self.cluster.add_node(num_cpus=1, object_store_memory=self.store)
-        self.cluster.wait_for_nodes()
+        self.bench.top_up(n)
 
     def replica_set(self) -> dict:
         return ray.get(self.broker._actor.replica_sets.remote(), timeout=30)[QUEUE]

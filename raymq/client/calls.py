@@ -9,7 +9,6 @@ from typing import Any
 
 import ray
 
-from raymq.core.link import Fault
 from raymq.errors import (
     BrokerUnavailable,
     NotEnoughReplicas,
@@ -17,22 +16,13 @@ from raymq.errors import (
     RayMQError,
     ray_reason,
 )
+from raymq.ray_faults import ACTOR_FAULTS
 
 #: How long a call keeps retrying while an actor restarts (seconds).
 RESTART_GRACE_SECONDS = 60.0
 _RETRYABLE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 #: Ray's errors of an actor that cannot be reached: ``LinkFault``s of a queue's link.
-_FAULTS = (*_RETRYABLE, ray.exceptions.ActorUnschedulableError)
-
-
-def fault_of(exc: BaseException) -> Fault:
-    """The ``LinkFault`` kind of one of Ray's ``_FAULTS``: restarting in place (the
-    same actor comes back), moved (its node is gone), gone (dead)."""
-    if isinstance(exc, ray.exceptions.ActorUnavailableError):
-        return Fault.RESTARTING
-    if isinstance(exc, ray.exceptions.ActorUnschedulableError):
-        return Fault.MOVED
-    return Fault.GONE
+_FAULTS = ACTOR_FAULTS
 
 
 def resent_refusal(error: Exception, lost: BaseException | None, queue: str) -> Exception:

@@ -25,7 +25,7 @@ from raymq.batch import (
     check_sizes,
 )
 from raymq.client import calls
-from raymq.client.calls import _FAULTS, _call, _reason, _unwrap, fault_of
+from raymq.client.calls import _FAULTS, _call, _reason, _unwrap
 from raymq.client.consumer import Consumer
 from raymq.client.messages import Message, _check_count, _messages
 from raymq.client.producer import MAX_BATCH_BYTES, Producer, ProducerStats
@@ -39,6 +39,7 @@ from raymq.errors import (
     SubscriptionNotFound,
 )
 from raymq.properties import encode_properties, validate_properties
+from raymq.ray_faults import fault_of
 from raymq.selector import Selector
 from raymq.wire.errors import WireBroken
 from raymq.wire.send import SendChannel

@@ -418,9 +418,8 @@ class TargetListLink:
                 error = BrokerUnavailable(f"queue {queue!r} is unavailable: {fault.cause}")
                 raise FetchFailed(error, restarting=True) from None
             if fault.kind in (Fault.GONE, Fault.MOVED):
-                how = "could not start again" if fault.final else "died"
-                if fault.kind is Fault.MOVED:
-                    how = "moved"
+                how = "moved" if fault.kind is Fault.MOVED else "died"
+                how = "could not start again" if fault.final else how
                 self._lost(dead=True, death=f"its actor {how}: {fault.cause}")
                 error = BrokerUnavailable(f"queue {queue!r}: {self._death}")
                 raise FetchFailed(error, restarting=not fault.final) from None
