@@ -127,7 +127,17 @@ def test_a_send_to_a_killed_queue_actor_fails_typed_or_is_stored(broker, monkeyp
     except errors.BrokerUnavailable:
         stored = None
     bodies = [m.body for m in broker.get_queue("dead").browse()]
-    assert bodies == ([b"before"] if stored is None else [b"before", b"after"])
+    assert bodies[0] == b"before" and set(bodies[1:]) <= {b"after"}
+    copies = len(bodies) - 1
+    # Ray reports the actor dead before its process has exited: the producer's
+    # connection may still reach the old process, which stores the send and exits
+    # before answering. The send then goes again to the new actor (at-least-once,
+    # README "Producers"), and only then may it be stored twice.
+    resent = q.producer_stats().resent_batches
+    if stored is None:
+        assert copies <= resent
+    else:
+        assert 1 <= copies <= 1 + resent
     # The old handle follows the queue to its new actor for every call, browse too.
     assert [m.body for m in q.browse()] == bodies
 
