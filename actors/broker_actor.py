@@ -21,15 +21,17 @@ delegates to them, and answers its leaders, followers and clients.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import shutil
 
 import ray
-from raymq.actors.names import queue_actor_name
+from raymq.actors.names import TASK_RESULTS_ACTOR_NAME, queue_actor_name
 from raymq.actors.ray_cluster_ops import RayClusterOps
 from raymq.actors.ray_queue_processes import RayQueueProcesses
-from raymq.placement.nodes import choose_queue_node
+from raymq.actors.task_results_actor import TaskResultsActor
+from raymq.placement.nodes import choose_queue_node, current_node_id, pinned_to
 
 from raymq import metrics
 from raymq.config import STOP_SECONDS, BrokerConfig, QueueConfig, validate_queue_name
@@ -37,7 +39,7 @@ from raymq.core.hibernation import HibernationSettings, HibernationStats
 from raymq.core.hibernator import Hibernator
 from raymq.core.registry import QueueEntry, QueueRegistry
 from raymq.core.replication_controller import ReplicationController
-from raymq.errors import QueueExists, QueueNotFound
+from raymq.errors import BrokerUnavailable, QueueExists, QueueNotFound
 
 
 def _hibernation_settings(config: BrokerConfig) -> HibernationSettings:
@@ -77,6 +79,19 @@ class BrokerActor:
     def config(self) -> BrokerConfig:
         """The broker settings."""
         return self.broker_config
+
+    def task_results(self):
+        """The handle of the store of task statuses and results (``raymq.serve``),
+        started on this node, over a file in the paging directory, when first asked."""
+        if self._replication.stopping:  # it would outlive the stop
+            raise BrokerUnavailable("the broker is stopping: its task results are closed")
+        return TaskResultsActor.options(
+            name=TASK_RESULTS_ACTOR_NAME,
+            namespace=self.namespace,
+            lifetime="detached",
+            get_if_exists=True,
+            scheduling_strategy=pinned_to(current_node_id()),
+        ).remote(self.broker_config.paging_directory)
 
     def pid(self) -> int:
         """The actor's process id (for fault tests and diagnostics)."""
@@ -243,6 +258,9 @@ class BrokerActor:
                     if lock is not None:
                         lock.release()
             await asyncio.to_thread(self._ops.end_strays)
+        # Task results: every write is on disk already, so ended, not asked to stop.
+        with contextlib.suppress(ValueError):  # (never started)
+            ray.kill(ray.get_actor(TASK_RESULTS_ACTOR_NAME, namespace=self.namespace))
 
     async def _stop_queue(self, name: str, timeout: float) -> None:
         """Stop one queue's actors (``stop_queues``): its followers, then its actor if

@@ -10,6 +10,8 @@ from __future__ import annotations
 BROKER_ACTOR_NAME = "raymq.broker"
 #: The MemoryGovernor (one per namespace, detached).
 GOVERNOR_ACTOR_NAME = "raymq.governor"
+#: The store of task statuses and results (one per namespace, detached; ``raymq.serve``).
+TASK_RESULTS_ACTOR_NAME = "raymq.task_results"
 #: A queue's (or an address's) actor: this prefix and the queue's name.
 QUEUE_ACTOR_PREFIX = "raymq.queue."
 #: A follower of a replicated queue: this prefix, the queue's name and the replica id.

@@ -253,6 +253,11 @@ class Broker:
         validate_queue_name(name)
         return _call(self._actor.hibernate, name)
 
+    def task_results(self) -> Any:
+        """The actor handle of the broker's store of task statuses and results
+        (``raymq.serve``), started on the broker's node when first asked."""
+        return _call(self._actor.task_results)
+
     def governor_stats(self) -> dict[str, Any]:
         """The MemoryGovernor: threshold, per-node thresholds, each queue's budget split
         into its linked caches, the usage it was computed from, rounds so far."""

@@ -1,0 +1,493 @@
+"""RayMQ as the broker of Ray Serve's task consumers (``@task_consumer``).
+
+``TaskProcessorConfig(queue_name=..., adapter="raymq.serve.RayMQTaskProcessorAdapter",
+adapter_config=RayMQAdapterConfig())`` makes a deployment's replicas take tasks from the
+RayMQ queue ``queue_name`` of the running broker. Each replica runs
+``consumer_concurrency`` handler threads over one consumer whose prefetch is that many:
+a task is acknowledged after its handler returned and its outcome is on disk, so a
+replica that dies mid-task has it delivered again to another (RayMQ never times a task
+out, however long it runs). Statuses and results are kept by the broker's
+``TaskResultsActor`` (a SQLite file in the paging directory), so they outlive replicas
+and the broker.
+
+A handler that raises runs again after ``retry_delay_s * retry_backoff**n`` seconds (at
+most ``max_retry_delay_s``), up to ``max_retries`` times; the wait holds its message
+(and its handler thread), as a Celery worker holds a task it retries with a countdown.
+Its runs are counted in the store, so redeliveries count too: a task whose replica died
+on each of its ``1 + max_retries`` runs fails without another. A task that fails for
+good goes to ``failed_task_queue_name``, one with an unknown name or an undecodable
+body to ``unprocessable_task_queue_name``; either name None means the queue's dead-letter
+queue (``f"{queue_name}.DLQ"``), never nowhere. Dead letters carry the task's properties
+and ``RayMQDeadLetterReason``, ``RayMQExceptionType``, ``RayMQExceptionMessage`` and
+``RayMQTraceback``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import os
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import ray
+from pydantic import BaseModel, Field
+from ray.serve.schema import TaskProcessorAdapter, TaskProcessorConfig, TaskResult
+
+import raymq
+from raymq.config import DEAD_LETTER_SUFFIX
+from raymq.core.tasks import (
+    FAILURE,
+    FINAL,
+    PENDING,
+    SUCCESS,
+    TASK_ID_PROPERTY,
+    TASK_NAME_PROPERTY,
+    RetryPolicy,
+    TaskEnvelope,
+    UndecodableTask,
+)
+from raymq.errors import ConsumerClosed, InvalidSetting, QueueNotFound
+
+log = logging.getLogger("raymq.serve")
+
+#: How long a handler thread waits for a task before it checks for a stop (seconds).
+RECEIVE_SECONDS = 0.5
+#: Consumer concurrency when Serve gives none (Serve's own default is 5).
+DEFAULT_CONCURRENCY = 5
+
+
+class RayMQAdapterConfig(BaseModel):
+    """The RayMQ adapter's settings; ``RayMQAdapterConfig()`` joins the running broker
+    of namespace ``"raymq"``."""
+
+    address: str | None = Field(default=None, description="Ray address (None: this Ray).")
+    namespace: str = Field(default="raymq", description="The broker's Ray namespace.")
+    queue_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="create_queue's settings (replicas, max_size_bytes, ...) for a queue"
+        " created on first use; an existing queue must have them.",
+    )
+    result_ttl_s: float = Field(default=86400.0, description="Seconds results are kept.")
+    retry_delay_s: float = Field(default=1.0, description="Seconds before the first retry.")
+    retry_backoff: float = Field(default=2.0, description="Factor of each further delay.")
+    max_retry_delay_s: float = Field(default=60.0, description="Longest delay (seconds).")
+
+
+class TaskFailed(Exception):
+    """A task's failure, as ``get_task_status_sync`` reports it in ``result``: the
+    handler's exception type and text, and its traceback, as recorded."""
+
+    def __init__(self, error_type: str, message: str, traceback_text: str | None = None):
+        super().__init__(f"{error_type}: {message}")
+        self.error_type = error_type
+        self.message = message
+        self.traceback = traceback_text
+
+
+@dataclass
+class TaskCounts:
+    """What one replica's adapter did since it started (``get_metrics_sync``)."""
+
+    succeeded: int = 0
+    failed: int = 0  # failed for good (dead-lettered to the failed-task queue)
+    retried: int = 0  # runs that failed and were run again
+    unprocessable: int = 0  # unknown names and undecodable bodies (dead-lettered)
+    skipped: int = 0  # deliveries of tasks cancelled or finished already
+    given_back: int = 0  # tasks given back by a stop before they finished
+
+
+class RayMQTaskProcessorAdapter(TaskProcessorAdapter):
+    """Ray Serve's ``TaskProcessorAdapter`` over a RayMQ queue (see the module)."""
+
+    def __init__(self, config: TaskProcessorConfig, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        settings = config.adapter_config
+        if settings is None:
+            settings = RayMQAdapterConfig()
+        elif isinstance(settings, dict):
+            settings = RayMQAdapterConfig(**settings)
+        elif not isinstance(settings, RayMQAdapterConfig):
+            raise TypeError(
+                "TaskProcessorConfig.adapter_config must be a raymq.serve.RayMQAdapterConfig,"
+                f" not {type(settings).__name__}"
+            )
+        if not settings.result_ttl_s > 0:  # (pydantic made it a float)
+            raise InvalidSetting(f"result_ttl_s must be > 0, not {settings.result_ttl_s}")
+        self._config = config
+        self._settings = settings
+        self._retry = RetryPolicy(
+            config.max_retries or 0,
+            settings.retry_delay_s,
+            settings.retry_backoff,
+            settings.max_retry_delay_s,
+        )
+        self._handlers: dict[str, Callable] = {}
+        self._concurrency = DEFAULT_CONCURRENCY
+        self._broker: raymq.Broker | None = None
+        self._queue: Any = None
+        self._results: Any = None  # the TaskResultsActor's handle
+        self._dead_letters: dict[str, Any] = {}  # queue handles by name
+        self._consumer: Any = None
+        self._threads: list[threading.Thread] = []
+        self._stopping = threading.Event()
+        self._running = 0  # handlers running now
+        self._lock = threading.Lock()
+        self.counts = TaskCounts()
+
+    # -- set-up ---------------------------------------------------------------------
+
+    def initialize(self, consumer_concurrency: int = DEFAULT_CONCURRENCY) -> None:
+        """Join the broker and open (or create) the task queue."""
+        if isinstance(consumer_concurrency, bool) or not isinstance(consumer_concurrency, int):
+            raise InvalidSetting(
+                f"consumer_concurrency must be an int, not {consumer_concurrency!r}"
+            )
+        if consumer_concurrency < 1:
+            raise InvalidSetting(f"consumer_concurrency must be >= 1, not {consumer_concurrency}")
+        self._concurrency = consumer_concurrency
+        s = self._settings
+        self._broker = raymq.connect(s.address, s.namespace, create=False)
+        self._queue = self._open_queue(self._config.queue_name, s.queue_options)
+        self._results = self._broker.task_results()
+
+    def _open_queue(self, name: str, options: dict[str, Any]):
+        """The queue ``name``: created with ``options`` if missing; with no options,
+        an existing queue is taken with whatever settings it has."""
+        assert self._broker is not None
+        if not options:
+            try:
+                return self._broker.get_queue(name)
+            except QueueNotFound:
+                pass
+        return self._broker.create_queue(name, **options)
+
+    def register_task_handle(self, func: Callable, name: str | None = None) -> None:
+        """Run ``func`` (a function or a coroutine function) for tasks named ``name``
+        (default: its ``__name__``)."""
+        if not callable(func):
+            raise TypeError(f"a task handler must be callable, not {type(func).__name__}")
+        self._handlers[name or func.__name__] = func
+
+    # -- producing and asking ---------------------------------------------------------
+
+    def enqueue_task_sync(
+        self, task_name: str, args: Any = None, kwargs: Any = None, **options: Any
+    ) -> TaskResult:
+        """Send a task; its id comes back at once with status PENDING. ``TypeError`` if
+        an argument is not a msgpack value; no options are taken (``ValueError``)."""
+        if options:
+            raise ValueError(f"RayMQ tasks take no enqueue options: {sorted(options)}")
+        if not isinstance(task_name, str) or not task_name:
+            raise ValueError(f"a task name must be a non-empty str, not {task_name!r}")
+        self._require_initialized()
+        task = TaskEnvelope(task_name, list(args or ()), dict(kwargs or {}), created_at=time.time())
+        body = task.encode()
+        # Recorded first: a status asked right after the send is never "unknown".
+        ray.get(
+            self._results.pending.remote(
+                task.id, task.name, task.created_at, self._settings.result_ttl_s
+            )
+        )
+        self._queue.send(body, task.properties())
+        return TaskResult(id=task.id, status=PENDING, created_at=task.created_at, result=None)
+
+    def get_task_status_sync(self, task_id: str) -> TaskResult:
+        """The task's status; for SUCCESS its result, for FAILURE a ``TaskFailed``.
+        An unknown id (never enqueued, or expired) is PENDING, as with Celery."""
+        self._require_initialized()
+        record = ray.get(self._results.get.remote(task_id))
+        if record is None:
+            return TaskResult(id=task_id, status=PENDING, result=None)
+        result = record.result
+        if record.status == FAILURE:
+            result = TaskFailed(
+                record.error_type or "Exception", record.error or "", record.traceback
+            )
+        return TaskResult(
+            id=record.id, status=record.status, created_at=record.created_at, result=result
+        )
+
+    def cancel_task_sync(self, task_id: str) -> bool:
+        """Cancel a task that has not started (it is then never run); False if it has
+        started or ended, or is unknown."""
+        self._require_initialized()
+        return ray.get(self._results.cancel.remote(task_id))
+
+    def get_metrics_sync(self) -> dict[str, Any]:
+        """The queue's depth and messages in flight, the dead letters waiting, tasks by
+        status, and this replica's consumer."""
+        self._require_initialized()
+        stats = self._queue.stats()
+        dead = {}
+        for name in {self._failed_queue_name(), self._unprocessable_queue_name()}:
+            try:
+                dead[name] = self._broker.get_queue(name).stats()["depth"]
+            except QueueNotFound:
+                dead[name] = 0
+        return {
+            "queue": self._config.queue_name,
+            "depth": stats["depth"],
+            "in_flight": stats["in_flight"],
+            "dead_letters": dead,
+            "tasks": ray.get(self._results.counts.remote()),
+            "consumer": self._consumer_state(),
+        }
+
+    def health_check_sync(self) -> list[dict]:
+        """``[{"raymq@<replica>": {"ok": "pong" | "down", ...}}]``: down when the
+        consumer is not running or a handler thread died."""
+        state = self._consumer_state()
+        ok = "pong" if state["running"] and state["threads_alive"] == self._concurrency else "down"
+        return [{f"raymq@{_replica_tag()}": {"ok": ok, **state}}]
+
+    async def enqueue_task_async(
+        self, task_name: str, args: Any = None, kwargs: Any = None, **options: Any
+    ) -> TaskResult:
+        """``enqueue_task_sync`` off the event loop."""
+        return await asyncio.to_thread(self.enqueue_task_sync, task_name, args, kwargs, **options)
+
+    async def get_task_status_async(self, task_id: str) -> TaskResult:
+        """``get_task_status_sync`` off the event loop."""
+        return await asyncio.to_thread(self.get_task_status_sync, task_id)
+
+    async def cancel_task_async(self, task_id: str) -> bool:
+        """``cancel_task_sync`` off the event loop."""
+        return await asyncio.to_thread(self.cancel_task_sync, task_id)
+
+    async def get_metrics_async(self) -> dict[str, Any]:
+        """``get_metrics_sync`` off the event loop."""
+        return await asyncio.to_thread(self.get_metrics_sync)
+
+    async def health_check_async(self) -> list[dict]:
+        """``health_check_sync`` off the event loop."""
+        return await asyncio.to_thread(self.health_check_sync)
+
+    # -- consuming --------------------------------------------------------------------
+
+    def start_consumer(self, **kwargs: Any) -> None:
+        """Start ``consumer_concurrency`` handler threads over one consumer (again
+        after a ``stop_consumer``; nothing if running)."""
+        self._require_initialized()
+        if self._consumer is not None:
+            return
+        self._stopping.clear()
+        self._consumer = self._queue.consumer(prefetch=self._concurrency)
+        self._threads = [
+            threading.Thread(
+                target=self._work, args=(self._consumer,), name=f"raymq-task-{i}", daemon=True
+            )
+            for i in range(self._concurrency)
+        ]
+        for thread in self._threads:
+            thread.start()
+        log.info(
+            "queue %r: %d task handler threads started", self._config.queue_name, self._concurrency
+        )
+
+    def stop_consumer(self, timeout: float = 10.0) -> None:
+        """Take no new task; let the running ones finish for up to ``timeout`` seconds;
+        then close the consumer, which gives back what was not started (and what still
+        runs, logged: it runs again elsewhere)."""
+        consumer = self._consumer
+        if consumer is None:
+            return
+        self._stopping.set()
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(deadline - time.monotonic(), 0.0))
+        still = sum(t.is_alive() for t in self._threads)
+        if still:
+            log.warning(
+                "queue %r: %d tasks still running after %.1f s; given back",
+                self._config.queue_name,
+                still,
+                timeout,
+            )
+        consumer.close()
+        self._consumer = None
+        self._threads = []
+
+    def _work(self, consumer: Any) -> None:
+        """One handler thread: receive a task, run it, until the stop."""
+        while not self._stopping.is_set():
+            try:
+                messages = consumer.receive(1, timeout=RECEIVE_SECONDS)
+            except ConsumerClosed:
+                return
+            for message in messages:
+                try:
+                    self._handle(consumer, message)
+                except ConsumerClosed:
+                    return
+                except Exception:  # noqa: BLE001 - the store or the broker: given back
+                    log.exception(
+                        "queue %r: task at offset %d: given back",
+                        self._config.queue_name,
+                        message.offset,
+                    )
+                    try:
+                        consumer.nack(message)
+                    except Exception:  # noqa: BLE001 - closing gives it back in the end
+                        log.exception("queue %r: a nack failed", self._config.queue_name)
+
+    def _handle(self, consumer: Any, message: Any) -> None:
+        """Run one delivered task to its end (retries included), record its outcome,
+        then acknowledge it; a stop during a retry's wait leaves it unacknowledged."""
+        try:
+            task = TaskEnvelope.decode(message.body)
+        except UndecodableTask as exc:
+            self._dead_letter(self._unprocessable_queue_name(), message, "undecodable", exc)
+            self.counts.unprocessable += 1
+            consumer.ack(message)
+            return
+        handler = self._handlers.get(task.name)
+        if handler is None:
+            exc = LookupError(f"no handler for task {task.name!r}")
+            self._finish_failed(task, exc, "")
+            self._dead_letter(self._unprocessable_queue_name(), message, "unknown task", exc)
+            self.counts.unprocessable += 1
+            consumer.ack(message)
+            return
+        ttl = self._settings.result_ttl_s
+        while True:
+            record = ray.get(self._results.start.remote(task.id, task.name, ttl))
+            if record.status in FINAL:  # cancelled, or run to its end before a redelivery
+                self.counts.skipped += 1
+                consumer.ack(message)
+                return
+            if record.runs > 1 + self._retry.max_retries:  # its replica died on each run
+                exc = RuntimeError(f"task {task.id}: {record.runs - 1} runs never finished")
+                self._finish_failed(task, exc, "")
+                self._dead_letter(self._failed_queue_name(), message, "failed", exc)
+                self.counts.failed += 1
+                consumer.ack(message)
+                return
+            try:
+                value = self._run(handler, task)
+            except Exception as exc:  # noqa: BLE001 - the handler's failure: its outcome
+                text = traceback.format_exc()
+                if self._retry.retries_left(record.runs):
+                    self.counts.retried += 1
+                    if self._stopping.wait(self._retry.delay(record.runs)):
+                        self.counts.given_back += 1
+                        consumer.nack(message)  # runs again elsewhere, its runs counted
+                        return
+                    continue
+                self._finish_failed(task, exc, text)
+                self._dead_letter(self._failed_queue_name(), message, "failed", exc, text)
+                self.counts.failed += 1
+                consumer.ack(message)
+                return
+            try:
+                ray.get(self._results.finish.remote(task.id, SUCCESS, value))
+            except TypeError as exc:  # not a msgpack value: recorded as the failure it is
+                self._finish_failed(task, exc, "")
+                self.counts.failed += 1
+            else:
+                self.counts.succeeded += 1
+            consumer.ack(message)
+            return
+
+    def _run(self, handler: Callable, task: TaskEnvelope) -> Any:
+        with self._lock:
+            self._running += 1
+        try:
+            if inspect.iscoroutinefunction(handler):
+                return asyncio.run(handler(*task.args, **task.kwargs))
+            return handler(*task.args, **task.kwargs)
+        finally:
+            with self._lock:
+                self._running -= 1
+
+    def _finish_failed(self, task: TaskEnvelope, exc: BaseException, text: str) -> None:
+        ray.get(
+            self._results.finish.remote(
+                task.id,
+                FAILURE,
+                None,
+                error_type=type(exc).__name__,
+                error=str(exc),
+                traceback=text or None,
+            )
+        )
+
+    def _dead_letter(
+        self,
+        queue_name: str,
+        message: Any,
+        reason: str,
+        exc: BaseException,
+        text: str = "",
+    ) -> None:
+        """Send the task's message to ``queue_name`` (created durable if missing)."""
+        handle = self._dead_letters.get(queue_name)
+        if handle is None:
+            handle = self._dead_letters[queue_name] = self._open_queue(queue_name, {})
+        props = dict(message.properties)
+        props.update(
+            RayMQDeadLetterReason=reason,
+            RayMQOriginalQueue=self._config.queue_name,
+            RayMQOriginalOffset=message.offset,
+            RayMQExceptionType=type(exc).__name__,
+            RayMQExceptionMessage=str(exc)[:4096],
+        )
+        if text:
+            props["RayMQTraceback"] = text[-16384:]
+        handle.send(message.body, props)
+        log.warning(
+            "queue %r: task %s (%s) dead-lettered to %r: %s: %s",
+            self._config.queue_name,
+            props.get(TASK_ID_PROPERTY, "?"),
+            props.get(TASK_NAME_PROPERTY, "?"),
+            queue_name,
+            reason,
+            exc,
+        )
+
+    # -- helpers ------------------------------------------------------------------------
+
+    def _failed_queue_name(self) -> str:
+        return self._config.failed_task_queue_name or self._config.queue_name + DEAD_LETTER_SUFFIX
+
+    def _unprocessable_queue_name(self) -> str:
+        return (
+            self._config.unprocessable_task_queue_name
+            or self._config.queue_name + DEAD_LETTER_SUFFIX
+        )
+
+    def _consumer_state(self) -> dict[str, Any]:
+        return {
+            "running": self._consumer is not None and not self._stopping.is_set(),
+            "threads_alive": sum(t.is_alive() for t in self._threads),
+            "handlers_running": self._running,
+            "concurrency": self._concurrency,
+            **asdict(self.counts),
+        }
+
+    def _require_initialized(self) -> None:
+        if self._queue is None:
+            raise RuntimeError("RayMQTaskProcessorAdapter: initialize() first")
+
+
+def _replica_tag() -> str:
+    """This Serve replica's tag, or host:pid outside a replica."""
+    try:
+        from ray.serve import get_replica_context
+
+        return get_replica_context().replica_tag
+    except Exception:  # noqa: BLE001 - not in a replica (a driver enqueuing)
+        return f"{os.uname().nodename}:{os.getpid()}"
+
+
+__all__ = [
+    "RayMQAdapterConfig",
+    "RayMQTaskProcessorAdapter",
+    "TaskCounts",
+    "TaskFailed",
+]

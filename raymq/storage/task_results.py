@@ -1,0 +1,200 @@
+"""TaskResults: the durable store of task statuses and results, one SQLite file.
+
+Ray Serve's task consumers (``raymq.serve``) record here what became of each task, so
+that ``get_task_status_sync`` answers after replicas, the broker or the whole cluster
+restarted. The rows live on disk (SQLite's page cache is all it holds in memory), each
+write is committed with ``synchronous=FULL`` in WAL mode (it is on disk before the call
+returns), and rows of finished tasks are deleted ``result_ttl_s`` after their last
+change (``expire``; each task has its own TTL). SQLite ships with Python: no server
+beside Ray, no dependency.
+
+Results and arguments are msgpack values. A damaged file raises ``StorageError``
+naming it; it is never silently replaced (results would be lost without a word).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sqlite3
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import msgpack
+
+from raymq.core.tasks import CANCELLED, FINAL, PENDING, STARTED, STATUSES, TaskRecord
+from raymq.errors import StorageError
+
+#: The store's file in the broker's paging directory.
+FILE_NAME = "task-results.sqlite"
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS tasks (
+    id TEXT PRIMARY KEY,
+    status TEXT NOT NULL,
+    name TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL,
+    runs INTEGER NOT NULL,
+    ttl REAL NOT NULL,
+    result BLOB,
+    error_type TEXT,
+    error TEXT,
+    traceback TEXT
+);
+CREATE INDEX IF NOT EXISTS tasks_by_expiry ON tasks (updated_at + ttl);
+"""
+_COLUMNS = "id, status, name, created_at, updated_at, runs, result, error_type, error, traceback"
+
+
+class TaskResults:
+    """The statuses and results of a broker's tasks, in ``directory``/``FILE_NAME``.
+
+    Not thread-safe: its owner (``TaskResultsActor``) calls it one call at a time."""
+
+    def __init__(self, directory: str, clock: Callable[[], float] = time.time):
+        self.path = os.path.join(directory, FILE_NAME)
+        self._clock = clock
+        os.makedirs(directory, exist_ok=True)
+        try:
+            self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.executescript(_SCHEMA)
+            self._db.execute("PRAGMA quick_check").fetchall()
+        except sqlite3.DatabaseError as exc:
+            raise StorageError(f"task results {self.path}: {exc}") from exc
+
+    def close(self) -> None:
+        """Close the file (every write is on disk already)."""
+        self._db.close()
+
+    # -- writes, each committed before it returns ----------------------------------
+
+    def pending(self, task_id: str, name: str, created_at: float, ttl_seconds: float) -> None:
+        """A task was enqueued; its record is kept ``ttl_seconds`` after it ends (a
+        second call for the same id changes nothing)."""
+        self._write(
+            "INSERT OR IGNORE INTO tasks (id, status, name, created_at, updated_at, runs, ttl)"
+            " VALUES (?, ?, ?, ?, ?, 0, ?)",
+            (task_id, PENDING, name, created_at, self._clock(), ttl_seconds),
+        )
+
+    def start(self, task_id: str, name: str, ttl_seconds: float) -> TaskRecord:
+        """A handler is about to run the task: STARTED, one more run counted, unless it
+        ended already (CANCELLED, or run to its end before a redelivery): then the
+        record is returned unchanged and the task must not run."""
+        now = self._clock()
+        with self._transaction():
+            record = self._get(task_id)
+            if record is not None and record.status in FINAL:
+                return record
+            if record is None:  # enqueued without the store (or expired meanwhile)
+                self._write(
+                    "INSERT INTO tasks (id, status, name, created_at, updated_at, runs, ttl)"
+                    " VALUES (?, ?, ?, ?, ?, 1, ?)",
+                    (task_id, STARTED, name, now, now, ttl_seconds),
+                )
+            else:
+                self._write(
+                    "UPDATE tasks SET status = ?, updated_at = ?, runs = runs + 1 WHERE id = ?",
+                    (STARTED, now, task_id),
+                )
+            started = self._get(task_id)
+        assert started is not None
+        return started
+
+    def finish(
+        self,
+        task_id: str,
+        status: str,
+        result: Any = None,
+        error_type: str | None = None,
+        error: str | None = None,
+        traceback: str | None = None,
+    ) -> None:
+        """The task ended with ``status`` (SUCCESS with ``result``, FAILURE with the
+        exception's type, text and traceback). ``TypeError`` if ``result`` is not a
+        msgpack value (nothing is written then)."""
+        if status not in FINAL:
+            raise ValueError(f"finish: {status!r} is not a final status")
+        try:
+            blob = msgpack.packb(result, use_bin_type=True)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise TypeError(
+                f"task {task_id}: its result must be a msgpack value, not"
+                f" {type(result).__name__}: {exc}"
+            ) from None
+        self._write(
+            "UPDATE tasks SET status = ?, updated_at = ?, result = ?, error_type = ?,"
+            " error = ?, traceback = ? WHERE id = ?",
+            (status, self._clock(), blob, error_type, error, traceback, task_id),
+        )
+
+    def cancel(self, task_id: str) -> bool:
+        """Cancel a task that has not started; False if it has (or is unknown)."""
+        cur = self._write(
+            "UPDATE tasks SET status = ?, updated_at = ? WHERE id = ? AND status = ?",
+            (CANCELLED, self._clock(), task_id, PENDING),
+        )
+        return cur.rowcount == 1
+
+    def expire(self) -> int:
+        """Delete the finished tasks whose TTL passed since their last change;
+        returns how many."""
+        marks = ",".join("?" * len(FINAL))
+        cur = self._write(
+            f"DELETE FROM tasks WHERE updated_at + ttl < ? AND status IN ({marks})",
+            (self._clock(), *sorted(FINAL)),
+        )
+        return cur.rowcount
+
+    # -- reads ------------------------------------------------------------------------
+
+    def get(self, task_id: str) -> TaskRecord | None:
+        """The task's record, None if unknown (never enqueued here, or expired)."""
+        return self._get(task_id)
+
+    def counts(self) -> dict[str, int]:
+        """Tasks by status (every status present, 0 if none)."""
+        try:
+            rows = self._db.execute("SELECT status, COUNT(*) FROM tasks GROUP BY status")
+            found = dict(rows.fetchall())
+        except sqlite3.DatabaseError as exc:
+            raise StorageError(f"task results {self.path}: {exc}") from exc
+        return {status: int(found.get(status, 0)) for status in sorted(STATUSES)}
+
+    # -- internals --------------------------------------------------------------------
+
+    def _get(self, task_id: str) -> TaskRecord | None:
+        try:
+            row = self._db.execute(
+                f"SELECT {_COLUMNS} FROM tasks WHERE id = ?", (task_id,)
+            ).fetchone()
+        except sqlite3.DatabaseError as exc:
+            raise StorageError(f"task results {self.path}: {exc}") from exc
+        if row is None:
+            return None
+        task_id, status, name, created, updated, runs, blob, error_type, error, tb = row
+        result = None if blob is None else msgpack.unpackb(blob, raw=False, strict_map_key=False)
+        return TaskRecord(
+            task_id, status, name, created, updated, runs, result, error_type, error, tb
+        )
+
+    def _write(self, sql: str, params: tuple) -> sqlite3.Cursor:
+        try:
+            return self._db.execute(sql, params)  # autocommit: on disk when it returns
+        except sqlite3.DatabaseError as exc:
+            raise StorageError(f"task results {self.path}: {exc}") from exc
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """``BEGIN IMMEDIATE`` ... ``COMMIT`` (``ROLLBACK`` on an error)."""
+        self._write("BEGIN IMMEDIATE", ())
+        try:
+            yield
+        except BaseException:
+            self._write("ROLLBACK", ())
+            raise
+        self._write("COMMIT", ())

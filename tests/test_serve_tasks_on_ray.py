@@ -1,0 +1,214 @@
+"""Ray Serve task consumers on RayMQ (issue 29): Ray's own task-processor scenarios
+(``python/ray/serve/tests/test_task_processor.py``, there on Celery's filesystem broker)
+on ``raymq.serve.RayMQTaskProcessorAdapter``, plus a replica SIGKILLed mid-task."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+
+import pytest
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+
+from ray.serve.schema import TaskProcessorConfig  # noqa: E402
+from ray.serve.task_consumer import (  # noqa: E402
+    instantiate_adapter_from_config,
+    task_consumer,
+    task_handler,
+)
+
+from raymq.core.tasks import CANCELLED, FAILURE, STARTED, SUCCESS  # noqa: E402
+from raymq.errors import QueueNotFound  # noqa: E402
+from raymq.serve import RayMQAdapterConfig, TaskFailed  # noqa: E402
+
+pytestmark = pytest.mark.timeout(240)
+
+MAX_RETRIES = 2
+
+
+@pytest.fixture(scope="module")
+def serve_running(ray_session):
+    """Serve on the session's Ray, for this module (no proxy: task consumers take no
+    requests)."""
+    serve.start(proxy_location="Disabled")
+    yield serve
+    serve.shutdown()
+
+
+@pytest.fixture
+def serve_on(serve_running):
+    """Serve; the applications a test deployed are deleted after it (before its
+    broker is shut down)."""
+    yield serve_running
+    for app in list(serve_running.status().applications):
+        serve_running.delete(app)
+
+
+def processor_config(broker, queue: str) -> TaskProcessorConfig:
+    return TaskProcessorConfig(
+        queue_name=queue,
+        adapter="raymq.serve.RayMQTaskProcessorAdapter",
+        adapter_config=RayMQAdapterConfig(
+            namespace=broker.namespace, retry_delay_s=0.05, retry_backoff=1.0
+        ),
+        max_retries=MAX_RETRIES,
+        failed_task_queue_name=f"{queue}.failed",
+        unprocessable_task_queue_name=f"{queue}.unprocessable",
+    )
+
+
+def deploy(config: TaskProcessorConfig, app: str) -> None:
+    """A task-consumer deployment of one replica taking tasks from ``config``'s queue."""
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=2)
+    @task_consumer(task_processor_config=config)
+    class Worker:
+        @task_handler(name="add")
+        def add(self, a, b):
+            return {"sum": a + b, "pid": os.getpid()}
+
+        @task_handler(name="boom")
+        def boom(self):
+            raise KeyError("boom")
+
+        @task_handler(name="hold")
+        def hold(self, pid_file, seconds):
+            with open(pid_file, "w") as f:
+                f.write(str(os.getpid()))
+            time.sleep(seconds)
+            return os.getpid()
+
+    serve.run(Worker.bind(), name=app, route_prefix=None)
+
+
+def wait_for(what, condition, timeout: float = 60.0):
+    """Poll ``condition`` until it returns something truthy; that value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = condition()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        time.sleep(0.05)
+
+
+def status_of(producer, task_id, wanted):
+    def check():
+        result = producer.get_task_status_sync(task_id)
+        return result if result.status == wanted else None
+
+    return wait_for(f"task {task_id} {wanted}", check)
+
+
+def dead_letters(broker, queue: str) -> list:
+    """The messages of dead-letter queue ``queue`` (none before its first)."""
+    try:
+        return list(broker.get_queue(queue).browse())
+    except QueueNotFound:
+        return []
+
+
+def queue_name() -> str:
+    return f"tasks-{uuid.uuid4().hex[:6]}"
+
+
+def test_a_task_reaches_the_deployment_and_its_result_is_stored(broker, serve_on):
+    config = processor_config(broker, queue_name())
+    deploy(config, "adder")
+    producer = instantiate_adapter_from_config(config)
+    sent = producer.enqueue_task_sync("add", args=[2], kwargs={"b": 3})
+    assert sent.status == "PENDING"
+    done = status_of(producer, sent.id, SUCCESS)
+    assert done.result["sum"] == 5 and done.result["pid"] != os.getpid()
+    record = ray.get(broker.task_results().get.remote(sent.id))
+    assert record.runs == 1
+    wait_for("queue drained", lambda: broker.get_queue(config.queue_name).stats()["depth"] == 0)
+
+
+def test_a_failing_task_runs_one_plus_max_retries_times_then_is_dead_lettered(broker, serve_on):
+    config = processor_config(broker, queue_name())
+    deploy(config, "failing")
+    producer = instantiate_adapter_from_config(config)
+    sent = producer.enqueue_task_sync("boom")
+    failed = status_of(producer, sent.id, FAILURE)
+    assert isinstance(failed.result, TaskFailed)
+    assert failed.result.error_type == "KeyError" and "boom" in failed.result.traceback
+    assert ray.get(broker.task_results().get.remote(sent.id)).runs == 1 + MAX_RETRIES
+    dead = wait_for(
+        "the failed-task queue holds it",
+        lambda: dead_letters(broker, config.failed_task_queue_name),
+    )
+    assert len(dead) == 1
+    props = dead[0].properties
+    assert props["RayMQTaskId"] == sent.id and props["RayMQTaskName"] == "boom"
+    assert props["RayMQExceptionType"] == "KeyError"
+    assert props["RayMQDeadLetterReason"] == "failed"
+    assert "raise KeyError" in props["RayMQTraceback"]
+
+
+def test_an_unknown_task_lands_in_the_unprocessable_queue(broker, serve_on):
+    config = processor_config(broker, queue_name())
+    deploy(config, "unknown")
+    producer = instantiate_adapter_from_config(config)
+    sent = producer.enqueue_task_sync("no_such_task", args=[1])
+    dead = wait_for(
+        "the unprocessable queue holds it",
+        lambda: dead_letters(broker, config.unprocessable_task_queue_name),
+    )
+    assert [m.properties["RayMQTaskId"] for m in dead] == [sent.id]
+    assert dead[0].properties["RayMQDeadLetterReason"] == "unknown task"
+    assert producer.get_task_status_sync(sent.id).status == FAILURE
+    # and a body that is no task at all: there too, never nowhere
+    broker.get_queue(config.queue_name).send(b"\xc1 not a task")
+    wait_for(
+        "the undecodable one too",
+        lambda: len(dead_letters(broker, config.unprocessable_task_queue_name)) == 2,
+    )
+
+
+def test_a_task_cancelled_before_it_started_never_runs(broker, serve_on):
+    config = processor_config(broker, queue_name())
+    producer = instantiate_adapter_from_config(config)
+    cancelled = producer.enqueue_task_sync("add", args=[1, 1])
+    assert producer.cancel_task_sync(cancelled.id) is True
+    kept = producer.enqueue_task_sync("add", args=[2, 2])
+    deploy(config, "cancelling")
+    assert status_of(producer, kept.id, SUCCESS).result["sum"] == 4
+    wait_for("queue drained", lambda: broker.get_queue(config.queue_name).stats()["depth"] == 0)
+    record = ray.get(broker.task_results().get.remote(cancelled.id))
+    assert (record.status, record.runs) == (CANCELLED, 0)
+    assert producer.cancel_task_sync(kept.id) is False  # ended already
+
+
+def test_a_task_whose_replica_is_killed_runs_again_on_the_next(broker, serve_on, tmp_path):
+    config = processor_config(broker, queue_name())
+    deploy(config, "killed")
+    producer = instantiate_adapter_from_config(config)
+    pid_file = str(tmp_path / "pid")
+    sent = producer.enqueue_task_sync("hold", args=[pid_file, 1.0])
+    status_of(producer, sent.id, STARTED)
+    pid_path = tmp_path / "pid"
+    first = int(wait_for("the handler's pid", lambda: pid_path.exists() and pid_path.read_text()))
+    pid_path.unlink()
+    os.kill(first, signal.SIGKILL)
+    done = status_of(producer, sent.id, SUCCESS)
+    assert done.result != first
+    assert ray.get(broker.task_results().get.remote(sent.id)).runs == 2
+
+
+def test_the_producer_reports_metrics_and_health(broker, serve_on):
+    config = processor_config(broker, queue_name())
+    producer = instantiate_adapter_from_config(config)
+    producer.enqueue_task_sync("add", args=[1, 2])
+    metrics = producer.get_metrics_sync()
+    assert metrics["depth"] == 1 and metrics["tasks"]["PENDING"] == 1
+    assert metrics["dead_letters"] == {
+        config.failed_task_queue_name: 0,
+        config.unprocessable_task_queue_name: 0,
+    }
+    [(who, health)] = producer.health_check_sync()[0].items()
+    assert who.startswith("raymq@") and health["ok"] == "down"  # it consumes nothing
