@@ -212,3 +212,55 @@ def test_the_producer_reports_metrics_and_health(broker, serve_on):
     }
     [(who, health)] = producer.health_check_sync()[0].items()
     assert who.startswith("raymq@") and health["ok"] == "down"  # it consumes nothing
+
+
+def running_replicas(app: str) -> int:
+    status = serve.status().applications.get(app)
+    if status is None:
+        return 0
+    return sum(d.replica_states.get("RUNNING", 0) for d in status.deployments.values())
+
+
+def test_a_task_consumer_scales_up_on_its_backlog_and_back_to_zero(broker, serve_on, tmp_path):
+    config = processor_config(broker, queue_name())
+    producer = instantiate_adapter_from_config(config)  # (creates the queue)
+
+    @serve.deployment(
+        ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=2,  # two handler threads a replica
+        autoscaling_config={
+            "min_replicas": 0,
+            "initial_replicas": 0,
+            "max_replicas": 3,
+            "upscale_delay_s": 0,
+            "downscale_delay_s": 1,
+            "downscale_to_zero_delay_s": 1,
+            "policy": {
+                "policy_function": "raymq.serve:BacklogAutoscalingPolicy",
+                "policy_kwargs": {
+                    "queue": config.queue_name,
+                    "target_backlog_per_replica": 2,
+                    "namespace": broker.namespace,
+                    "poll_interval_s": 0.2,
+                },
+            },
+        },
+    )
+    @task_consumer(task_processor_config=config)
+    class Scaled:
+        @task_handler(name="hold")
+        def hold(self, pid_file, seconds):
+            with open(pid_file, "w") as f:
+                f.write(str(os.getpid()))
+            time.sleep(seconds)
+            return os.getpid()
+
+    serve.run(Scaled.bind(), name="scaled", route_prefix=None)
+    assert running_replicas("scaled") == 0
+    sent = [
+        producer.enqueue_task_sync("hold", args=[str(tmp_path / f"pid{i}"), 3.0]) for i in range(6)
+    ]
+    wait_for("three replicas for six tasks", lambda: running_replicas("scaled") == 3)
+    pids = {status_of(producer, t.id, SUCCESS).result for t in sent}
+    assert len(pids) >= 2  # the tasks ran on several replicas
+    wait_for("scaled back to zero", lambda: running_replicas("scaled") == 0)

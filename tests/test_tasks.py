@@ -18,6 +18,7 @@ from raymq.core.tasks import (
     RetryPolicy,
     TaskEnvelope,
     UndecodableTask,
+    replicas_for_backlog,
 )
 from raymq.errors import InvalidSetting, StorageError
 from raymq.storage.task_results import FILE_NAME, TaskResults
@@ -189,3 +190,11 @@ def test_a_damaged_store_file_raises_storage_error_naming_it(tmp_path):
         f.write(b"\xff" * 100)  # the header: no longer a database
     with pytest.raises(StorageError, match=FILE_NAME):
         TaskResults(str(tmp_path))
+
+
+def test_a_backlog_asks_for_enough_replicas_and_none_for_none():
+    assert [replicas_for_backlog(n, 10) for n in (0, 1, 10, 11, 95)] == [0, 1, 1, 2, 10]
+    assert replicas_for_backlog(-3, 10) == 0
+    assert replicas_for_backlog(3, 0.5) == 6
+    with pytest.raises(InvalidSetting, match="target_backlog_per_replica"):
+        replicas_for_backlog(1, 0)

@@ -141,3 +141,15 @@ class TaskRecord:
     error_type: str | None = None  # the exception's type (FAILURE)
     error: str | None = None  # its text
     traceback: str | None = None
+
+
+def replicas_for_backlog(backlog: int, target_backlog_per_replica: float) -> int:
+    """Replicas a task-consumer deployment wants for ``backlog`` tasks (waiting plus
+    running): enough that each has at most ``target_backlog_per_replica``, and none
+    for none (Serve bounds it by ``min_replicas`` and ``max_replicas`` and smooths it
+    with its up- and downscale delays)."""
+    if not target_backlog_per_replica > 0:
+        raise InvalidSetting(
+            f"target_backlog_per_replica must be > 0, not {target_backlog_per_replica}"
+        )
+    return math.ceil(max(backlog, 0) / target_backlog_per_replica)

@@ -18,5 +18,12 @@ from raymq.serve.adapter import (
     TaskCounts,
     TaskFailed,
 )
+from raymq.serve.autoscaling import BacklogAutoscalingPolicy
 
-__all__ = ["RayMQAdapterConfig", "RayMQTaskProcessorAdapter", "TaskCounts", "TaskFailed"]
+__all__ = [
+    "BacklogAutoscalingPolicy",
+    "RayMQAdapterConfig",
+    "RayMQTaskProcessorAdapter",
+    "TaskCounts",
+    "TaskFailed",
+]
