@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 import uuid
 
@@ -80,6 +81,15 @@ def deploy(config: TaskProcessorConfig, app: str) -> None:
             with open(pid_file, "w") as f:
                 f.write(str(os.getpid()))
             time.sleep(seconds)
+            return os.getpid()
+
+        @task_handler(name="gated")
+        def gated(self, pid_file, gate):
+            with open(pid_file, "w") as f:
+                f.write(str(os.getpid()))
+            deadline = time.monotonic() + 60
+            while not os.path.exists(gate) and time.monotonic() < deadline:
+                time.sleep(0.02)
             return os.getpid()
 
     serve.run(Worker.bind(), name=app, route_prefix=None)
@@ -264,3 +274,30 @@ def test_a_task_consumer_scales_up_on_its_backlog_and_back_to_zero(broker, serve
     pids = {status_of(producer, t.id, SUCCESS).result for t in sent}
     assert len(pids) >= 2  # the tasks ran on several replicas
     wait_for("scaled back to zero", lambda: running_replicas("scaled") == 0)
+
+
+def test_twenty_tasks_survive_a_redeploy_and_each_runs_once(broker, serve_on, tmp_path):
+    config = processor_config(broker, queue_name())
+    deploy(config, "redeployed")
+    producer = instantiate_adapter_from_config(config)
+    gate = tmp_path / "gate"
+    sent = [
+        producer.enqueue_task_sync("gated", args=[str(tmp_path / f"{i}.pid"), str(gate)])
+        for i in range(20)
+    ]
+
+    def pids_seen() -> set[str]:
+        return {p.read_text() for p in tmp_path.glob("*.pid")} - {""}
+
+    # The old replica's two handler threads hold a task each until the gate opens;
+    # the new code's replica comes up beside it and starts two of the others.
+    old = wait_for("the old replica's tasks started", lambda: pids_seen())
+    redeploy = threading.Thread(target=deploy, args=(config, "redeployed"))
+    redeploy.start()
+    wait_for("the new replica's tasks started", lambda: pids_seen() - old)
+    gate.touch()
+    redeploy.join(120)
+    pids = {status_of(producer, t.id, SUCCESS).result for t in sent}
+    assert len(pids) == 2
+    runs = [ray.get(broker.task_results().get.remote(t.id)).runs for t in sent]
+    assert runs == [1] * 20
