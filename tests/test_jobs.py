@@ -25,7 +25,7 @@ from tests.jobs_scenario import clean_up, scratch_dirs
 pytestmark = pytest.mark.timeout(900)
 
 SCENARIO = os.path.join(os.path.dirname(__file__), "jobs_scenario.py")
-EXAMPLES = ["quickstart", "message_selectors", "deep_backlog", "spark_pipeline"]
+EXAMPLES = ["quickstart", "message_selectors", "deep_backlog", "spark_pipeline", "serve_tasks"]
 #: The queues each example leaves in the running broker (drained); deep_backlog
 #: deletes its 200 MiB queue.
 LEFT = {
@@ -33,6 +33,7 @@ LEFT = {
     "message_selectors": ["example.events"],
     "deep_backlog": [],
     "spark_pipeline": ["example.shop_events", "example.fraud_alerts"],
+    "serve_tasks": ["example.tasks"],
 }
 
 
@@ -93,6 +94,8 @@ def test_every_example_joins_the_running_broker(observed, name):
         job = observed["jobs"][name]
         assert job["status"] == "SUCCEEDED" and job["exit_code"] in (0, None), job["logs"]
         assert job["joined"], job["logs"]
+    if name == "serve_tasks":
+        assert "40 tasks SUCCESS" in job["logs"] and "FAILURE after 3 runs" in job["logs"]
     after = observed["status_after_jobs"]
     assert after["code"] == 0, after["err"]  # no job shut the broker down
     queues = after["json"]["queues"]
