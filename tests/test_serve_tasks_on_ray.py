@@ -215,7 +215,8 @@ def test_the_producer_reports_metrics_and_health(broker, serve_on):
     producer = instantiate_adapter_from_config(config)
     producer.enqueue_task_sync("add", args=[1, 2])
     metrics = producer.get_metrics_sync()
-    assert metrics["depth"] == 1 and metrics["tasks"]["PENDING"] == 1
+    assert metrics["depth"] == 1  # waiting: PENDING, and not in the result store
+    assert metrics["tasks"]["STARTED"] == metrics["tasks"]["SUCCESS"] == 0
     assert metrics["dead_letters"] == {
         config.failed_task_queue_name: 0,
         config.unprocessable_task_queue_name: 0,

@@ -10,7 +10,6 @@ import pytest
 from raymq.core.tasks import (
     CANCELLED,
     FAILURE,
-    PENDING,
     STARTED,
     SUCCESS,
     TASK_ID_PROPERTY,
@@ -78,13 +77,12 @@ def test_bad_retry_settings_are_refused_by_name(kwargs):
         RetryPolicy(**kwargs)
 
 
-def test_a_task_goes_from_pending_to_its_result_and_survives_a_reopen(tmp_path):
+def test_a_task_gets_its_record_when_it_starts_and_keeps_its_result_across_a_reopen(tmp_path):
     store = TaskResults(str(tmp_path))
-    store.pending("t1", "resize", 10.0, 60)
-    assert store.get("t1").status == PENDING
-    started = store.start("t1", "resize", 60)
-    assert (started.status, started.runs) == (STARTED, 1)
-    store.finish("t1", SUCCESS, {"pixels": [1, 2]})
+    assert store.get("t1") is None  # waiting in its queue: no record (PENDING)
+    [started] = store.apply([("start", ("t1", "resize", 60))])
+    assert (started.status, started.runs, started.name) == (STARTED, 1, "resize")
+    assert store.apply([("finish", ("t1", "resize", 60, SUCCESS, {"pixels": [1, 2]}))]) == [None]
     store.close()
     again = TaskResults(str(tmp_path)).get("t1")
     assert (again.status, again.result, again.runs, again.name) == (
@@ -95,93 +93,73 @@ def test_a_task_goes_from_pending_to_its_result_and_survives_a_reopen(tmp_path):
     )
 
 
-def test_a_failure_keeps_its_type_text_and_traceback(tmp_path):
+def test_one_apply_answers_each_call_and_a_failed_call_writes_nothing(tmp_path):
     store = TaskResults(str(tmp_path))
-    store.pending("t", "n", 0.0, 60)
-    store.start("t", "n", 60)
-    store.finish("t", FAILURE, error_type="KeyError", error="'x'", traceback="Traceback ...")
+    answers = store.apply(
+        [
+            ("start", ("a", "n", 60)),
+            ("finish", ("a", "n", 60, SUCCESS, object())),  # not a msgpack value
+            ("finish", ("b", "n", 60, STARTED)),  # not a final status
+            ("drop_table", ()),
+            ("start", ("a", "n", 60)),
+        ]
+    )
+    assert answers[0].runs == 1 and answers[4].runs == 2
+    assert isinstance(answers[1], TypeError) and "msgpack" in str(answers[1])
+    assert isinstance(answers[2], ValueError) and "final" in str(answers[2])
+    assert isinstance(answers[3], ValueError) and "drop_table" in str(answers[3])
+    assert store.get("a").status == STARTED and store.get("b") is None
+
+
+def test_a_failure_keeps_its_type_text_and_traceback_even_without_a_start(tmp_path):
+    store = TaskResults(str(tmp_path))
+    store.finish("t", "n", 60, FAILURE, None, "KeyError", "'x'", "Traceback ...")
     record = store.get("t")
-    assert (record.status, record.error_type, record.error, record.traceback) == (
+    assert (record.status, record.runs, record.error_type, record.error, record.traceback) == (
         FAILURE,
+        0,
         "KeyError",
         "'x'",
         "Traceback ...",
     )
 
 
-def test_runs_count_every_start_and_a_finished_task_never_starts_again(tmp_path):
+def test_runs_count_every_start_and_an_ended_task_never_starts_again(tmp_path):
     store = TaskResults(str(tmp_path))
-    store.pending("t", "n", 0.0, 60)
     assert [store.start("t", "n", 60).runs for _ in range(3)] == [1, 2, 3]
-    store.finish("t", SUCCESS, 7)
+    store.finish("t", "n", 60, SUCCESS, 7)
     redelivered = store.start("t", "n", 60)
     assert (redelivered.status, redelivered.runs, redelivered.result) == (SUCCESS, 3, 7)
 
 
-def test_a_task_started_without_a_pending_record_is_recorded(tmp_path):
-    store = TaskResults(str(tmp_path))
-    record = store.start("unknown", "n", 60)
-    assert (record.status, record.runs, record.name) == (STARTED, 1, "n")
-
-
 def test_only_a_task_not_started_can_be_cancelled(tmp_path):
     store = TaskResults(str(tmp_path))
-    store.pending("a", "n", 0.0, 60)
-    store.pending("b", "n", 0.0, 60)
     store.start("b", "n", 60)
-    assert store.cancel("a") is True
-    assert store.cancel("b") is False
-    assert store.cancel("never enqueued") is False
+    assert store.cancel("a", 60) is True
+    assert store.cancel("a", 60) is False  # cancelled already
+    assert store.cancel("b", 60) is False
     assert store.start("a", "n", 60).status == CANCELLED  # its delivery must not run it
-    assert store.counts() == {
-        CANCELLED: 1,
-        FAILURE: 0,
-        PENDING: 0,
-        STARTED: 1,
-        SUCCESS: 0,
-    }
+    assert store.counts() == {CANCELLED: 1, FAILURE: 0, STARTED: 1, SUCCESS: 0}
 
 
-def test_pending_twice_changes_nothing(tmp_path):
-    store = TaskResults(str(tmp_path))
-    store.pending("t", "n", 1.0, 60)
-    store.start("t", "n", 60)
-    store.pending("t", "other", 2.0, 60)
-    record = store.get("t")
-    assert (record.status, record.name, record.created_at) == (STARTED, "n", 1.0)
-
-
-def test_finished_tasks_expire_after_their_own_ttl_and_unfinished_ones_never(tmp_path):
+def test_ended_tasks_expire_after_their_own_ttl_and_running_ones_never(tmp_path):
     clock = Clock()
     store = TaskResults(str(tmp_path), clock=clock)
-    for task_id, ttl in (("short", 10), ("long", 100), ("waiting", 1)):
-        store.pending(task_id, "n", clock.now, ttl)
-    for task_id in ("short", "long"):
-        store.start(task_id, "n", 60)
-        store.finish(task_id, SUCCESS, task_id)
+    store.finish("short", "n", 10, SUCCESS, "short")
+    store.finish("long", "n", 100, SUCCESS, "long")
+    store.start("running", "n", 1)
     clock.now += 11
-    assert store.expire() == 1
+    assert store.apply([("expire", ())]) == [1]
     assert store.get("short") is None
     assert store.get("long").result == "long"
     clock.now += 1000
     assert store.expire() == 1
-    assert store.get("waiting").status == PENDING
-
-
-def test_a_result_that_is_not_a_msgpack_value_is_refused_and_nothing_written(tmp_path):
-    store = TaskResults(str(tmp_path))
-    store.pending("t", "n", 0.0, 60)
-    store.start("t", "n", 60)
-    with pytest.raises(TypeError, match="msgpack"):
-        store.finish("t", SUCCESS, object())
-    assert store.get("t").status == STARTED
-    with pytest.raises(ValueError, match="final"):
-        store.finish("t", STARTED)
+    assert store.get("running").status == STARTED
 
 
 def test_a_damaged_store_file_raises_storage_error_naming_it(tmp_path):
     store = TaskResults(str(tmp_path))
-    store.pending("t", "n", 0.0, 60)
+    store.start("t", "n", 60)
     store.close()
     path = os.path.join(tmp_path, FILE_NAME)
     for suffix in ("-wal", "-shm"):  # a clean close folded them into the file

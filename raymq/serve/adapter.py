@@ -187,19 +187,14 @@ class RayMQTaskProcessorAdapter(TaskProcessorAdapter):
             raise ValueError(f"a task name must be a non-empty str, not {task_name!r}")
         self._require_initialized()
         task = TaskEnvelope(task_name, list(args or ()), dict(kwargs or {}), created_at=time.time())
-        body = task.encode()
-        # Recorded first: a status asked right after the send is never "unknown".
-        ray.get(
-            self._results.pending.remote(
-                task.id, task.name, task.created_at, self._settings.result_ttl_s
-            )
-        )
-        self._queue.send(body, task.properties())
+        # The send is all: a task has no record until it starts (it is PENDING).
+        self._queue.send(task.encode(), task.properties())
         return TaskResult(id=task.id, status=PENDING, created_at=task.created_at, result=None)
 
     def get_task_status_sync(self, task_id: str) -> TaskResult:
         """The task's status; for SUCCESS its result, for FAILURE a ``TaskFailed``.
-        An unknown id (never enqueued, or expired) is PENDING, as with Celery."""
+        A task waiting in its queue is PENDING, and so is an unknown id (never
+        enqueued, or expired), as with Celery."""
         self._require_initialized()
         record = ray.get(self._results.get.remote(task_id))
         if record is None:
@@ -217,11 +212,12 @@ class RayMQTaskProcessorAdapter(TaskProcessorAdapter):
         """Cancel a task that has not started (it is then never run); False if it has
         started or ended, or is unknown."""
         self._require_initialized()
-        return ray.get(self._results.cancel.remote(task_id))
+        return ray.get(self._results.cancel.remote(task_id, self._settings.result_ttl_s))
 
     def get_metrics_sync(self) -> dict[str, Any]:
-        """The queue's depth and messages in flight, the dead letters waiting, tasks by
-        status, and this replica's consumer."""
+        """The queue's depth (tasks waiting: PENDING) and messages in flight (tasks
+        running or about to), the dead letters waiting, the tasks recorded by status
+        (and the result store's commits), and this replica's consumer."""
         self._require_initialized()
         stats = self._queue.stats()
         dead = {}
@@ -385,7 +381,7 @@ class RayMQTaskProcessorAdapter(TaskProcessorAdapter):
                 consumer.ack(message)
                 return
             try:
-                ray.get(self._results.finish.remote(task.id, SUCCESS, value))
+                ray.get(self._results.finish.remote(task.id, task.name, ttl, SUCCESS, value))
             except TypeError as exc:  # not a msgpack value: recorded as the failure it is
                 self._finish_failed(task, exc, "")
                 self.counts.failed += 1
@@ -409,11 +405,13 @@ class RayMQTaskProcessorAdapter(TaskProcessorAdapter):
         ray.get(
             self._results.finish.remote(
                 task.id,
+                task.name,
+                self._settings.result_ttl_s,
                 FAILURE,
                 None,
-                error_type=type(exc).__name__,
-                error=str(exc),
-                traceback=text or None,
+                type(exc).__name__,
+                str(exc),
+                text or None,
             )
         )
 

@@ -2,11 +2,13 @@
 
 Ray Serve's task consumers (``raymq.serve``) record here what became of each task, so
 that ``get_task_status_sync`` answers after replicas, the broker or the whole cluster
-restarted. The rows live on disk (SQLite's page cache is all it holds in memory), each
-write is committed with ``synchronous=FULL`` in WAL mode (it is on disk before the call
-returns), and rows of finished tasks are deleted ``result_ttl_s`` after their last
-change (``expire``; each task has its own TTL). SQLite ships with Python: no server
-beside Ray, no dependency.
+restarted. A task gets its record when it starts (or is cancelled): a waiting task is
+its queue's message only, so that enqueuing writes nothing here. The rows live on disk
+(SQLite's page cache is all it holds in memory); ``apply`` commits a batch of calls with
+``synchronous=FULL`` in WAL mode, on disk before it returns, one fsync for the batch;
+rows of ended tasks are deleted ``result_ttl_s`` after their last change (``expire``;
+each task has its own TTL). SQLite ships with Python: no server beside Ray, no
+dependency.
 
 Results and arguments are msgpack values. A damaged file raises ``StorageError``
 naming it; it is never silently replaced (results would be lost without a word).
@@ -45,6 +47,8 @@ CREATE TABLE IF NOT EXISTS tasks (
 );
 CREATE INDEX IF NOT EXISTS tasks_by_expiry ON tasks (updated_at + ttl);
 """
+#: What ``apply`` runs.
+_OPERATIONS = frozenset({"start", "finish", "cancel", "expire", "get", "counts"})
 _COLUMNS = "id, status, name, created_at, updated_at, runs, result, error_type, error, traceback"
 
 
@@ -70,44 +74,51 @@ class TaskResults:
         """Close the file (every write is on disk already)."""
         self._db.close()
 
-    # -- writes, each committed before it returns ----------------------------------
+    # -- operations --------------------------------------------------------------------
 
-    def pending(self, task_id: str, name: str, created_at: float, ttl_seconds: float) -> None:
-        """A task was enqueued; its record is kept ``ttl_seconds`` after it ends (a
-        second call for the same id changes nothing)."""
-        self._write(
-            "INSERT OR IGNORE INTO tasks (id, status, name, created_at, updated_at, runs, ttl)"
-            " VALUES (?, ?, ?, ?, ?, 0, ?)",
-            (task_id, PENDING, name, created_at, self._clock(), ttl_seconds),
-        )
+    def apply(self, calls: list[tuple[str, tuple]]) -> list[Any]:
+        """Run ``calls`` (method name, arguments) of this class in one transaction: one
+        fsync for them all (the owner gathers concurrent callers' calls). Each call's
+        value is in the list, or the exception it raised (it wrote nothing then);
+        ``StorageError`` for the file fails them all."""
+        out: list[Any] = []
+        with self._transaction():
+            for name, args in calls:
+                if name not in _OPERATIONS:
+                    out.append(ValueError(f"task results: no operation {name!r}"))
+                    continue
+                try:
+                    out.append(getattr(self, name)(*args))
+                except StorageError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - that call's answer
+                    out.append(exc)
+        return out
 
     def start(self, task_id: str, name: str, ttl_seconds: float) -> TaskRecord:
         """A handler is about to run the task: STARTED, one more run counted, unless it
         ended already (CANCELLED, or run to its end before a redelivery): then the
-        record is returned unchanged and the task must not run."""
+        record is returned unchanged and the task must not run. Its record is kept
+        ``ttl_seconds`` after it ends."""
+        record = self._get(task_id)
+        if record is not None and record.status in FINAL:
+            return record
         now = self._clock()
-        with self._transaction():
-            record = self._get(task_id)
-            if record is not None and record.status in FINAL:
-                return record
-            if record is None:  # enqueued without the store (or expired meanwhile)
-                self._write(
-                    "INSERT INTO tasks (id, status, name, created_at, updated_at, runs, ttl)"
-                    " VALUES (?, ?, ?, ?, ?, 1, ?)",
-                    (task_id, STARTED, name, now, now, ttl_seconds),
-                )
-            else:
-                self._write(
-                    "UPDATE tasks SET status = ?, updated_at = ?, runs = runs + 1 WHERE id = ?",
-                    (STARTED, now, task_id),
-                )
-            started = self._get(task_id)
+        self._write(
+            "INSERT INTO tasks (id, status, name, created_at, updated_at, runs, ttl)"
+            " VALUES (?, ?, ?, ?, ?, 1, ?) ON CONFLICT (id) DO UPDATE SET"
+            " status = excluded.status, updated_at = excluded.updated_at, runs = runs + 1",
+            (task_id, STARTED, name, now, now, ttl_seconds),
+        )
+        started = self._get(task_id)
         assert started is not None
         return started
 
     def finish(
         self,
         task_id: str,
+        name: str,
+        ttl_seconds: float,
         status: str,
         result: Any = None,
         error_type: str | None = None,
@@ -115,8 +126,9 @@ class TaskResults:
         traceback: str | None = None,
     ) -> None:
         """The task ended with ``status`` (SUCCESS with ``result``, FAILURE with the
-        exception's type, text and traceback). ``TypeError`` if ``result`` is not a
-        msgpack value (nothing is written then)."""
+        exception's type, text and traceback; a task that never started too, an
+        unknown one say). ``TypeError`` if ``result`` is not a msgpack value, and
+        ``ValueError`` for a status that is not final (nothing is written then)."""
         if status not in FINAL:
             raise ValueError(f"finish: {status!r} is not a final status")
         try:
@@ -126,23 +138,32 @@ class TaskResults:
                 f"task {task_id}: its result must be a msgpack value, not"
                 f" {type(result).__name__}: {exc}"
             ) from None
+        now = self._clock()
         self._write(
-            "UPDATE tasks SET status = ?, updated_at = ?, result = ?, error_type = ?,"
-            " error = ?, traceback = ? WHERE id = ?",
-            (status, self._clock(), blob, error_type, error, traceback, task_id),
+            "INSERT INTO tasks (id, status, name, created_at, updated_at, runs, ttl, result,"
+            " error_type, error, traceback) VALUES (?, ?, ?, ?, ?, 0, ?, ?, ?, ?, ?)"
+            " ON CONFLICT (id) DO UPDATE SET status = excluded.status,"
+            " updated_at = excluded.updated_at, result = excluded.result,"
+            " error_type = excluded.error_type, error = excluded.error,"
+            " traceback = excluded.traceback",
+            (task_id, status, name, now, now, ttl_seconds, blob, error_type, error, traceback),
         )
 
-    def cancel(self, task_id: str) -> bool:
-        """Cancel a task that has not started; False if it has (or is unknown)."""
+    def cancel(self, task_id: str, ttl_seconds: float) -> bool:
+        """Cancel a task that has not started: when its message comes, it is not run.
+        False if it has started or ended. (A task with no record has not started:
+        nothing is written when one is enqueued, a send's only write.)"""
+        now = self._clock()
         cur = self._write(
-            "UPDATE tasks SET status = ?, updated_at = ? WHERE id = ? AND status = ?",
-            (CANCELLED, self._clock(), task_id, PENDING),
+            "INSERT OR IGNORE INTO tasks (id, status, name, created_at, updated_at, runs, ttl)"
+            " VALUES (?, ?, '', ?, ?, 0, ?)",
+            (task_id, CANCELLED, now, now, ttl_seconds),
         )
         return cur.rowcount == 1
 
     def expire(self) -> int:
-        """Delete the finished tasks whose TTL passed since their last change;
-        returns how many."""
+        """Delete the ended tasks whose TTL passed since their last change; returns how
+        many."""
         marks = ",".join("?" * len(FINAL))
         cur = self._write(
             f"DELETE FROM tasks WHERE updated_at + ttl < ? AND status IN ({marks})",
@@ -150,30 +171,21 @@ class TaskResults:
         )
         return cur.rowcount
 
-    # -- reads ------------------------------------------------------------------------
-
     def get(self, task_id: str) -> TaskRecord | None:
-        """The task's record, None if unknown (never enqueued here, or expired)."""
+        """The task's record; None if it has none (not started yet, or expired)."""
         return self._get(task_id)
 
     def counts(self) -> dict[str, int]:
-        """Tasks by status (every status present, 0 if none)."""
-        try:
-            rows = self._db.execute("SELECT status, COUNT(*) FROM tasks GROUP BY status")
-            found = dict(rows.fetchall())
-        except sqlite3.DatabaseError as exc:
-            raise StorageError(f"task results {self.path}: {exc}") from exc
-        return {status: int(found.get(status, 0)) for status in sorted(STATUSES)}
+        """Tasks recorded, by status (every status but PENDING, 0 if none: a task
+        waiting in its queue has no record)."""
+        rows = self._read("SELECT status, COUNT(*) FROM tasks GROUP BY status", ())
+        found = dict(rows.fetchall())
+        return {status: int(found.get(status, 0)) for status in sorted(STATUSES - {PENDING})}
 
     # -- internals --------------------------------------------------------------------
 
     def _get(self, task_id: str) -> TaskRecord | None:
-        try:
-            row = self._db.execute(
-                f"SELECT {_COLUMNS} FROM tasks WHERE id = ?", (task_id,)
-            ).fetchone()
-        except sqlite3.DatabaseError as exc:
-            raise StorageError(f"task results {self.path}: {exc}") from exc
+        row = self._read(f"SELECT {_COLUMNS} FROM tasks WHERE id = ?", (task_id,)).fetchone()
         if row is None:
             return None
         task_id, status, name, created, updated, runs, blob, error_type, error, tb = row
@@ -184,9 +196,11 @@ class TaskResults:
 
     def _write(self, sql: str, params: tuple) -> sqlite3.Cursor:
         try:
-            return self._db.execute(sql, params)  # autocommit: on disk when it returns
+            return self._db.execute(sql, params)
         except sqlite3.DatabaseError as exc:
             raise StorageError(f"task results {self.path}: {exc}") from exc
+
+    _read = _write
 
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[None]:

@@ -1,0 +1,328 @@
+"""Ray Serve task consumers: RayMQ beside Celery on Redis (Ray's own adapter), same run.
+
+The same ``@task_consumer`` deployment runs on each broker in turn, on one Ray: a handler
+that returns the time it started. For 1, 4 and 16 replicas (``--replicas``) the driver
+enqueues ``--tasks`` tasks through the adapter and waits for each result: tasks/s from
+the first enqueue to the last result, and enqueue -> start p50/p99 (ms). Celery runs on
+a ``redis-server`` this bench starts and stops (by PID; Debian's package, Redis's
+default settings: snapshots, no append-only file) and ``celery[redis]`` (``pip install
+-e '.[bench]'``).
+
+Then a broker loss: a run in which the broker's process is SIGKILLed at mid-run and
+started again (``redis-server`` on the same port and directory; RayMQ's queue actor,
+which Ray restarts in place), counting the tasks that never ended SUCCESS within
+``--grace`` seconds ("lost") and those whose handler ran twice.
+
+``--kill-replica-every S`` instead runs ``--tasks`` RayMQ tasks while a replica is
+SIGKILLed every S seconds, and counts that every task ended SUCCESS and how many ran
+twice (issue 29: 10,000 tasks, a kill every 30 s).
+
+    python -m bench.serve_tasks [--tasks 2000] [--replicas 1,4,16] [--concurrency 4]
+    python -m bench.serve_tasks --kill-replica-every 30 --tasks 10000 --replicas 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+import ray
+from ray import serve
+from ray.serve.schema import CeleryAdapterConfig, TaskProcessorConfig
+from ray.serve.task_consumer import instantiate_adapter_from_config, task_consumer, task_handler
+from raymq.actors.names import queue_actor_name
+
+from bench.common import console, print_table, start_broker, stop_broker
+from raymq.serve import RayMQAdapterConfig
+
+APP = "bench-tasks"
+#: The named actor the handlers report their start times to.
+STARTS = "bench-task-starts"
+
+
+@ray.remote(num_cpus=0)
+class Starts:
+    """Each task's (sent, started) epoch seconds and its replica's pid, by send time."""
+
+    def __init__(self) -> None:
+        self.seen: dict[float, tuple[float, int]] = {}
+
+    def add(self, sent_at: float, started_at: float, pid: int) -> None:
+        self.seen.setdefault(sent_at, (started_at, pid))
+
+    def take(self) -> dict[float, tuple[float, int]]:
+        seen, self.seen = self.seen, {}
+        return seen
+
+
+REDIS_PORT = 6391
+
+
+class Redis:
+    """A ``redis-server`` of this bench's own (port ``REDIS_PORT``, a temp directory)."""
+
+    def __init__(self) -> None:
+        if shutil.which("redis-server") is None:
+            raise SystemExit("redis-server is not installed (Debian: apt-get install redis-server)")
+        self.dir = tempfile.mkdtemp(prefix="raymq-bench-redis-")
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(REDIS_PORT), "--dir", self.dir, "--daemonize", "no"],
+            stdout=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 10
+        import redis
+
+        while time.monotonic() < deadline:
+            try:
+                redis.Redis(port=REDIS_PORT).ping()
+                return
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        raise RuntimeError("redis-server did not answer in 10 s")
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def config_for(kind: str, queue: str, namespace: str) -> TaskProcessorConfig:
+    if kind == "celery":
+        url = f"redis://127.0.0.1:{REDIS_PORT}"
+        adapter_config = CeleryAdapterConfig(broker_url=f"{url}/0", backend_url=f"{url}/1")
+        adapter = "ray.serve.task_processor.CeleryTaskProcessorAdapter"
+    else:
+        adapter_config = RayMQAdapterConfig(namespace=namespace)
+        adapter = "raymq.serve.RayMQTaskProcessorAdapter"
+    return TaskProcessorConfig(
+        queue_name=queue, adapter=adapter, adapter_config=adapter_config, max_retries=3
+    )
+
+
+def deploy(config: TaskProcessorConfig, replicas: int, concurrency: int) -> None:
+    @serve.deployment(
+        num_replicas=replicas,
+        max_ongoing_requests=concurrency,
+        ray_actor_options={"num_cpus": 0},
+    )
+    @task_consumer(task_processor_config=config)
+    class Work:
+        def __init__(self) -> None:
+            self.starts = ray.get_actor(STARTS)
+
+        @task_handler(name="work")
+        def work(self, sent_at: float) -> None:
+            # (Celery's adapter answered SUCCESS with result None here: the start time
+            # goes to an actor instead, alike for both brokers.)
+            self.starts.add.remote(sent_at, time.time(), os.getpid())
+
+    serve.run(Work.bind(), name=APP, route_prefix=None)
+
+
+def run_tasks(
+    producer, n: int, kill: Callable[[], None] | None = None, grace: float = 120.0
+) -> dict:
+    """Enqueue ``n`` tasks, wait for each; ``kill`` is called once after half were sent."""
+    t0 = time.perf_counter()
+    ids, sent = [], []
+    enqueue_failures = 0
+    for i in range(n):
+        if kill is not None and i == n // 2:
+            kill()
+        at = time.time()
+        try:
+            ids.append(producer.enqueue_task_sync("work", args=[at]).id)
+            sent.append(at)
+        except Exception:  # noqa: BLE001 - a broker that is down refuses: counted
+            enqueue_failures += 1
+    lost = 0
+    deadline = time.monotonic() + grace
+    for task_id in ids:
+        while True:
+            try:
+                result = producer.get_task_status_sync(task_id)
+            except Exception:  # noqa: BLE001 - the result store may be down a moment
+                result = None
+            if result is not None and result.status == "SUCCESS":
+                break
+            if time.monotonic() > deadline:
+                lost += 1
+                break
+            time.sleep(0.002)
+    seconds = time.perf_counter() - t0
+    seen = ray.get(ray.get_actor(STARTS).take.remote())
+    starts = [(seen[at][0] - at) * 1e3 for at in sent if at in seen]
+    ms = np.asarray(starts) if starts else np.asarray([np.nan])
+    return {
+        "tasks/s": (len(ids) - lost) / seconds,
+        "p50": float(np.percentile(ms, 50)),
+        "p99": float(np.percentile(ms, 99)),
+        "lost": lost,
+        "refused": enqueue_failures,
+        "ids": ids,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", type=int, default=2000)
+    parser.add_argument("--replicas", default="1,4,16")
+    parser.add_argument("--concurrency", type=int, default=4, help="handler threads a replica")
+    parser.add_argument("--grace", type=float, default=120.0, help="seconds for the last results")
+    parser.add_argument("--kill-replica-every", type=float, default=None)
+    parser.add_argument("--brokers", default="celery,raymq")
+    args = parser.parse_args()
+    broker = start_broker("raymq-bench-serve")
+    collector = Starts.options(name=STARTS).remote()  # noqa: F841 - (kept alive by name)
+    serve.start(proxy_location="Disabled")
+    redis_server = Redis()
+    try:
+        if args.kill_replica_every:
+            replica_chaos(broker, args)
+            return
+        rows = []
+        results: dict[tuple[str, int], dict] = {}
+        kinds = args.brokers.split(",")
+        for replicas in (int(r) for r in args.replicas.split(",")):
+            for kind in kinds:
+                if kind == "celery":
+                    redis_server.start()
+                queue = f"bench-{kind}-{replicas}"
+                config = config_for(kind, queue, broker.namespace)
+                deploy(config, replicas, args.concurrency)
+                producer = instantiate_adapter_from_config(config)
+                warm = producer.enqueue_task_sync("work", args=[time.time()])
+                while producer.get_task_status_sync(warm.id).status != "SUCCESS":
+                    time.sleep(0.01)  # a first task through: the replicas are up
+                ray.get(ray.get_actor(STARTS).take.remote())
+                console.print(f"{kind}, {replicas} replicas: {args.tasks:,} tasks ...")
+                results[kind, replicas] = got = run_tasks(producer, args.tasks, grace=args.grace)
+                serve.delete(APP)
+                if kind == "celery":
+                    redis_server.kill()
+                rows.append(
+                    [
+                        kind,
+                        str(replicas),
+                        f"{got['tasks/s']:,.0f}",
+                        f"{got['p50']:.1f}",
+                        f"{got['p99']:.1f}",
+                    ]
+                )
+            if set(kinds) == {"celery", "raymq"}:
+                r, c = results["raymq", replicas], results["celery", replicas]
+                rows.append(
+                    [
+                        "RayMQ / Celery",
+                        str(replicas),
+                        f"{r['tasks/s'] / c['tasks/s']:.2f}x",
+                        f"{r['p50'] / c['p50']:.2f}x",
+                        f"{r['p99'] / c['p99']:.2f}x",
+                    ]
+                )
+        print_table(
+            f"Serve task consumers, {args.tasks:,} tasks, {args.concurrency} threads a replica",
+            ["broker", "replicas", "tasks/s", "enqueue->start p50 ms", "p99 ms"],
+            rows,
+        )
+        loss_rows = []
+        for kind in kinds:
+            if kind == "celery":
+                redis_server.start()
+            queue = f"bench-{kind}-loss"
+            config = config_for(kind, queue, broker.namespace)
+            deploy(config, 1, args.concurrency)
+            producer = instantiate_adapter_from_config(config)
+
+            def kill(kind: str = kind, queue: str = queue) -> None:
+                if kind == "celery":
+                    redis_server.kill()
+                    redis_server.start()
+                else:
+                    actor = ray.get_actor(queue_actor_name(queue), namespace=broker.namespace)
+                    pid = ray.get(actor.pid.remote())
+                    os.kill(pid, signal.SIGKILL)
+
+            console.print(f"{kind}: {args.tasks:,} tasks, its broker killed at mid-run ...")
+            got = run_tasks(producer, args.tasks, kill=kill, grace=args.grace)
+            serve.delete(APP)
+            if kind == "celery":
+                redis_server.kill()
+            loss_rows.append([kind, f"{args.tasks:,}", str(got["refused"]), str(got["lost"])])
+        print_table(
+            "broker killed (SIGKILL) at mid-run and started again",
+            ["broker", "tasks", "enqueue refused", f"lost (no SUCCESS in {args.grace:.0f} s)"],
+            loss_rows,
+        )
+    finally:
+        redis_server.stop()
+        serve.shutdown()
+        stop_broker(broker)
+
+
+def replica_pids() -> list[int]:
+    """PIDs of this bench's Serve replicas (Ray titles them ``ray::ServeReplica:APP:...``)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if f.read().startswith(f"ray::ServeReplica:{APP}:".encode()):
+                        pids.append(int(entry))
+            except OSError:
+                continue
+    return sorted(pids)
+
+
+def replica_chaos(broker, args) -> None:
+    """``--tasks`` RayMQ tasks while a replica is SIGKILLed every few seconds: every task
+    must end SUCCESS; the result store tells how many ran more than once."""
+    queue = "bench-replica-chaos"
+    config = config_for("raymq", queue, broker.namespace)
+    deploy(config, int(args.replicas.split(",")[0]), args.concurrency)
+    producer = instantiate_adapter_from_config(config)
+    stop = threading.Event()
+    kills: list[int] = []
+
+    def killer() -> None:
+        while not stop.wait(args.kill_replica_every):
+            pids = replica_pids()
+            if pids:
+                victim = pids[len(kills) % len(pids)]
+                os.kill(victim, signal.SIGKILL)
+                kills.append(victim)
+                console.print(f"SIGKILL replica pid {victim}")
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    got = run_tasks(producer, args.tasks, grace=args.grace)
+    stop.set()
+    results = broker.task_results()
+    runs = [ray.get(results.get.remote(i)).runs for i in got["ids"]]
+    twice = sum(r > 1 for r in runs)
+    console.print(
+        f"{args.tasks:,} tasks, {len(kills)} replica kills:"
+        f" SUCCESS {len(got['ids']) - got['lost']:,},"
+        f" lost {got['lost']}, ran more than once {twice}; {got['tasks/s']:,.0f} tasks/s"
+    )
+    console.print("REPLICA CHAOS OK" if got["lost"] == 0 and not got["refused"] else "FAILED")
+
+
+if __name__ == "__main__":
+    main()
