@@ -345,8 +345,9 @@ class RayMQTaskProcessorAdapter(TaskProcessorAdapter):
         handler = self._handlers.get(task.name)
         if handler is None:
             exc = LookupError(f"no handler for task {task.name!r}")
-            self._finish_failed(task, exc, "")
+            # Dead-lettered first: once a task's status is FAILURE, its dead letter is in.
             self._dead_letter(self._unprocessable_queue_name(), message, "unknown task", exc)
+            self._finish_failed(task, exc, "")
             self.counts.unprocessable += 1
             consumer.ack(message)
             return
@@ -359,8 +360,8 @@ class RayMQTaskProcessorAdapter(TaskProcessorAdapter):
                 return
             if record.runs > 1 + self._retry.max_retries:  # its replica died on each run
                 exc = RuntimeError(f"task {task.id}: {record.runs - 1} runs never finished")
-                self._finish_failed(task, exc, "")
                 self._dead_letter(self._failed_queue_name(), message, "failed", exc)
+                self._finish_failed(task, exc, "")
                 self.counts.failed += 1
                 consumer.ack(message)
                 return
@@ -375,8 +376,8 @@ class RayMQTaskProcessorAdapter(TaskProcessorAdapter):
                         consumer.nack(message)  # runs again elsewhere, its runs counted
                         return
                     continue
-                self._finish_failed(task, exc, text)
                 self._dead_letter(self._failed_queue_name(), message, "failed", exc, text)
+                self._finish_failed(task, exc, text)
                 self.counts.failed += 1
                 consumer.ack(message)
                 return
