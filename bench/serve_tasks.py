@@ -1,8 +1,9 @@
 """Ray Serve task consumers: RayMQ beside Celery on Redis (Ray's own adapter), same run.
 
 The same ``@task_consumer`` deployment runs on each broker in turn, on one Ray: a handler
-that returns the time it started. For 1, 4 and 16 replicas (``--replicas``) the driver
-enqueues ``--tasks`` tasks through the adapter and waits for each result: tasks/s from
+that reports the time it started. For 1, 4 and 16 replicas (``--replicas``) the driver
+enqueues ``--tasks`` tasks through the adapter from ``--producers`` threads (a Serve
+ingress enqueues for concurrent requests) and waits for each result: tasks/s from
 the first enqueue to the last result, and enqueue -> start p50/p99 (ms). Celery runs on
 a ``redis-server`` this bench starts and stops (by PID; Debian's package, Redis's
 default settings: snapshots, no append-only file) and ``celery[redis]`` (``pip install
@@ -136,21 +137,49 @@ def deploy(config: TaskProcessorConfig, replicas: int, concurrency: int) -> None
 
 
 def run_tasks(
-    producer, n: int, kill: Callable[[], None] | None = None, grace: float = 120.0
+    producer,
+    n: int,
+    kill: Callable[[], None] | None = None,
+    grace: float = 120.0,
+    producers: int = 8,
 ) -> dict:
-    """Enqueue ``n`` tasks, wait for each; ``kill`` is called once after half were sent."""
+    """Enqueue ``n`` tasks from ``producers`` threads (as a Serve ingress enqueues for
+    concurrent requests), then wait for each; ``kill`` is called once, when half were
+    sent."""
     t0 = time.perf_counter()
     ids, sent = [], []
     enqueue_failures = 0
-    for i in range(n):
-        if kill is not None and i == n // 2:
-            kill()
-        at = time.time()
-        try:
-            ids.append(producer.enqueue_task_sync("work", args=[at]).id)
-            sent.append(at)
-        except Exception:  # noqa: BLE001 - a broker that is down refuses: counted
-            enqueue_failures += 1
+    lock = threading.Lock()
+    killed = threading.Event()
+
+    def produce(count: int) -> None:
+        nonlocal enqueue_failures
+        for _ in range(count):
+            if kill is not None and len(ids) >= n // 2 and not killed.is_set():
+                with lock:
+                    if not killed.is_set():
+                        killed.set()
+                        kill()
+            at = time.time()
+            try:
+                task_id = producer.enqueue_task_sync("work", args=[at]).id
+            except Exception:  # noqa: BLE001 - a broker that is down refuses: counted
+                with lock:
+                    enqueue_failures += 1
+                continue
+            with lock:
+                ids.append(task_id)
+                sent.append(at)
+
+    threads = [
+        threading.Thread(target=produce, args=(n // producers + (i < n % producers),))
+        for i in range(producers)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    enqueue_seconds = time.perf_counter() - t0
     lost = 0
     deadline = time.monotonic() + grace
     for task_id in ids:
@@ -175,6 +204,7 @@ def run_tasks(
         "p99": float(np.percentile(ms, 99)),
         "lost": lost,
         "refused": enqueue_failures,
+        "enqueued/s": len(ids) / enqueue_seconds,
         "ids": ids,
     }
 
@@ -187,6 +217,7 @@ def main() -> None:
     parser.add_argument("--grace", type=float, default=120.0, help="seconds for the last results")
     parser.add_argument("--kill-replica-every", type=float, default=None)
     parser.add_argument("--brokers", default="celery,raymq")
+    parser.add_argument("--producers", type=int, default=8, help="threads enqueuing")
     args = parser.parse_args()
     broker = start_broker("raymq-bench-serve")
     collector = Starts.options(name=STARTS).remote()  # noqa: F841 - (kept alive by name)
@@ -212,7 +243,10 @@ def main() -> None:
                     time.sleep(0.01)  # a first task through: the replicas are up
                 ray.get(ray.get_actor(STARTS).take.remote())
                 console.print(f"{kind}, {replicas} replicas: {args.tasks:,} tasks ...")
-                results[kind, replicas] = got = run_tasks(producer, args.tasks, grace=args.grace)
+                results[kind, replicas] = got = run_tasks(
+                    producer, args.tasks, grace=args.grace, producers=args.producers
+                )
+                console.print(f"  enqueued {got['enqueued/s']:,.0f} tasks/s")
                 serve.delete(APP)
                 if kind == "celery":
                     redis_server.kill()
@@ -260,7 +294,9 @@ def main() -> None:
                     os.kill(pid, signal.SIGKILL)
 
             console.print(f"{kind}: {args.tasks:,} tasks, its broker killed at mid-run ...")
-            got = run_tasks(producer, args.tasks, kill=kill, grace=args.grace)
+            got = run_tasks(
+                producer, args.tasks, kill=kill, grace=args.grace, producers=args.producers
+            )
             serve.delete(APP)
             if kind == "celery":
                 redis_server.kill()
@@ -311,7 +347,7 @@ def replica_chaos(broker, args) -> None:
 
     thread = threading.Thread(target=killer, daemon=True)
     thread.start()
-    got = run_tasks(producer, args.tasks, grace=args.grace)
+    got = run_tasks(producer, args.tasks, grace=args.grace, producers=args.producers)
     stop.set()
     results = broker.task_results()
     runs = [ray.get(results.get.remote(i)).runs for i in got["ids"]]

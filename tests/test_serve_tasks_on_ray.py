@@ -11,20 +11,15 @@ import time
 import uuid
 
 import pytest
+import ray
+from ray import serve
+from ray.serve.schema import TaskProcessorConfig
+from ray.serve.task_consumer import instantiate_adapter_from_config, task_consumer, task_handler
+from raymq.actors.names import queue_actor_name
 
-ray = pytest.importorskip("ray")
-serve = pytest.importorskip("ray.serve")
-
-from ray.serve.schema import TaskProcessorConfig  # noqa: E402
-from ray.serve.task_consumer import (  # noqa: E402
-    instantiate_adapter_from_config,
-    task_consumer,
-    task_handler,
-)
-
-from raymq.core.tasks import CANCELLED, FAILURE, STARTED, SUCCESS  # noqa: E402
-from raymq.errors import QueueNotFound  # noqa: E402
-from raymq.serve import RayMQAdapterConfig, TaskFailed  # noqa: E402
+from raymq.core.tasks import CANCELLED, FAILURE, STARTED, SUCCESS
+from raymq.errors import QueueNotFound
+from raymq.serve import RayMQAdapterConfig, TaskFailed
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -325,3 +320,13 @@ def test_twenty_tasks_survive_a_redeploy_and_each_runs_once(broker, serve_on, tm
     assert len(pids) == 2
     runs = [ray.get(broker.task_results().get.remote(t.id)).runs for t in sent]
     assert runs == [1] * 20
+
+
+def test_tasks_go_on_after_the_queue_actor_is_killed(shared):
+    broker, config, producer = shared
+    before = producer.enqueue_task_sync("add", args=[1, 2])
+    status_of(producer, before.id, SUCCESS)
+    actor = ray.get_actor(queue_actor_name(config.queue_name), namespace=broker.namespace)
+    os.kill(ray.get(actor.pid.remote()), signal.SIGKILL)  # Ray restarts it in place
+    after = [producer.enqueue_task_sync("add", args=[i, i]) for i in range(5)]
+    assert [status_of(producer, t.id, SUCCESS).result["sum"] for t in after] == [0, 2, 4, 6, 8]

@@ -52,7 +52,7 @@ from raymq.core.tasks import (
     TaskEnvelope,
     UndecodableTask,
 )
-from raymq.errors import ConsumerClosed, InvalidSetting, QueueNotFound
+from raymq.errors import ConsumerClosed, InvalidSetting, QueueNotFound, RayMQError
 
 log = logging.getLogger("raymq.serve")
 
@@ -100,6 +100,7 @@ class TaskCounts:
     unprocessable: int = 0  # unknown names and undecodable bodies (dead-lettered)
     skipped: int = 0  # deliveries of tasks cancelled or finished already
     given_back: int = 0  # tasks given back by a stop before they finished
+    receive_failures: int = 0  # receives that failed with a typed error (then tried again)
 
 
 class RayMQTaskProcessorAdapter(TaskProcessorAdapter):
@@ -316,6 +317,11 @@ class RayMQTaskProcessorAdapter(TaskProcessorAdapter):
                 messages = consumer.receive(1, timeout=RECEIVE_SECONDS)
             except ConsumerClosed:
                 return
+            except RayMQError as exc:  # the queue restarting, say: this thread goes on
+                self.counts.receive_failures += 1
+                log.warning("queue %r: a receive failed: %r", self._config.queue_name, exc)
+                self._stopping.wait(RECEIVE_SECONDS)
+                continue
             for message in messages:
                 try:
                     self._handle(consumer, message)
