@@ -96,10 +96,7 @@ def deploy(config: TaskProcessorConfig, app: str) -> None:
 
         @task_handler(name="hold")
         def hold(self, pid_file, seconds):
-            with open(pid_file, "w") as f:
-                f.write(str(os.getpid()))
-            time.sleep(seconds)
-            return os.getpid()
+            return hold(pid_file, seconds)
 
         @task_handler(name="gated")
         def gated(self, pid_file, gate):
@@ -111,6 +108,14 @@ def deploy(config: TaskProcessorConfig, app: str) -> None:
             return os.getpid()
 
     serve.run(Worker.bind(), name=app, route_prefix=None)
+
+
+def hold(pid_file: str, seconds: float) -> int:
+    """The "hold" task: write this replica's pid to ``pid_file``, sleep, return the pid."""
+    with open(pid_file, "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(seconds)
+    return os.getpid()
 
 
 def wait_for(what, condition, timeout: float = 60.0):
@@ -279,10 +284,7 @@ def test_a_task_consumer_scales_up_on_its_backlog_and_back_to_zero(broker, serve
     class Scaled:
         @task_handler(name="hold")
         def hold(self, pid_file, seconds):
-            with open(pid_file, "w") as f:
-                f.write(str(os.getpid()))
-            time.sleep(seconds)
-            return os.getpid()
+            return hold(pid_file, seconds)
 
     serve.run(Scaled.bind(), name="scaled", route_prefix=None)
     assert running_replicas("scaled") == 0

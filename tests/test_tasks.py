@@ -21,14 +21,7 @@ from raymq.core.tasks import (
 )
 from raymq.errors import InvalidSetting, StorageError
 from raymq.storage.task_results import FILE_NAME, TaskResults
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.test_consumer_liveness import FakeClock
 
 
 def test_a_task_round_trips_through_its_message():
@@ -143,7 +136,7 @@ def test_only_a_task_not_started_can_be_cancelled(tmp_path):
 
 
 def test_ended_tasks_expire_after_their_own_ttl_and_running_ones_never(tmp_path):
-    clock = Clock()
+    clock = FakeClock()
     store = TaskResults(str(tmp_path), clock=clock)
     store.finish("short", "n", 10, SUCCESS, "short")
     store.finish("long", "n", 100, SUCCESS, "long")

@@ -58,6 +58,10 @@ log = logging.getLogger("raymq.serve")
 
 #: How long a handler thread waits for a task before it checks for a stop (seconds).
 RECEIVE_SECONDS = 0.5
+#: Dead letters' ``RayMQDeadLetterReason``s.
+UNDECODABLE = "undecodable"
+UNKNOWN_TASK = "unknown task"
+FAILED = "failed"
 #: Consumer concurrency when Serve gives none (Serve's own default is 5).
 DEFAULT_CONCURRENCY = 5
 
@@ -344,18 +348,12 @@ class RayMQTaskProcessorAdapter(TaskProcessorAdapter):
         try:
             task = TaskEnvelope.decode(message.body)
         except UndecodableTask as exc:
-            self._dead_letter(self._unprocessable_queue_name(), message, "undecodable", exc)
-            self.counts.unprocessable += 1
-            consumer.ack(message)
+            self._give_up(consumer, message, None, UNDECODABLE, exc)
             return
         handler = self._handlers.get(task.name)
         if handler is None:
             exc = LookupError(f"no handler for task {task.name!r}")
-            # Dead-lettered first: once a task's status is FAILURE, its dead letter is in.
-            self._dead_letter(self._unprocessable_queue_name(), message, "unknown task", exc)
-            self._finish_failed(task, exc, "")
-            self.counts.unprocessable += 1
-            consumer.ack(message)
+            self._give_up(consumer, message, task, UNKNOWN_TASK, exc)
             return
         ttl = self._settings.result_ttl_s
         while True:
@@ -366,10 +364,7 @@ class RayMQTaskProcessorAdapter(TaskProcessorAdapter):
                 return
             if record.runs > 1 + self._retry.max_retries:  # its replica died on each run
                 exc = RuntimeError(f"task {task.id}: {record.runs - 1} runs never finished")
-                self._dead_letter(self._failed_queue_name(), message, "failed", exc)
-                self._finish_failed(task, exc, "")
-                self.counts.failed += 1
-                consumer.ack(message)
+                self._give_up(consumer, message, task, FAILED, exc)
                 return
             try:
                 value = self._run(handler, task)
@@ -382,10 +377,7 @@ class RayMQTaskProcessorAdapter(TaskProcessorAdapter):
                         consumer.nack(message)  # runs again elsewhere, its runs counted
                         return
                     continue
-                self._dead_letter(self._failed_queue_name(), message, "failed", exc, text)
-                self._finish_failed(task, exc, text)
-                self.counts.failed += 1
-                consumer.ack(message)
+                self._give_up(consumer, message, task, FAILED, exc, text)
                 return
             try:
                 ray.get(self._results.finish.remote(task.id, task.name, ttl, SUCCESS, value))
@@ -396,6 +388,30 @@ class RayMQTaskProcessorAdapter(TaskProcessorAdapter):
                 self.counts.succeeded += 1
             consumer.ack(message)
             return
+
+    def _give_up(
+        self,
+        consumer: Any,
+        message: Any,
+        task: TaskEnvelope | None,
+        reason: str,
+        exc: BaseException,
+        text: str = "",
+    ) -> None:
+        """A task that will not run (again): dead-lettered (an undecodable body or an
+        unknown name to the unprocessable-task queue, else to the failed-task one),
+        then recorded FAILURE (so that once its status is FAILURE, its dead letter is
+        in), then acknowledged."""
+        unprocessable = reason in (UNDECODABLE, UNKNOWN_TASK)
+        queue = self._unprocessable_queue_name() if unprocessable else self._failed_queue_name()
+        self._dead_letter(queue, message, reason, exc, text)
+        if task is not None:
+            self._finish_failed(task, exc, text)
+        if unprocessable:
+            self.counts.unprocessable += 1
+        else:
+            self.counts.failed += 1
+        consumer.ack(message)
 
     def _run(self, handler: Callable, task: TaskEnvelope) -> Any:
         with self._lock:
