@@ -2,23 +2,24 @@
 
 One detached, named actor per broker (``raymq.task_results``), on the broker's node,
 started by the broker when a task consumer or producer first asks for it and ended with
-the broker. It wraps ``raymq.storage.task_results.TaskResults`` (a SQLite file in the
-paging directory). Calls that arrive while a commit is under way wait for the next one
-and share it (group commit: one fsync for all, as the queue's own writer does); each is
-answered once its commit is on disk. Expired results are deleted as it goes. Restarted
-by Ray if it dies, it opens the same file: nothing it answered is lost.
+the broker. It wraps ``raymq.storage.task_results.TaskResults`` (a SQLite file in
+``<paging_directory>/.tasks``). Calls that arrive while a commit is under way wait for
+the next one and share it (group commit: one fsync for all, as the queue's own writer
+does); each is answered once its commit is on disk. Expired results are deleted as it
+goes. Restarted by Ray if it dies, it opens the same file: nothing it answered is lost.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from typing import Any
 
 import ray
 
 from raymq.core.tasks import TaskRecord
-from raymq.storage.task_results import TaskResults
+from raymq.storage.task_results import TASKS_DIRECTORY, TaskResults
 
 #: Expired results are deleted at most this often (seconds).
 EXPIRE_PERIOD_SECONDS = 60.0
@@ -28,8 +29,8 @@ EXPIRE_PERIOD_SECONDS = 60.0
 class TaskResultsActor:
     """The Ray shell around ``TaskResults``: calls gathered into shared commits."""
 
-    def __init__(self, directory: str):
-        self.store = TaskResults(directory)
+    def __init__(self, paging_directory: str):
+        self.store = TaskResults(os.path.join(paging_directory, TASKS_DIRECTORY))
         self._waiting: list[tuple[str, tuple, asyncio.Future]] = []
         self._committing: asyncio.Task | None = None
         self._expired_at = time.monotonic()

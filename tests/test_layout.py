@@ -34,6 +34,8 @@ def test_cores_storage_and_selectors_import_without_ray():
         "raymq.core.target_list",
         "raymq.core.target_list_link",
         "raymq.core.registry",
+        "raymq.core.tasks",
+        "raymq.storage.task_results",
         "raymq.storage.writer",
         "raymq.selector.evaluate",
         "raymq.sim.run",

@@ -169,3 +169,15 @@ def test_a_backlog_asks_for_enough_replicas_and_none_for_none():
     assert replicas_for_backlog(3, 0.5) == 6
     with pytest.raises(InvalidSetting, match="target_backlog_per_replica"):
         replicas_for_backlog(1, 0)
+
+
+def test_the_store_is_private_whatever_the_umask(tmp_path):
+    old = os.umask(0o022)
+    try:
+        store = TaskResults(str(tmp_path / ".tasks"))
+        store.start("t", "n", 60)
+    finally:
+        os.umask(old)
+    assert os.stat(tmp_path / ".tasks").st_mode & 0o777 == 0o700
+    for name in os.listdir(tmp_path / ".tasks"):  # the file, its -wal and -shm
+        assert os.stat(tmp_path / ".tasks" / name).st_mode & 0o777 == 0o600, name

@@ -28,7 +28,10 @@ import msgpack
 from raymq.core.tasks import CANCELLED, FINAL, PENDING, STARTED, STATUSES, TaskRecord
 from raymq.errors import StorageError
 
-#: The store's file in the broker's paging directory.
+#: The store's directory in the broker's paging directory: a name no queue can have (a
+#: queue's may not start with ".").
+TASKS_DIRECTORY = ".tasks"
+#: The store's file in it (SQLite adds ``-wal`` and ``-shm`` beside it).
 FILE_NAME = "task-results.sqlite"
 
 _SCHEMA = """
@@ -53,14 +56,18 @@ _COLUMNS = "id, status, name, created_at, updated_at, runs, result, error_type, 
 
 
 class TaskResults:
-    """The statuses and results of a broker's tasks, in ``directory``/``FILE_NAME``.
+    """The statuses and results of a broker's tasks, in ``directory``/``FILE_NAME``
+    (the broker's is ``<paging_directory>/.tasks``).
 
     Not thread-safe: its owner (``TaskResultsActor``) calls it one call at a time."""
 
     def __init__(self, directory: str, clock: Callable[[], float] = time.time):
         self.path = os.path.join(directory, FILE_NAME)
         self._clock = clock
-        os.makedirs(directory, exist_ok=True)
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        os.chmod(directory, 0o700)  # (whatever the umask, as every RayMQ directory)
+        # Made 0600 before SQLite opens it: its -wal and -shm files take its mode.
+        os.close(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600))
         try:
             self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
             self._db.execute("PRAGMA journal_mode=WAL")
