@@ -85,7 +85,8 @@ def main() -> None:
             print(f"enqueued {TASKS} thumbnail tasks and one that fails")
             results = [wait(producer, t.id, "SUCCESS") for t in tasks]
             print(
-                f"{TASKS} tasks SUCCESS in {time.monotonic() - t0:.1f} s; first result {results[0]}"
+                f"{TASKS} tasks SUCCESS in {time.monotonic() - t0:.1f} s;"
+                f" first result {results[0].result}"
             )
             failed = wait(producer, bad.id, "FAILURE")
             print(f"the corrupt one: FAILURE after 3 runs: {failed.result}")
@@ -95,7 +96,8 @@ def main() -> None:
                 f" {dead[-1].properties['RayMQDeadLetterReason']!r}"
             )
             metrics = producer.get_metrics_sync()
-            print(f"queue depth {metrics['depth']}, tasks by status {metrics['tasks']}")
+            statuses = {k: v for k, v in metrics["tasks"].items() if k.isupper()}
+            print(f"queue depth {metrics['depth']}, tasks by status {statuses}")
         finally:
             serve.delete(APP)
 
