@@ -332,3 +332,16 @@ def test_tasks_go_on_after_the_queue_actor_is_killed(shared):
     os.kill(ray.get(actor.pid.remote()), signal.SIGKILL)  # Ray restarts it in place
     after = [producer.enqueue_task_sync("add", args=[i, i]) for i in range(5)]
     assert [status_of(producer, t.id, SUCCESS).result["sum"] for t in after] == [0, 2, 4, 6, 8]
+
+
+def test_results_outlive_their_store_actor_which_is_found_again(shared):
+    broker, config, producer = shared
+    sent = producer.enqueue_task_sync("add", args=[20, 22])
+    assert status_of(producer, sent.id, SUCCESS).result["sum"] == 42
+    ray.kill(broker.task_results(), no_restart=True)  # ended, as by a broker's stop
+    # The producer's handle is dead; it asks the broker again, which starts the store
+    # over the same file.
+    again = producer.get_task_status_sync(sent.id)
+    assert (again.status, again.result["sum"]) == (SUCCESS, 42)
+    later = producer.enqueue_task_sync("add", args=[1, 1])  # and the replica's too
+    assert status_of(producer, later.id, SUCCESS).result["sum"] == 2

@@ -35,11 +35,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import ray
 from pydantic import BaseModel, Field
 from ray.serve.schema import TaskProcessorAdapter, TaskProcessorConfig, TaskResult
 
 import raymq
+from raymq.client.calls import _call
 from raymq.config import DEAD_LETTER_SUFFIX
 from raymq.core.tasks import (
     FAILURE,
@@ -201,7 +201,7 @@ class RayMQTaskProcessorAdapter(TaskProcessorAdapter):
         A task waiting in its queue is PENDING, and so is an unknown id (never
         enqueued, or expired), as with Celery."""
         self._require_initialized()
-        record = ray.get(self._results.get.remote(task_id))
+        record = self._store("get", task_id)
         if record is None:
             return TaskResult(id=task_id, status=PENDING, result=None)
         result = record.result
@@ -217,7 +217,8 @@ class RayMQTaskProcessorAdapter(TaskProcessorAdapter):
         """Cancel a task that has not started (it is then never run); False if it has
         started or ended, or is unknown."""
         self._require_initialized()
-        return ray.get(self._results.cancel.remote(task_id, self._settings.result_ttl_s))
+        # Not tried again: a retry of one that answered nothing would answer False.
+        return self._store("cancel", task_id, self._settings.result_ttl_s, retry=False)
 
     def get_metrics_sync(self) -> dict[str, Any]:
         """The queue's depth (tasks waiting: PENDING) and messages in flight (tasks
@@ -236,7 +237,7 @@ class RayMQTaskProcessorAdapter(TaskProcessorAdapter):
             "depth": stats["depth"],
             "in_flight": stats["in_flight"],
             "dead_letters": dead,
-            "tasks": ray.get(self._results.counts.remote()),
+            "tasks": self._store("counts"),
             "consumer": self._consumer_state(),
         }
 
@@ -357,7 +358,7 @@ class RayMQTaskProcessorAdapter(TaskProcessorAdapter):
             return
         ttl = self._settings.result_ttl_s
         while True:
-            record = ray.get(self._results.start.remote(task.id, task.name, ttl))
+            record = self._store("start", task.id, task.name, ttl)
             if record.status in FINAL:  # cancelled, or run to its end before a redelivery
                 self.counts.skipped += 1
                 consumer.ack(message)
@@ -380,7 +381,7 @@ class RayMQTaskProcessorAdapter(TaskProcessorAdapter):
                 self._give_up(consumer, message, task, FAILED, exc, text)
                 return
             try:
-                ray.get(self._results.finish.remote(task.id, task.name, ttl, SUCCESS, value))
+                self._store("finish", task.id, task.name, ttl, SUCCESS, value)
             except TypeError as exc:  # not a msgpack value: recorded as the failure it is
                 self._finish_failed(task, exc, "")
                 self.counts.failed += 1
@@ -425,17 +426,16 @@ class RayMQTaskProcessorAdapter(TaskProcessorAdapter):
                 self._running -= 1
 
     def _finish_failed(self, task: TaskEnvelope, exc: BaseException, text: str) -> None:
-        ray.get(
-            self._results.finish.remote(
-                task.id,
-                task.name,
-                self._settings.result_ttl_s,
-                FAILURE,
-                None,
-                type(exc).__name__,
-                str(exc),
-                text or None,
-            )
+        self._store(
+            "finish",
+            task.id,
+            task.name,
+            self._settings.result_ttl_s,
+            FAILURE,
+            None,
+            type(exc).__name__,
+            str(exc),
+            text or None,
         )
 
     def _dead_letter(
@@ -490,6 +490,20 @@ class RayMQTaskProcessorAdapter(TaskProcessorAdapter):
             "concurrency": self._concurrency,
             **asdict(self.counts),
         }
+
+    def _store(self, op: str, *args: Any, retry: bool = True) -> Any:
+        """Call ``op`` of the broker's TaskResultsActor: its typed errors raised, a
+        restart waited out (``raymq.client.calls._call``), the actor found again by the
+        broker if it was ended (a broker restarted), ``BrokerUnavailable`` past that."""
+
+        def again() -> Any:
+            assert self._broker is not None
+            self._results = self._broker.task_results()
+            return getattr(self._results, op)
+
+        return _call(
+            getattr(self._results, op), *args, retry=retry, refresh=again, about="task results"
+        )
 
     def _require_initialized(self) -> None:
         if self._queue is None:
