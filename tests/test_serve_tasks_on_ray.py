@@ -345,3 +345,21 @@ def test_results_outlive_their_store_actor_which_is_found_again(shared):
     assert (again.status, again.result["sum"]) == (SUCCESS, 42)
     later = producer.enqueue_task_sync("add", args=[1, 1])  # and the replica's too
     assert status_of(producer, later.id, SUCCESS).result["sum"] == 2
+
+
+@pytest.mark.parametrize(
+    "settings, error, words",
+    [
+        ({"result_ttl_s": -1}, "InvalidSetting", "result_ttl_s"),
+        ({"retry_backoff": 0.5}, "InvalidSetting", "retry_backoff"),
+        ({"retry_dealy_s": 1}, "ValidationError", "retry_dealy_s"),  # misspelt: refused
+        ("redis://localhost", "TypeError", "RayMQAdapterConfig"),
+    ],
+)
+def test_bad_adapter_settings_are_refused_by_name(settings, error, words):
+    from raymq.serve import RayMQTaskProcessorAdapter
+
+    config = TaskProcessorConfig(queue_name="q", adapter_config=settings)
+    with pytest.raises(Exception) as raised:
+        RayMQTaskProcessorAdapter(config)
+    assert type(raised.value).__name__ == error and words in str(raised.value)

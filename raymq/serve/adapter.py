@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 from ray.serve.schema import TaskProcessorAdapter, TaskProcessorConfig, TaskResult
 
 import raymq
@@ -68,7 +68,10 @@ DEFAULT_CONCURRENCY = 5
 
 class RayMQAdapterConfig(BaseModel):
     """The RayMQ adapter's settings; ``RayMQAdapterConfig()`` joins the running broker
-    of namespace ``"raymq"``."""
+    of namespace ``"raymq"``. A setting it does not have is refused (a misspelt one
+    would otherwise be ignored without a word)."""
+
+    model_config = ConfigDict(extra="forbid")
 
     address: str | None = Field(default=None, description="Ray address (None: this Ray).")
     namespace: str = Field(default="raymq", description="The broker's Ray namespace.")
