@@ -381,6 +381,14 @@ class QueueActor:
         await self._ensure_started()
         return await self.core.send_batch(batch, timeout)
 
+    async def send_batch_ids(
+        self, batch: MessageBatch, ids: list[str | None], timeout: float | None = None
+    ) -> list[int | None]:
+        """``send_batch`` with producer ids (``QueueCore.send_batch_ids``): each
+        message's offset (a duplicate's: the first one's; None: DROPped)."""
+        await self._ensure_started()
+        return await self.core.send_batch_ids(batch, ids, timeout)
+
     async def send_endpoint(self) -> tuple[str, int, str] | None:
         """(host, port, secret) of this queue's SendChannel, None if it has none."""
         await self._ensure_started()

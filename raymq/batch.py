@@ -300,6 +300,13 @@ class MessageBatch:
             self.first_offset + start,
         )
 
+    def take(self, indexes: Sequence[int]) -> MessageBatch:
+        """The messages at ``indexes`` (in that order) as a new batch (copies; no
+        timestamps or offset: a batch about to be sent)."""
+        return MessageBatch.from_encoded(
+            [self.body(i) for i in indexes], [self.properties_bytes(i) for i in indexes]
+        )
+
     def to_arrow(self, delivery_counts: np.ndarray | None = None) -> pa.RecordBatch:
         """The batch as an Arrow record batch in ``DELIVERY_SCHEMA``, without copying buffers."""
         n = len(self)

@@ -80,6 +80,8 @@ def check_int(setting: str, value: object, *, minimum: int, allow_minus_one: boo
 
 #: Most copies of a replicated queue.
 MAX_REPLICAS = 5
+#: Longest ``dedup_window_s``, seconds (a week): longer is a mistake (ms taken for s).
+MAX_DELAY_SECONDS = 7 * 86400.0
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,12 @@ class QueueConfig:
     #: Replicas that must have a send durably before it is answered (Kafka's
     #: min.insync.replicas); None: all of them for 2 replicas, 2 of 3.
     min_insync_replicas: int | None = None
+    #: Seconds a producer's message id (``send(message_id=...)``) is remembered: a
+    #: message sent again with it meanwhile is not stored again (0: ids not checked).
+    dedup_window_s: float = 120.0
+    #: Most producer ids remembered (Artemis's id-cache-size), the oldest forgotten
+    #: first: bounds their memory (up to ~400 bytes each) and every checkpoint's size.
+    id_cache_size: int = 100_000
 
     def __post_init__(self) -> None:
         validate_queue_name(self.name)
@@ -127,6 +135,18 @@ class QueueConfig:
             )
         if self.max_delivery_attempts is not None:
             check_int("max_delivery_attempts", self.max_delivery_attempts, minimum=1)
+        check_int("id_cache_size", self.id_cache_size, minimum=0)
+        for setting in ("dedup_window_s",):
+            value = getattr(self, setting)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not 0 <= value <= MAX_DELAY_SECONDS
+            ):
+                raise InvalidSetting(
+                    f"{setting}={value!r} for queue {self.name!r} must be seconds from 0"
+                    f" to {MAX_DELAY_SECONDS:g}"
+                )
         if self.dead_letter_queue is not None:
             validate_queue_name(self.dead_letter_queue)
         else:  # the default name must be valid too (a name near the length limit)

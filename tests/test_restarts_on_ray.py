@@ -7,12 +7,13 @@ import os
 import signal
 import time
 
+import pyarrow as pa
 import pytest
 import ray
 from raymq.actors.names import BROKER_ACTOR_NAME
 
 from raymq.client.calls import _call
-from raymq.errors import BrokerUnavailable
+from raymq.errors import BrokerUnavailable, InvalidSetting
 
 
 def test_get_queue_right_after_a_kill_waits_for_the_restart(broker):
@@ -150,3 +151,33 @@ def test_a_consumer_drops_what_it_loaded_from_a_queue_process_that_died(broker):
         assert [m.body for m in got] == bodies[1 : 1 + buffered] + bodies[1:]
         c.ack(got, wait=True)
     assert q.stats()["depth"] == 0
+
+
+def test_message_ids_store_each_message_once_across_a_queue_kill(broker):
+    """A producer that resends after the queue process died (its answer lost, say)
+    stores nothing twice: the ids are found again by the restarted actor."""
+    q = broker.create_queue("once")
+    first = q.send(b"a", {"k": 1}, message_id="order-1")
+    offsets = q.send_batch([b"b", b"c"], message_ids=["order-2", "order-3"])
+    assert q.send(b"a", {"k": 1}, message_id="order-1") == first
+    pid = _call(q._actor.pid)
+    os.kill(pid, signal.SIGKILL)
+    again = broker.get_queue("once")
+    assert again.send_batch([b"b", b"c", b"d"], message_ids=["order-2", "order-3", "order-4"]) == [
+        *offsets,
+        offsets[-1] + 1,
+    ]
+    table = pa.table({"body": [b"e", b"e"], "n": [1, 2]})
+    assert len(set(again.send_batch(table, message_ids=["order-5", "order-5"]))) == 1
+    stats = again.stats()
+    assert stats["depth"] == 5 and stats["duplicates_dropped"] == 3
+    got = [(m.body, m.properties.get("_AMQ_DUPL_ID")) for m in again.browse()]
+    assert got == [
+        (b"a", "order-1"),
+        (b"b", "order-2"),
+        (b"c", "order-3"),
+        (b"d", "order-4"),
+        (b"e", "order-5"),
+    ]
+    with pytest.raises(InvalidSetting, match="once"):
+        again.send_batch([b"x"], message_ids=["a", "b"])

@@ -92,6 +92,20 @@ _node_id_option = click.option("--node-id", help="Node for the queue's files (de
     type=click.IntRange(min=1),
     help="Replicas that must have a send before it is answered (default: all of 2, 2 of 3).",
 )
+@click.option(
+    "--dedup-window-s",
+    type=click.FloatRange(min=0),
+    default=120.0,
+    show_default=True,
+    help="Seconds a message id is remembered: a resend with it is not stored again.",
+)
+@click.option(
+    "--id-cache-size",
+    type=click.IntRange(min=0),
+    default=100_000,
+    show_default=True,
+    help="Most message ids remembered.",
+)
 @click.pass_context
 def create_queue(ctx: click.Context, name: str, **settings: Any) -> None:
     """Create a queue (or confirm it exists with these settings)."""

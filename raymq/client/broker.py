@@ -119,6 +119,8 @@ class Broker:
         node_id: str | None = None,
         replicas: int = 1,
         min_insync_replicas: int | None = None,
+        dedup_window_s: float = 120.0,
+        id_cache_size: int = 100_000,
     ) -> Queue:
         """Create a queue, or return it if it exists with equal settings.
 
@@ -128,7 +130,10 @@ class Broker:
         ``replicas`` (2 or 3) keeps that many copies of the queue's files, each on its
         own node: a send is answered once ``min_insync_replicas`` of them (default all
         of 2, 2 of 3) have it durably, and the queue survives the loss of its leader's
-        node (README, "Failure model"). Raises ``QueueExists`` for different settings,
+        node (README, "Failure model"). A message sent with a ``message_id`` the queue
+        stored within ``dedup_window_s`` seconds is not stored again (at most
+        ``id_cache_size`` ids remembered). Raises ``QueueExists`` for different
+        settings,
         ``InvalidQueueName``, ``InvalidSetting`` or ``TypeError`` for bad arguments,
         ``BrokerUnavailable`` if there are fewer alive nodes than replicas (nothing is
         created then).
@@ -144,6 +149,8 @@ class Broker:
             dead_letter_queue,
             replicas=replicas,
             min_insync_replicas=min_insync_replicas,
+            dedup_window_s=dedup_window_s,
+            id_cache_size=id_cache_size,
         )
         handle = _call(self._actor.create_queue, cfg, node_id)
         return Queue(self, name, handle)

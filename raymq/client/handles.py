@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import logging
 import threading
 import time
@@ -30,6 +31,7 @@ from raymq.client.consumer import Consumer
 from raymq.client.messages import Message, _check_count, _messages
 from raymq.client.producer import MAX_BATCH_BYTES, Producer, ProducerStats
 from raymq.config import BrokerConfig
+from raymq.core.duplicate_ids import check_message_ids, with_message_ids
 from raymq.core.link import Fault, LinkFault, QueueLink
 from raymq.errors import (
     BrokerUnavailable,
@@ -162,9 +164,16 @@ class Queue:
         *,
         timeout: float | None = None,
         wait: bool = True,
+        message_id: str | None = None,
     ) -> Any:
         """Send one message; returns its offset once it is durable (``wait=False``: a
         ``SendFuture`` of it at once).
+
+        ``message_id`` (a str of up to 256 bytes, carried as the ``_AMQ_DUPL_ID``
+        property): if the queue stored a message with this id within its
+        ``dedup_window_s``, this one is not stored and the first one's offset comes
+        back, so a send repeated after a lost answer stores the message once. Such a
+        send waits for its answer (``wait`` is ignored) and goes by a Ray call.
 
         Both modes go through this handle's producer (``raymq.client.producer``): the message
         joins its open batch, which travels over this process's SendChannel to the queue
@@ -185,6 +194,9 @@ class Queue:
         messages are stored in the order sent, waiting or not. Bad input (type, size,
         properties) raises here, at once, in both modes.
         """
+        if message_id is not None:
+            got = self.send_batch([body], [properties], timeout=timeout, message_ids=[message_id])
+            return got[0] if got else None  # DROPped
         body, props = self._encode_one(body, properties)
         producer = self._producer or self._make_producer()
         if not wait:
@@ -211,6 +223,7 @@ class Queue:
         properties: Sequence[Mapping | None] | Mapping | None = None,
         *,
         timeout: float | None = None,
+        message_ids: Sequence[str | None] | None = None,
     ) -> list[int]:
         """Send many messages in one write and one fsync; returns their offsets.
 
@@ -219,7 +232,12 @@ class Queue:
         properties. At ``max_size_bytes`` the queue's policy applies as for ``send``:
         DROP stores the first messages that fit (fewer offsets come back), FAIL stores
         none, BLOCK waits up to ``timeout`` seconds for room for all of them.
+        ``message_ids``: one producer id (or None) per message, as ``send``'s
+        ``message_id``: a message already stored under its id is not stored again (its
+        offset is the first one's); the call goes by Ray.
         """
+        if message_ids is not None:
+            return self._send_batch_ids(bodies, properties, message_ids, timeout)
         batch = self._pack(bodies, properties)
         if self._producer is not None and self._producer.busy():
             self._producer.drain()  # earlier sends of this handle go first: order
@@ -240,6 +258,21 @@ class Queue:
         except RayMQError as exc:
             raise calls.resent_refusal(exc, lost, self.name) from None
         return list(range(first, first + count))
+
+    def _send_batch_ids(
+        self, bodies, properties, message_ids: Sequence[str | None], timeout: float | None
+    ) -> list[int]:
+        """``send_batch`` with producer ids: each stamped into its message's
+        ``_AMQ_DUPL_ID`` property, the batch sent by a Ray call (a resend after a
+        restart is deduplicated too)."""
+        n = bodies.num_rows if isinstance(bodies, pa.Table | pa.RecordBatch) else len(bodies)
+        ids = check_message_ids(message_ids, n, self.name)
+        batch = self._pack(*with_message_ids(bodies, properties, ids))
+        if self._producer is not None and self._producer.busy():
+            self._producer.drain()  # earlier sends of this handle go first: order
+        offsets = self._invoke("send_batch_ids", batch, ids, timeout, answer_seconds=timeout)
+        # As send_batch under DROP: the offsets of the first messages stored.
+        return list(itertools.takewhile(lambda o: o is not None, offsets))
 
     async def send_async(
         self,

@@ -36,6 +36,7 @@ from raymq.core.address import (
 )
 from raymq.core.admission import Admission, batch_cost, check_batch
 from raymq.core.budget import QueueUsage, head_cache_want, split_queue_bytes
+from raymq.core.duplicate_ids import DuplicateIDCache
 from raymq.core.group_commit import GroupCommit
 from raymq.core.head_cache import REFILL_STEP_BYTES, HeadQueueCache, SharedPart
 from raymq.core.queue_stats import (
@@ -55,6 +56,7 @@ from raymq.errors import (
 )
 from raymq.selector import Selector
 from raymq.storage import PreparedWrite, RecoveryReport, SegmentLog
+from raymq.storage.duplicate_ids import stored_ids
 from raymq.storage.subscriptions import (
     Manifest,
     SubscriptionAcks,
@@ -127,6 +129,30 @@ class QueueCore:
         ]
         self._closed = False
         self._started_at = time.monotonic()
+        self.duplicate_ids = self._remembered_ids()
+        #: Ids of sends being stored now: a duplicate arriving meanwhile awaits the
+        #: first one's answer (its offset) instead of storing a second copy.
+        self._storing_ids: dict[str, asyncio.Future] = {}
+
+    def _remembered_ids(self) -> DuplicateIDCache:
+        """The producer ids stored within the window, found again after a restart (the
+        checkpoint's and the live segments'); every checkpoint carries them from now on."""
+        cache = DuplicateIDCache(self.config.dedup_window_s, self.config.id_cache_size)
+        if not cache.enabled:
+            return cache
+        since_us = int((time.time() - cache.window_s) * 1e6)
+        t0 = time.perf_counter()
+        found = stored_ids(self.log.segments, self.log.properties, since_us)
+        kept = cache.restore([*self.log.recovered_duplicate_ids, *found])
+        if kept:
+            log.info(
+                "queue %r: %d producer ids remembered from before the restart (%.3f s)",
+                self.name,
+                kept,
+                time.perf_counter() - t0,
+            )
+        self.log.checkpoint_duplicate_ids(cache)
+        return cache
 
     def _open_log(self, replication: ReplicationLeader | None) -> tuple[SegmentLog, RecoveryReport]:
         """Open (and recover) the queue's files; a leader's log keeps the names of the
@@ -275,6 +301,65 @@ class QueueCore:
             return await self.commits.submit(batch), len(batch)
         finally:
             self.admission.reserved -= cost
+
+    async def send_batch_ids(
+        self, batch: MessageBatch, ids: list[str | None], timeout: float | None = None
+    ) -> list[int | None]:
+        """``send_batch`` of messages with producer ids (``ids[i]`` is message i's,
+        carried as its ``_AMQ_DUPL_ID`` property; None: none): a message whose id was
+        stored within ``dedup_window_s`` (or is being stored) is not stored again.
+        Returns each message's offset (a duplicate's: the first one's), None for one
+        the DROP policy dropped."""
+        cache = self.duplicate_ids
+        if not cache.enabled:
+            first, count = await self.send_batch(batch, timeout)
+            return [first + i if i < count else None for i in range(len(batch))]
+        answers: list[int | None] = [None] * len(batch)
+        keep: list[int] = []
+        waits: list[tuple[int, asyncio.Future]] = []
+        mine: dict[str, int] = {}  # ids of this batch to store, by index
+        for i, mid in enumerate(ids):
+            if mid is None:
+                keep.append(i)
+            elif (offset := cache.lookup(mid)) is not None:
+                answers[i] = offset
+                cache.duplicates_dropped += 1
+            elif mid in self._storing_ids:  # by another send, or earlier in this batch
+                waits.append((i, self._storing_ids[mid]))
+            else:
+                mine[mid] = i
+                keep.append(i)
+                self._storing_ids[mid] = asyncio.get_running_loop().create_future()
+        futures = {mid: self._storing_ids[mid] for mid in mine}
+        token = cache.storing(self.log.planned_next)
+        try:
+            if keep:
+                part = batch if len(keep) == len(batch) else batch.take(keep)
+                first, count = await self.send_batch(part, timeout)
+                for k, i in enumerate(keep[:count]):
+                    answers[i] = first + k
+                now = cache.clock()
+                for mid, i in mine.items():
+                    if answers[i] is not None:
+                        cache.remember(mid, answers[i], now)
+            for mid, i in mine.items():
+                futures[mid].set_result(answers[i])
+        except BaseException as exc:
+            for fut in futures.values():
+                if not fut.done():
+                    fut.set_exception(exc)
+                    fut.exception()  # retrieved: a waiter may not be there to see it
+            raise
+        finally:
+            cache.stored(token)
+            for mid in mine:
+                if self._storing_ids.get(mid) is futures[mid]:
+                    del self._storing_ids[mid]
+        for i, fut in waits:
+            answers[i] = await asyncio.shield(fut)
+            if answers[i] is not None:
+                cache.duplicates_dropped += 1
+        return answers
 
     def signal_freed(self) -> None:
         """Wake producers blocked on ``max_size_bytes`` (acks freed room)."""
@@ -670,6 +755,8 @@ class QueueCore:
             last_task_error=self._tasks.last_error,
             internal_errors=self.commits.internal_errors,
             group_commits=self.commits.group_commits,
+            duplicates_dropped=self.duplicate_ids.duplicates_dropped,
+            duplicate_ids=len(self.duplicate_ids),
         )
 
     # -- an address's subscriptions come and go ----------------------------------------

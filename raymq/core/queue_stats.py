@@ -104,6 +104,10 @@ class QueueStats:
     #: Group commits that stored messages (each one write and one fdatasync of its
     #: records): ``messages_in / group_commits`` is the messages each commit took.
     group_commits: int = 0
+    #: Sends not stored because a message with their id was stored within
+    #: ``dedup_window_s`` (answered with its offset), and the ids remembered.
+    duplicates_dropped: int = 0
+    duplicate_ids: int = 0
 
     def to_dict(self) -> dict:
         """The snapshot as a plain dict."""

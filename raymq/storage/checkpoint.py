@@ -31,14 +31,19 @@ def encode_checkpoint(
     deleted: Iterable[int] = (),
     subscriptions: dict[int, bytes] | None = None,
     routed_to: int | None = None,
+    duplicate_ids: list[tuple[str, int, float]] | None = None,
 ) -> bytes:
     """The checkpoint file's bytes for the current state of ``segments``; ``deleted``:
     base offsets of deleted segments whose file could not be unlinked; ``subscriptions``:
     an address's acknowledged ranges per subscription id (``AckRanges.to_bytes``), and
-    ``routed_to``: its filters' decisions below it are in them."""
-    extra = {}
+    ``routed_to``: its filters' decisions below it are in them; ``duplicate_ids``:
+    producer ids remembered (id, offset, seconds since the epoch), stored as whole
+    microseconds."""
+    extra: dict = {}
     if subscriptions is not None:
         extra = {"subscriptions": sorted(subscriptions.items()), "routed_to": routed_to}
+    if duplicate_ids:
+        extra["duplicate_ids"] = [[m, o, round(t * 1e6)] for m, o, t in duplicate_ids]
     body = msgpack.packb(
         {
             **extra,
@@ -103,6 +108,13 @@ def read_checkpoint(directory: str) -> tuple[dict | None, str | None]:
     except (ValueError, msgpack.UnpackException) as exc:
         why = f"{path} is damaged (its body: {exc})"
     return None, f"{why}; checkpoint ignored, all files rescanned"
+
+
+def duplicate_id_entries(ckpt: dict | None) -> list[tuple[str, int, float]]:
+    """The checkpoint's remembered producer ids as (id, offset, seconds since the epoch)."""
+    if not ckpt:
+        return []
+    return [(m, int(o), us / 1e6) for m, o, us in ckpt.get("duplicate_ids", ())]
 
 
 def subscription_sections(ckpt: dict | None) -> dict[int, bytes]:

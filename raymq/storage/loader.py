@@ -28,12 +28,14 @@ from raymq.storage.ack_ranges import AckRanges
 from raymq.storage.ack_state import AckState
 from raymq.storage.acklog import AckLog, AckLogContents, list_generations, read_ack_log
 from raymq.storage.checkpoint import (
+    duplicate_id_entries,
     encode_checkpoint,
     read_checkpoint,
     restore_segment,
     subscription_sections,
     write_checkpoint,
 )
+from raymq.storage.duplicate_ids import segment_ids
 from raymq.storage.files import copy_aside, fsync_directory, remove_file
 from raymq.storage.format import (
     CHECKPOINT_NAME,
@@ -91,6 +93,8 @@ class Recovered:
     #: What recovery left for the log's first checkpoint (``recover(defer=True)``, and
     #: damage found): None if it did it all.
     deferred: Deferred | None = None
+    #: The checkpoint's remembered producer ids: (id, offset, seconds since the epoch).
+    duplicate_ids: list[tuple[str, int, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -178,6 +182,7 @@ class Loader:
         next recovery (renaming files with a bad header, the checkpoint, cutting
         damaged ends) is left to the log's first checkpoint (``Recovered.deferred``)."""
         ckpt, logs, next_generation = self._read_durable_state()
+        self._duplicate_ids = duplicate_id_entries(ckpt)
         self._load_segments(ckpt)
         for contents in logs.values():
             self.acks.apply_ranges(contents.ranges)
@@ -199,6 +204,7 @@ class Loader:
         got = Recovered(
             next_offset, ack_log, ack_log.generation, self._undeleted, subscriptions, route_from
         )
+        got.duplicate_ids = self._duplicate_ids
         for seg, _tail in self._cuts:
             seg.appendable = False  # the damaged bytes stay until cut: never write over them
         # Only now (a full disk fails recovery above) may damage be hidden from the next
@@ -237,6 +243,9 @@ class Loader:
         # a recovery that then fails would leave the next one nothing to count.
         for seg in list(self.segments)[:-1]:
             if seg.fully_acked and not seg.lost_n:
+                # Producer ids stored in it may be in no checkpoint yet: they go on in
+                # the next one (the queue keeps those within its dedup_window_s).
+                self._duplicate_ids.extend(segment_ids(seg))
                 self.segments.remove(seg)  # acks durable in the ack logs: delete first (room)
                 self._delete(seg)
 
@@ -318,7 +327,13 @@ class Loader:
         if it could not be written."""
         undeleted = [int(os.path.basename(p)[: -len(SEGMENT_SUFFIX)]) for p in self._undeleted]
         data = encode_checkpoint(
-            self.segments, next_offset, generation, undeleted, sections, route_from
+            self.segments,
+            next_offset,
+            generation,
+            undeleted,
+            sections,
+            route_from,
+            self._duplicate_ids,  # kept: only the producers' resends bring them back
         )
         try:
             write_checkpoint(self.directory, data)

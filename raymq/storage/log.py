@@ -37,7 +37,7 @@ from raymq.storage.reader import Reader
 from raymq.storage.scrub import Scrubber
 from raymq.storage.segment import Segment, Segments
 from raymq.storage.subscriptions import MANIFEST_NAME, Manifest, SubscriptionAcks, read_manifest
-from raymq.storage.writer import PreparedWrite, Writer
+from raymq.storage.writer import PreparedWrite, RememberedIds, Writer
 
 log = logging.getLogger("raymq.storage")
 
@@ -79,6 +79,8 @@ class SegmentLog:
         #: From recovery, for an address: its subscriptions' ranges (``Loader``), and
         #: where its filters must be applied again.
         self.recovered_subscriptions: dict | None = None
+        #: The checkpoint's remembered producer ids (see ``checkpoint_duplicate_ids``).
+        self.recovered_duplicate_ids: list[tuple[str, int, float]] = []
         self.route_from = 0
         #: An address's ``subscriptions`` file, read before recovery changes anything
         #: (None: there is none, or the queue is not durable).
@@ -167,6 +169,7 @@ class SegmentLog:
         self._writer.resume(got.next_offset, got.ack_log, got.ack_generation, got.undeleted)
         self._writer.deferred = got.deferred
         self.recovered_subscriptions = got.subscription_ranges
+        self.recovered_duplicate_ids = got.duplicate_ids
         self.route_from = got.route_from
 
     # -- writing (see Writer) ---------------------------------------------------------
@@ -342,6 +345,12 @@ class SegmentLog:
         """An address's subscriptions: their acks go to the ack log with each commit,
         their ranges into each checkpoint."""
         self._writer.subscriptions = subscriptions
+
+    def checkpoint_duplicate_ids(self, ids: RememberedIds | None) -> None:
+        """Every checkpoint from now on carries the producer ids the queue remembers
+        (``raymq.core.duplicate_ids``), and segments holding ids not yet in a durable
+        checkpoint are not deleted."""
+        self._writer.duplicate_ids = ids
 
     @property
     def unlinkable(self) -> list[str]:

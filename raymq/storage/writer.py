@@ -29,7 +29,7 @@ import contextlib
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -56,6 +56,20 @@ if TYPE_CHECKING:
 log = logging.getLogger("raymq.storage")
 
 
+class RememberedIds(Protocol):
+    """The producer ids a queue remembers (``raymq.core.duplicate_ids``), as the
+    checkpoint needs them."""
+
+    def entries(self) -> list[tuple[str, int, float]]:
+        """(id, offset, seconds since the epoch) of each id, oldest first."""
+        ...
+
+    def cover(self, planned_next: int) -> int | None:
+        """An offset below which every stored message's id is in ``entries()`` (at
+        most ``planned_next``, the next offset to give); None if there are no ids."""
+        ...
+
+
 @dataclass
 class PreparedWrite:
     """One group commit: acks to log, records to write, maybe a checkpoint; and, once
@@ -74,6 +88,9 @@ class PreparedWrite:
     ack_high: int = 0
     checkpoint: bytes | None = None
     checkpoint_generation: int = 0
+    #: The checkpoint holds the producer id of every message below this offset (None:
+    #: it holds none, and none is being stored).
+    ids_cover: int | None = None
     next_ack_log: AckLog | None = None
     #: What recovery left to this checkpoint (``Writer.deferred``), done with it.
     deferred: Deferred | None = None
@@ -152,6 +169,12 @@ class Writer:
         #: What recovery left to the first checkpoint (an address's, when it found
         #: damage): every commit takes a checkpoint until one is durable.
         self.deferred: Deferred | None = None
+        #: The producer ids each checkpoint carries (``raymq.core.duplicate_ids``);
+        #: None: none. While it holds any, a segment is deleted only once a durable
+        #: checkpoint has every id stored in it (``ids_checkpointed_below``): the
+        #: checkpoint is then the only place they are kept.
+        self.duplicate_ids: RememberedIds | None = None
+        self.ids_checkpointed_below = 0
 
     @property
     def planned_next(self) -> int:
@@ -248,6 +271,9 @@ class Writer:
             sections = self.subscriptions.checkpoint_section()
         elif deferred is not None:  # not attached yet: what recovery found
             sections, routed_to = deferred.sections, deferred.routed_to
+        ids = self.duplicate_ids
+        if ids is not None:
+            prepared.ids_cover = ids.cover(self._planned_next)
         prepared.checkpoint = encode_checkpoint(
             self.segments,
             self.next_offset,
@@ -255,6 +281,7 @@ class Writer:
             self._still_undeleted(),
             sections,
             routed_to,
+            None if ids is None else ids.entries(),
         )
         prepared.checkpoint_generation = gen
         prepared.next_ack_log = AckLog(self.directory, gen)
@@ -268,6 +295,9 @@ class Writer:
         # The newest segment stays, even fully acknowledged: its name and records keep
         # the highest offset given, whatever happens to the ack log and checkpoint.
         newest = self.segments[-1] if len(self.segments) else None
+        below, ids = 2**63, self.duplicate_ids
+        if ids is not None and ids.cover(self._planned_next) is not None:
+            below = self.ids_checkpointed_below
         return [
             s
             for s in self.segments
@@ -275,6 +305,7 @@ class Writer:
             and s.planned_size == s.size
             and id(s) not in written
             and s is not newest
+            and s.end_offset <= below
         ]
 
     def _plan(self, batches: list[MessageBatch], now_us: int, prepared: PreparedWrite) -> None:
@@ -516,6 +547,8 @@ class Writer:
             return
         if prepared.deferred is not None:
             self.deferred = None  # what recovery left is done
+        if prepared.ids_cover is not None:
+            self.ids_checkpointed_below = prepared.ids_cover
         self.remove_ack_logs_before(prepared.checkpoint_generation)
 
     def _roll_back(self, prepared: PreparedWrite) -> None:

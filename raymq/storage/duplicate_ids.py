@@ -1,0 +1,71 @@
+"""Finding the producer ids of stored messages again after a restart.
+
+A message sent with an id carries it as its ``_AMQ_DUPL_ID`` property
+(``raymq.core.duplicate_ids``). After a restart the queue remembers the ids of the
+messages it stored within its ``dedup_window_s``: those the checkpoint lists (the only
+record of ids whose segment was deleted since) and those of the live segments, read
+here from the stored properties (never the bodies), newest segment first, until a
+segment older than the window.
+"""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+
+from raymq.batch import MessageBatch
+from raymq.storage.record import CorruptRecord
+from raymq.storage.segment import Segment, Segments
+
+#: The property name as msgpack encodes it (a fixstr of 12 bytes): a record whose
+#: properties do not contain these bytes has no id, and is not decoded.
+_ID_KEY = msgpack.packb("_AMQ_DUPL_ID")
+
+
+def ids_in_batch(batch: MessageBatch, since_us: int) -> list[tuple[str, int, float]]:
+    """(id, offset, seconds since the epoch) of the messages of ``batch`` (timestamps
+    set) stored at ``since_us`` (µs since the epoch) or later that carry an id."""
+    if not len(batch.prop_data) or _ID_KEY not in batch.prop_data.tobytes():
+        return []
+    out = []
+    ts = batch.timestamps if batch.timestamps is not None else np.zeros(len(batch), np.int64)
+    for i, blob in enumerate(batch.property_blobs()):
+        if not blob or ts[i] < since_us or _ID_KEY not in blob:
+            continue
+        try:
+            mid = msgpack.unpackb(blob, raw=False).get("_AMQ_DUPL_ID")
+        except ValueError:  # stored by the queue, so well formed: never seen
+            continue
+        if isinstance(mid, str):
+            out.append((mid, batch.first_offset + i, int(ts[i]) / 1e6))
+    return out
+
+
+def segment_ids(seg: Segment) -> list[tuple[str, int, float]]:
+    """The ids stored in one segment (a record that cannot be read has none)."""
+    out: list[tuple[str, int, float]] = []
+    for k in range(len(seg.firsts)):
+        try:
+            batch = seg.read_properties(k)
+        except (CorruptRecord, OSError):
+            continue
+        if batch is not None:
+            out.extend(ids_in_batch(batch, 0))
+    return out
+
+
+def stored_ids(segments: Segments, read_properties, since_us: int) -> list[tuple[str, int, float]]:
+    """The ids of the messages in live ``segments`` stored at ``since_us`` or later,
+    read with ``read_properties(start, end)`` (``SegmentLog.properties``)."""
+    out: list[tuple[str, int, float]] = []
+    for seg in reversed(list(segments)):
+        if not seg.count:
+            continue
+        older = True
+        for batch in read_properties(seg.base_offset, seg.end_offset):
+            if batch.timestamps is not None and len(batch) and batch.timestamps[-1] >= since_us:
+                older = False
+                out.extend(ids_in_batch(batch, since_us))
+        if older:  # offsets are given in time order: every older segment is older still
+            break
+    return out
