@@ -47,7 +47,7 @@ from raymq.core.consumer_liveness import (
 from raymq.core.hibernation import Activity
 from raymq.core.queue import QueueCore, QueueStats
 from raymq.core.replication import ReplicationLeader
-from raymq.core.subscription import Delivery
+from raymq.core.subscription import LEASE_PREFETCH, Delivery
 from raymq.core.target_list import FetchAnswer
 from raymq.errors import BrokerUnavailable, NotLeader
 from raymq.storage.mirror import read_epochs, write_epochs
@@ -548,6 +548,34 @@ class QueueActor:
         """Unacknowledged messages from ``start`` on, changing nothing; and where to go on."""
         await self._ensure_started()
         return self.core.browse(start, max_messages, selector, subscription=subscription)
+
+    async def lease(
+        self,
+        consumer_id: str,
+        max_messages: int,
+        selector: str | None = None,
+        watch=None,
+        subscription: str | None = None,
+    ) -> tuple[np.ndarray, bool]:
+        """Hold up to ``max_messages`` for a reader without reading them; ``watch``
+        (its ReadLease actor) is watched as a TargetList is: when it dies, what the
+        reader holds is delivered again. Returns (offsets, whether more may be there)."""
+        await self._ensure_started()
+        if not self._registered(consumer_id, subscription):
+            self.core.register_consumer(
+                consumer_id, LEASE_PREFETCH, selector, watch, subscription=subscription
+            )
+            self._act(self._liveness.registered(consumer_id, subscription, watch))
+        self._liveness.heard_from(consumer_id, subscription)
+        return await self.core.lease(consumer_id, max_messages, selector, subscription=subscription)
+
+    async def read_leased(
+        self, consumer_id: str, offsets: np.ndarray, subscription: str | None = None
+    ) -> pa.RecordBatch:
+        """Leased messages as a delivery batch (read tasks of ``QueueReader``)."""
+        await self._ensure_started()
+        # On the event loop, as browse: the log's reads and caches are not thread-safe.
+        return self.core.read_leased(consumer_id, offsets, subscription=subscription)
 
     async def ack(
         self, consumer_id: str, offsets: np.ndarray, subscription: str | None = None

@@ -644,3 +644,17 @@ def read_queue(
             ds = ray.data.from_arrow(pa.Table.from_pylist([], schema=drained.schema))
         drained.ack()
     return ds
+
+
+def __getattr__(name: str):
+    """``raymq.data.QueueReader`` and ``raymq.data.QueueDatasink`` (their modules build
+    on this one, so they are imported when first asked for)."""
+    if name == "QueueReader":
+        from raymq.queue_reader import QueueReader
+
+        return QueueReader
+    if name == "QueueDatasink":
+        from raymq.queue_sink import QueueDatasink
+
+        return QueueDatasink
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -667,6 +667,23 @@ class QueueCore:
         """Unacknowledged messages from ``start`` on, changing nothing; and where to go on."""
         return self.subscription(subscription).browse(start, max_messages, selector)
 
+    async def lease(
+        self,
+        consumer_id: str,
+        max_messages: int,
+        selector: str | None = None,
+        *,
+        subscription: str | None = None,
+    ) -> tuple[np.ndarray, bool]:
+        """Hold up to ``max_messages`` for a reader, unread (``Subscription.lease``)."""
+        return await self.subscription(subscription).lease(consumer_id, max_messages, selector)
+
+    def read_leased(
+        self, consumer_id: str, offsets: np.ndarray, *, subscription: str | None = None
+    ) -> pa.RecordBatch:
+        """Leased messages as a delivery batch (``Subscription.read_leased``)."""
+        return self.subscription(subscription).read_leased(consumer_id, offsets)
+
     async def ack(
         self, consumer_id: str, offsets: np.ndarray, *, subscription: str | None = None
     ) -> int:

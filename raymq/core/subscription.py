@@ -93,6 +93,10 @@ class Delivery:
 NOTHING = Delivery(np.zeros(0, dtype=np.int64), 0, batch=EMPTY_DELIVERY)
 
 
+#: A reader's credit: it holds everything it leases until it commits or aborts.
+LEASE_PREFETCH = 2**31 - 1
+
+
 class Subscription:
     """Consumers, deliveries, acks and dead letters over one acknowledged set."""
 
@@ -374,6 +378,44 @@ class Subscription:
         batch = self._materialize(offsets, prev, read=self.log.read)
         self.host.forget_damaged()
         return batch, pos
+
+    async def lease(
+        self, consumer_id: str, max_messages: int, selector: str | None = None
+    ) -> tuple[np.ndarray, bool]:
+        """Take up to ``max_messages`` for a reader (``raymq.data.QueueReader``) without
+        reading them: they are held by ``consumer_id`` as a delivery is, until acked or
+        given back. Returns their offsets (sorted) and whether more may be there (a
+        selector's scan goes on, or ``max_messages`` were taken)."""
+        if consumer_id in self._closed_consumers or self.closed:
+            raise ConsumerClosed(f"reader {consumer_id} of queue {self.name!r} is closed")
+        if consumer_id not in self.area.consumers:
+            self.register_consumer(consumer_id, LEASE_PREFETCH, selector)
+        target = self.area.consumers[consumer_id]
+        taken: list[np.ndarray] = []
+        n = 0
+        while n < max_messages and self.area.consumers.get(consumer_id) is target:
+            offsets, _counts = self.area.take(consumer_id, max_messages - n)
+            if len(offsets):
+                taken.append(offsets)
+                n += len(offsets)
+            elif target.scanning:
+                self.area.scan_step(target)
+                await asyncio.sleep(0)  # let other calls in between scan steps
+            else:
+                break
+        self._count("out", n)
+        offsets = np.sort(np.concatenate(taken)) if taken else np.zeros(0, np.int64)
+        return offsets, n >= max_messages or target.scanning
+
+    def read_leased(self, consumer_id: str, offsets: np.ndarray) -> pa.RecordBatch:
+        """The messages of ``offsets`` that ``consumer_id`` holds (``lease``) as a
+        delivery batch, changing nothing; ``InvalidAck`` if it holds not all of them
+        (its lease was lost: the queue restarted, or the reader was taken for dead)."""
+        offsets = np.sort(self._offsets(offsets))
+        self.area.check_ack(consumer_id, offsets)
+        batch = self._materialize(offsets, self.area.previous_deliveries(offsets))
+        self.host.forget_damaged()
+        return batch
 
     async def ack(self, consumer_id: str, offsets: np.ndarray) -> int:
         """Acknowledge offsets; returns once the acks are durable (for a durable queue)."""
