@@ -556,10 +556,12 @@ class QueueActor:
         selector: str | None = None,
         watch=None,
         subscription: str | None = None,
+        timeout: float = 0.0,
     ) -> tuple[np.ndarray, bool]:
-        """Hold up to ``max_messages`` for a reader without reading them; ``watch``
-        (its ReadLease actor) is watched as a TargetList is: when it dies, what the
-        reader holds is delivered again. Returns (offsets, whether more may be there)."""
+        """Hold up to ``max_messages`` for a reader without reading them (waiting up
+        to ``timeout`` seconds for one when there is none); ``watch`` (its ReadLease
+        actor) is watched as a TargetList is: when it dies, what the reader holds is
+        delivered again. Returns (offsets, whether more may be there)."""
         await self._ensure_started()
         if not self._registered(consumer_id, subscription):
             self.core.register_consumer(
@@ -567,7 +569,9 @@ class QueueActor:
             )
             self._act(self._liveness.registered(consumer_id, subscription, watch))
         self._liveness.heard_from(consumer_id, subscription)
-        return await self.core.lease(consumer_id, max_messages, selector, subscription=subscription)
+        return await self.core.lease(
+            consumer_id, max_messages, selector, timeout, subscription=subscription
+        )
 
     async def read_leased(
         self, consumer_id: str, offsets: np.ndarray, subscription: str | None = None

@@ -1,11 +1,10 @@
-"""Queues as Ray Datasets: drain a queue into Arrow blocks with one column per property.
+"""Queues as Ray Datasets: Arrow blocks with one column per property, both ways.
 
-``read_queue(queue)`` consumes what a queue holds (optionally what a selector selects)
-and returns a ``ray.data.Dataset`` whose blocks live in the object store, one block per
-``batch_rows`` messages. Messages are acknowledged only once every block is stored, so
-a read that fails half-way (or a driver that dies) leaves them to be delivered again:
-at-least-once, as everywhere in RayMQ. ``raymq.spark.read_queue`` builds on the same
-drain to return a Spark DataFrame.
+``QueueReader`` (``raymq.queue_reader``) leases what a queue holds and has Ray Data's
+read tasks read it in parallel, acknowledging on ``commit()``; ``QueueDatasink``
+(``raymq.queue_sink``) writes a Dataset into a queue, each row once. ``read_queue``
+builds on the reader, and ``raymq.spark`` on both. This module holds what they share:
+deliveries to Arrow tables, one schema for many blocks, Arrow tables to messages.
 
 Columns: ``offset`` (int64), ``timestamp`` (when the queue stored the message,
 timestamp[us, UTC]), ``body`` (binary), then one column per property name in order of
@@ -16,10 +15,6 @@ with floats become float64, other mixtures strings (``true``/``false`` for bools
 
 from __future__ import annotations
 
-import contextlib
-import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -29,11 +24,11 @@ import pyarrow.compute as pc
 import ray
 
 from raymq.batch import MessageBatch
-from raymq.client import Broker, Consumer, Queue
-from raymq.errors import InvalidSetting, ReadStalled
+from raymq.client import Broker, Queue
+from raymq.errors import InvalidSetting
 from raymq.properties import encode_properties
 
-#: Columns every drained block starts with, before the property columns.
+#: Columns every block read from a queue starts with, before the property columns.
 HEADER_COLUMNS = ("offset", "timestamp", "body")
 _HEADER_TYPES = {
     "offset": pa.int64(),
@@ -43,14 +38,6 @@ _HEADER_TYPES = {
 #: Messages per block unless told otherwise: large enough that per-block costs (an
 #: object-store put, a Spark partition) are small, small enough to stay a few MiB.
 DEFAULT_BATCH_ROWS = 50_000
-#: A consumer that should hold everything it reads until the final acknowledgement
-#: (its prefetch is a credit count, nothing is allocated from it).
-_UNBOUNDED_PREFETCH = 2**31 - 1
-#: Seconds a drain waits while the queue still has messages for the reader (its backlog
-#: is not 0) but none arrives and the backlog neither shrinks nor grows. Only a wedged
-#: queue or consumer stalls that long, whatever the machine's speed; the read then raises
-#: ``ReadStalled`` rather than return part of the queue as if it were all of it.
-STALL_SECONDS = 300.0
 
 
 def resolve_queue(queue: Queue | str, broker: Broker | None = None) -> Queue:
@@ -407,205 +394,6 @@ def progress_bar(description: str, total: int | None, enabled: bool = True) -> _
     return _Progress(description, total, enabled)
 
 
-@dataclass
-class Drained:
-    """What ``drain`` read: blocks in the object store, not yet acknowledged."""
-
-    consumer: Consumer
-    refs: list[ray.ObjectRef] = field(default_factory=list)
-    schema: pa.Schema | None = None
-    rows: int = 0
-    offsets: list[np.ndarray] = field(default_factory=list)
-
-    def ack(self) -> int:
-        """Acknowledge every message read; returns how many were newly acknowledged.
-
-        One call per block: a single call for millions of offsets would hold the queue
-        actor for seconds, and its other producers and consumers with it.
-        """
-        return sum(self.consumer.ack(offsets, wait=True) for offsets in self.offsets)
-
-
-def _expected(queue: Queue, selector: str | None, max_messages: int | None) -> int | None:
-    """How many messages a drain will likely read, for the progress bar (None: unknown)."""
-    if selector is not None:
-        return max_messages  # the depth counts messages the selector may skip
-    with contextlib.suppress(Exception):  # a progress bar is no reason to fail a read
-        depth = int(queue.stats()["depth"])
-        return depth if max_messages is None else min(depth, max_messages)
-    return max_messages
-
-
-@contextlib.contextmanager
-def drain(
-    queue: Queue,
-    selector: str | None = None,
-    max_messages: int | None = None,
-    *,
-    timeout: float = 2.0,
-    batch_rows: int = DEFAULT_BATCH_ROWS,
-    headers: bool = True,
-    progress: bool = True,
-    description: str = "reading",
-) -> Iterator[Drained]:
-    """Consume into object-store blocks (tables of ``batch_rows`` messages, one schema).
-
-    Reading stops after ``max_messages``, or when nothing arrives for ``timeout``
-    seconds and the queue has nothing more for this consumer (``Consumer.backlog()`` is
-    0: its late scan is done and nothing is on its way), however long that takes.
-    Raises ``ReadStalled`` if the queue still has messages for it but neither
-    delivers one nor changes its backlog for ``STALL_SECONDS`` (a wedge): a read is
-    never cut short silently. Yields a ``Drained``: the caller calls ``ack()`` once what
-    it built from the blocks is safe; the consumer is closed on exit, so whatever is not
-    acknowledged then is delivered again.
-    """
-    _check_drain_settings(max_messages, batch_rows, timeout)
-    # Acknowledging only at the end means the consumer holds everything it read.
-    prefetch = _UNBOUNDED_PREFETCH if max_messages is None else max_messages
-    consumer = queue.consumer(
-        selector=selector, prefetch=prefetch, high_watermark=min(prefetch, 4 * batch_rows)
-    )
-    out = Drained(consumer)
-    try:
-        total = _expected(queue, selector, max_messages)
-        with progress_bar(f"{description} {queue.name}", total, progress) as bar:
-            blocks = _Blocks(out, headers)
-            _receive_blocks(queue.name, blocks, bar, max_messages, timeout, batch_rows)
-            bar.set_total(out.rows)
-        _unify_blocks(out, blocks.schemas, headers)
-        yield out
-    finally:
-        consumer.close()
-
-
-def _check_drain_settings(max_messages: int | None, batch_rows: int, timeout: float) -> None:
-    """``InvalidSetting`` for a ``drain`` argument out of range (``timeout`` in seconds)."""
-    if max_messages is not None and (
-        isinstance(max_messages, bool) or not isinstance(max_messages, int) or max_messages < 1
-    ):
-        raise InvalidSetting(f"max_messages={max_messages!r} must be None or an int >= 1")
-    if isinstance(batch_rows, bool) or not isinstance(batch_rows, int) or batch_rows < 1:
-        raise InvalidSetting(f"batch_rows={batch_rows!r} must be an int >= 1")
-    if not isinstance(timeout, int | float) or timeout < 0:
-        raise InvalidSetting(f"timeout={timeout!r} must be a number of seconds >= 0")
-
-
-class _Blocks:
-    """Received batches on their way to object-store blocks of a ``Drained``: pending
-    until ``flush`` joins them into one table and puts it."""
-
-    def __init__(self, out: Drained, headers: bool) -> None:
-        self.out = out
-        self.headers = headers
-        self.pending: list[pa.RecordBatch] = []
-        self.pending_rows = 0
-        #: Each block's schema, in the order of ``out.refs``.
-        self.schemas: list[pa.Schema] = []
-
-    @property
-    def rows(self) -> int:
-        """Messages received: in blocks and pending."""
-        return self.out.rows + self.pending_rows
-
-    def add(self, batch: pa.RecordBatch) -> None:
-        """Keep ``batch`` for the next block."""
-        self.pending.append(batch)
-        self.pending_rows += batch.num_rows
-
-    def flush(self) -> None:
-        """Put the pending batches in the object store as one block (nothing if none)."""
-        if not self.pending_rows:
-            return
-        joined = self.pending[0] if len(self.pending) == 1 else pa.concat_batches(self.pending)
-        table = delivery_to_table(joined, headers=self.headers)
-        self.out.refs.append(ray.put(table))
-        self.schemas.append(table.schema)
-        self.out.offsets.append(joined.column("offset").to_numpy())
-        self.out.rows += table.num_rows
-        self.pending, self.pending_rows = [], 0
-
-
-class _StallClock:
-    """Times how long a reader's backlog stays the same while nothing arrives; raises
-    ``ReadStalled`` past ``max(timeout, STALL_SECONDS)`` seconds of that."""
-
-    def __init__(self, queue_name: str, timeout: float) -> None:
-        self.queue_name = queue_name
-        self.timeout = timeout
-        self.backlog: int | None = None
-        self.since = time.monotonic()
-
-    def progress(self) -> None:
-        """A message arrived: the clock restarts."""
-        self.backlog, self.since = None, time.monotonic()
-
-    def idle(self, backlog: int, read: int) -> None:
-        """Nothing arrived and ``backlog`` messages are there for the reader (``read``
-        received so far): restart the clock if the backlog moved, else raise
-        ``ReadStalled`` once it has stood still too long."""
-        if backlog != self.backlog:
-            self.backlog, self.since = backlog, time.monotonic()
-        elif time.monotonic() - self.since > max(self.timeout, STALL_SECONDS):
-            raise ReadStalled(
-                f"reading queue {self.queue_name!r} stalled: {backlog} messages are"
-                f" there for the reader, yet none came and the backlog did not"
-                f" move for {max(self.timeout, STALL_SECONDS):g} s; the"
-                f" {read} read are not acknowledged (they"
-                " will be delivered again)"
-            )
-
-
-def _receive_blocks(
-    queue_name: str,
-    blocks: _Blocks,
-    bar: _Progress,
-    max_messages: int | None,
-    timeout: float,
-    batch_rows: int,
-) -> None:
-    """Receive into ``blocks`` (one per ``batch_rows`` messages) until ``max_messages``,
-    or until a receive waits ``timeout`` seconds for nothing and the consumer's backlog
-    is 0; ``ReadStalled`` if it stays above 0 unmoved (``_StallClock``)."""
-    consumer = blocks.out.consumer
-    stall = _StallClock(queue_name, timeout)
-    while max_messages is None or blocks.rows < max_messages:
-        want = batch_rows - blocks.pending_rows
-        if max_messages is not None:
-            want = min(want, max_messages - blocks.rows)
-        got = consumer.receive_batch(want, timeout=timeout)
-        if got.num_rows == 0:
-            # An empty receive alone does not mean the end: a selector consumer
-            # arriving at a deep queue scans stored properties first, and its
-            # TargetList then loads what matched, which can outlast a short
-            # timeout (or pause for seconds) on a busy machine. The backlog says
-            # when nothing is left.
-            now = consumer.backlog()
-            if now == 0:
-                break
-            stall.idle(now, blocks.rows)
-            continue
-        stall.progress()
-        blocks.add(got)
-        bar.advance(got.num_rows)
-        if blocks.pending_rows >= batch_rows:
-            blocks.flush()
-    blocks.flush()
-
-
-def _unify_blocks(out: Drained, schemas: list[pa.Schema], headers: bool) -> None:
-    """Give ``out`` one schema: the blocks' unified, each block whose ``schemas`` entry
-    differs rewritten to it; with no block, the header columns' alone."""
-    if out.refs:
-        out.schema = unify_schemas(schemas)
-        # Blocks whose properties differ from the unified schema are rewritten; in the
-        # common case (same properties everywhere) nothing is copied again.
-        for i, s in enumerate(schemas):
-            if s != out.schema:
-                out.refs[i] = ray.put(conform(ray.get(out.refs[i]), out.schema))
-    else:
-        out.schema = delivery_to_table(pa.table({}), headers=headers).schema
-
-
 def read_queue(
     queue: Queue | str,
     selector: str | None = None,
@@ -617,32 +405,34 @@ def read_queue(
     headers: bool = True,
     progress: bool = True,
 ) -> ray.data.Dataset:
-    """Consume (and acknowledge) a queue into a Ray Dataset, showing progress.
+    """Consume (and acknowledge) what a queue holds into a materialized Ray Dataset.
 
-    ``queue`` is a ``Queue`` handle, or a name with ``broker=``. ``selector`` is a JMS
-    selector over the properties; reading stops after ``max_messages`` messages, or when
-    none arrives for ``timeout`` seconds and the queue has nothing more for the reader
-    (``ReadStalled`` if it has some but a wedge keeps them back: see ``drain``).
-    Each block holds up to ``batch_rows`` messages: columns ``offset``, ``timestamp``
-    (when stored, µs UTC), ``body``, then one per property (``headers=False`` leaves
-    out offset and timestamp). Messages are acknowledged once every block is in the
-    object store.
+    A ``QueueReader`` leases the messages (``selector``: a JMS selector over the
+    properties; at most ``max_messages``; when the queue has none for the reader, it
+    waits up to ``timeout`` seconds for a first one), Ray Data's read tasks read them
+    into object-store blocks of ``batch_rows`` messages with one schema (columns
+    ``offset``, ``timestamp`` (when stored, µs UTC), ``body``, then one per property;
+    ``headers=False`` leaves out offset and timestamp), and only then are they
+    acknowledged: a read that fails on the way, or a driver that dies, leaves them in
+    the queue. Nothing passes through the driver but offsets.
     """
-    q = resolve_queue(queue, broker)
-    with drain(
-        q,
-        selector,
-        max_messages,
-        timeout=timeout,
+    from raymq.queue_reader import QueueReader, leased_blocks
+
+    reader = QueueReader(
+        resolve_queue(queue, broker),
+        selector=selector,
+        max_messages=max_messages,
         batch_rows=batch_rows,
         headers=headers,
         progress=progress,
-    ) as drained:
-        if drained.refs:
-            ds = ray.data.from_arrow_refs(drained.refs)
+        timeout=timeout,
+    )
+    with leased_blocks(reader) as got:
+        if got.refs:
+            ds = ray.data.from_arrow_refs(got.refs)
         else:
-            ds = ray.data.from_arrow(pa.Table.from_pylist([], schema=drained.schema))
-        drained.ack()
+            ds = ray.data.from_arrow(pa.Table.from_pylist([], schema=got.schema))
+        reader.commit()
     return ds
 
 

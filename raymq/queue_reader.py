@@ -19,8 +19,11 @@ run again, with the sink's message ids, it stores each row once.
 
 from __future__ import annotations
 
+import contextlib
+import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
@@ -30,7 +33,14 @@ from ray.data.datasource import Datasource, ReadTask
 
 from raymq.client import Broker, Queue
 from raymq.client.calls import _call
-from raymq.data import DEFAULT_BATCH_ROWS, delivery_to_table, progress_bar, resolve_queue
+from raymq.data import (
+    DEFAULT_BATCH_ROWS,
+    conform,
+    delivery_to_table,
+    progress_bar,
+    resolve_queue,
+    unify_schemas,
+)
 from raymq.errors import ConsumerClosed, InvalidSetting
 
 #: Offsets leased per call to the queue actor: bounds one call's time and answer.
@@ -56,17 +66,23 @@ class QueueReader:
         batch_rows: int = DEFAULT_BATCH_ROWS,
         headers: bool = True,
         progress: bool = True,
+        timeout: float = 0.0,
     ) -> None:
         """``queue``: a handle, or a name with ``broker=``. ``selector``: a JMS selector
         over the properties; ``max_messages``: most messages leased (None: all there
-        are when ``dataset()`` is called). ``batch_rows``: messages per block;
-        ``headers`` False leaves out the offset and timestamp columns."""
+        are when ``dataset()`` is called; a selector's reader first scans the stored
+        properties, however long that takes). ``timeout``: when the queue has nothing
+        for the reader, seconds to wait for a first message. ``batch_rows``: messages
+        per block; ``headers`` False leaves out the offset and timestamp columns."""
         if max_messages is not None and (
             isinstance(max_messages, bool) or not isinstance(max_messages, int) or max_messages < 1
         ):
             raise InvalidSetting(f"max_messages={max_messages!r} must be None or an int >= 1")
         if isinstance(batch_rows, bool) or not isinstance(batch_rows, int) or batch_rows < 1:
             raise InvalidSetting(f"batch_rows={batch_rows!r} must be an int >= 1")
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout < 0:
+            raise InvalidSetting(f"timeout={timeout!r} must be a number of seconds >= 0")
+        self.timeout = float(timeout)
         self.queue = resolve_queue(queue, broker)
         self.selector = selector
         self.max_messages = max_messages
@@ -119,16 +135,26 @@ class QueueReader:
         taken: list[np.ndarray] = []
         n, more = 0, True
         total = self.max_messages
+        deadline = time.monotonic() + self.timeout
         with progress_bar(f"leasing {self.queue.name}", total, self.progress) as bar:
-            while more and (self.max_messages is None or n < self.max_messages):
+            while more and (total is None or n < total):
                 want = LEASE_CHUNK if total is None else min(LEASE_CHUNK, total - n)
+                wait = max(0.0, deadline - time.monotonic()) if n == 0 else 0.0
                 offsets, more = self.queue._invoke(
-                    "lease", self.consumer_id, want, self.selector, self._lease, self._subscription
+                    "lease",
+                    self.consumer_id,
+                    want,
+                    self.selector,
+                    self._lease,
+                    self._subscription,
+                    wait,
                 )
                 if len(offsets):
                     taken.append(offsets)
                     n += len(offsets)
                     bar.advance(len(offsets))
+                elif n == 0 and time.monotonic() < deadline:
+                    more = True  # the queue waits at most a second per call: ask again
             bar.set_total(n)
         self._offsets = np.sort(np.concatenate(taken)) if taken else np.zeros(0, np.int64)
 
@@ -249,3 +275,49 @@ def _reader_of(offsets: np.ndarray, args: _ReadArgs):
             yield delivery_to_table(batch, headers=args.headers)
 
     return read
+
+
+# -- a queue's messages as blocks of one schema (read_queue, raymq.spark) -------------
+
+
+@dataclass
+class LeasedBlocks:
+    """What ``leased_blocks`` read: Arrow blocks of one schema in the object store (the
+    driver holds references only), of messages ``reader`` leased and not yet
+    acknowledged."""
+
+    reader: QueueReader
+    refs: list[ray.ObjectRef]
+    schema: pa.Schema
+
+
+@ray.remote(num_cpus=0)
+def _schema_of(table: pa.Table) -> pa.Schema:
+    return table.schema
+
+
+@ray.remote(num_cpus=0)
+def _conformed(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    return conform(table, schema)
+
+
+@contextlib.contextmanager
+def leased_blocks(reader: QueueReader) -> Iterator[LeasedBlocks]:
+    """Read everything ``reader`` leases into object-store blocks with one schema (the
+    blocks' own, unified: a property whose type differs between blocks takes the
+    wider one, see ``raymq.data.unify_schemas``; blocks that differ are rewritten in
+    tasks beside them). The caller commits once what it built is safe; leaving the
+    block without a commit aborts (everything is delivered again)."""
+    with reader:
+        ds = reader.dataset().materialize()
+        refs = list(ds.to_arrow_refs())
+        if refs:
+            schemas = ray.get([_schema_of.remote(r) for r in refs])
+            schema = unify_schemas(schemas)
+            refs = [
+                r if s == schema else _conformed.remote(r, schema)
+                for r, s in zip(refs, schemas, strict=True)
+            ]
+        else:
+            schema = delivery_to_table(pa.table({}), headers=reader.headers).schema
+        yield LeasedBlocks(reader, refs, schema)

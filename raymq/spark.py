@@ -9,10 +9,11 @@ Sending never brings rows to the driver: ``ray.data.from_spark`` (RayDP) turns t
 DataFrame's partitions into Arrow blocks in the object store, and ``map_batches`` tasks,
 scheduled next to those blocks, encode them (``raymq.data.encode_arrow``, the bytes
 ``Queue.send_batch`` would write) and send them to the queue actor; only a count per
-batch comes back to the driver. Reading drains the queue into Arrow blocks in the object store
-(``raymq.data.drain``), hands them to Spark as Arrow IPC objects that RayDP's JVM
-executors read themselves (no Python worker in Spark, no pandas), materializes the
-DataFrame in Spark (``localCheckpoint``) and only then acknowledges the messages.
+batch comes back to the driver. Reading leases the messages (``raymq.data.QueueReader``),
+has Ray Data's read tasks read them into Arrow blocks in the object store, turns those
+into Arrow IPC objects beside them that RayDP's JVM executors read themselves (no
+Python worker in Spark, no pandas), materializes the DataFrame in Spark
+(``localCheckpoint``) and only then acknowledges the messages.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ import ray
 from raymq.client import Broker, Queue
 from raymq.client.calls import _call
 from raymq.config import apply_ray_env_defaults
-from raymq.data import DEFAULT_BATCH_ROWS, drain, encode_arrow, progress_bar, resolve_queue
+from raymq.data import DEFAULT_BATCH_ROWS, encode_arrow, progress_bar, resolve_queue
 from raymq.errors import InvalidSetting, RayMQError
+from raymq.queue_reader import QueueReader, leased_blocks
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -452,6 +454,12 @@ def _ray_data_settings() -> Iterator[None]:
 # -- queue -> Spark DataFrame --------------------------------------------------------
 
 
+@ray.remote(num_cpus=0)
+def _ipc_block(table: pa.Table) -> bytes:
+    """``_ipc_bytes`` in a task beside the block."""
+    return _ipc_bytes(table)
+
+
 def _ipc_bytes(table: pa.Table) -> bytes:
     """A table as one Arrow IPC stream, the block format RayDP's JVM reads."""
     sink = pa.BufferOutputStream()
@@ -480,44 +488,44 @@ def read_queue(
     headers: bool = True,
     progress: bool = True,
 ) -> DataFrame:
-    """Consume (and acknowledge) a queue into a Spark DataFrame, showing progress.
+    """Consume (and acknowledge) what a queue holds into a Spark DataFrame.
 
     Columns: ``offset`` (long), ``timestamp`` (when the queue stored the message),
     ``body`` (binary), then one column per property (see ``raymq.data``);
-    ``headers=False`` leaves out offset and timestamp. ``selector`` is a JMS selector
-    over the properties; reading stops after ``max_messages`` messages, or when none
-    arrives for ``timeout`` seconds and the queue has nothing more for the reader
-    (``ReadStalled`` if it has some but a wedge keeps them back: see
-    ``raymq.data.drain``). The DataFrame is materialized in Spark's executors
+    ``headers=False`` leaves out offset and timestamp. A ``raymq.data.QueueReader``
+    leases the messages (``selector``: a JMS selector over the properties; at most
+    ``max_messages``; when the queue has none for the reader, it waits up to
+    ``timeout`` seconds for a first one) and Ray Data's read tasks read them into Arrow
+    blocks, turned into Arrow IPC objects beside them for RayDP's JVM: nothing passes
+    through the driver but offsets. The DataFrame is materialized in Spark's executors
     (``localCheckpoint``) before the messages are acknowledged, so a failure on the way
-    leaves them in the queue. One Spark partition per ``batch_rows`` messages.
+    (or a driver that dies) leaves them in the queue. One Spark partition per
+    ``batch_rows`` messages.
     """
     from raydp.spark import ray_dataset_to_spark_dataframe
 
-    q = resolve_queue(queue, broker)
-    with drain(
-        q,
-        selector,
-        max_messages,
-        timeout=timeout,
+    reader = QueueReader(
+        resolve_queue(queue, broker),
+        selector=selector,
+        max_messages=max_messages,
         batch_rows=batch_rows,
         headers=headers,
         progress=progress,
-    ) as drained:
-        if not drained.refs:
+        timeout=timeout,
+    )
+    with leased_blocks(reader) as got:
+        if not got.refs:
             # From an empty JVM-side RDD: no Python worker, no Spark job.
             empty = spark.sparkContext.emptyRDD()
-            return spark.createDataFrame(empty, _spark_schema(drained.schema))
-        blocks = []
-        for i, ref in enumerate(drained.refs):
-            blocks.append(ray.put(_ipc_bytes(ray.get(ref))))
-            drained.refs[i] = None  # the table block is no longer needed
-        df = ray_dataset_to_spark_dataframe(spark, drained.schema, blocks)
+            return spark.createDataFrame(empty, _spark_schema(got.schema))
+        blocks = [_ipc_block.remote(ref) for ref in got.refs]
+        got.refs.clear()  # the table blocks are no longer needed
+        df = ray_dataset_to_spark_dataframe(spark, got.schema, blocks)
         # Materialized in Spark, the DataFrame no longer needs the blocks, and what the
         # caller holds is safe before the queue forgets it.
         df = df.localCheckpoint(eager=True)
         del blocks
-        drained.ack()
+        reader.commit()
         return df
 
 

@@ -672,11 +672,13 @@ class QueueCore:
         consumer_id: str,
         max_messages: int,
         selector: str | None = None,
+        timeout: float = 0.0,
         *,
         subscription: str | None = None,
     ) -> tuple[np.ndarray, bool]:
         """Hold up to ``max_messages`` for a reader, unread (``Subscription.lease``)."""
-        return await self.subscription(subscription).lease(consumer_id, max_messages, selector)
+        sub = self.subscription(subscription)
+        return await sub.lease(consumer_id, max_messages, selector, timeout)
 
     def read_leased(
         self, consumer_id: str, offsets: np.ndarray, *, subscription: str | None = None

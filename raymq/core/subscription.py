@@ -380,12 +380,17 @@ class Subscription:
         return batch, pos
 
     async def lease(
-        self, consumer_id: str, max_messages: int, selector: str | None = None
+        self,
+        consumer_id: str,
+        max_messages: int,
+        selector: str | None = None,
+        timeout: float = 0.0,
     ) -> tuple[np.ndarray, bool]:
         """Take up to ``max_messages`` for a reader (``raymq.data.QueueReader``) without
         reading them: they are held by ``consumer_id`` as a delivery is, until acked or
-        given back. Returns their offsets (sorted) and whether more may be there (a
-        selector's scan goes on, or ``max_messages`` were taken)."""
+        given back; when there is none, wait up to ``timeout`` seconds for one. Returns
+        their offsets (sorted) and whether more may be there (a selector's scan goes
+        on, or ``max_messages`` were taken)."""
         if consumer_id in self._closed_consumers or self.closed:
             raise ConsumerClosed(f"reader {consumer_id} of queue {self.name!r} is closed")
         if consumer_id not in self.area.consumers:
@@ -393,7 +398,9 @@ class Subscription:
         target = self.area.consumers[consumer_id]
         taken: list[np.ndarray] = []
         n = 0
+        deadline = time.monotonic() + min(max(timeout, 0.0), MAX_POLL_SECONDS)
         while n < max_messages and self.area.consumers.get(consumer_id) is target:
+            arrival = self._arrival
             offsets, _counts = self.area.take(consumer_id, max_messages - n)
             if len(offsets):
                 taken.append(offsets)
@@ -401,6 +408,9 @@ class Subscription:
             elif target.scanning:
                 self.area.scan_step(target)
                 await asyncio.sleep(0)  # let other calls in between scan steps
+            elif n == 0 and (remaining := deadline - time.monotonic()) > 0:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(arrival.wait(), remaining)
             else:
                 break
         self._count("out", n)
