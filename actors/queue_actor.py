@@ -599,12 +599,20 @@ class QueueActor:
         return await self.core.ack_acceptable(consumer_id, offsets, subscription=subscription)
 
     async def nack(
-        self, consumer_id: str, offsets: np.ndarray, subscription: str | None = None
+        self,
+        consumer_id: str,
+        offsets: np.ndarray,
+        subscription: str | None = None,
+        delay: float | None = None,
     ) -> int:
-        """Release for redelivery with delivery count + 1."""
+        """Release for redelivery with delivery count + 1, after ``delay`` seconds
+        (None: the queue's ``redelivery_delay_s``); a delay is durable when answered."""
         await self._ensure_started()
         self._liveness.heard_from(consumer_id, subscription)
-        return self.core.nack(consumer_id, offsets, subscription=subscription)
+        n = self.core.nack(consumer_id, offsets, subscription=subscription, delay=delay)
+        if self.core.log.has_pending_acks and self.core.config.durable:
+            await self.core.flush_acks()
+        return n
 
     async def reject(
         self, consumer_id: str, offsets: np.ndarray, subscription: str | None = None

@@ -80,8 +80,24 @@ def check_int(setting: str, value: object, *, minimum: int, allow_minus_one: boo
 
 #: Most copies of a replicated queue.
 MAX_REPLICAS = 5
-#: Longest ``dedup_window_s``, seconds (a week): longer is a mistake (ms taken for s).
+#: Longest ``dedup_window_s`` or redelivery delay, seconds (a week): longer is a
+#: mistake (ms taken for s).
 MAX_DELAY_SECONDS = 7 * 86400.0
+
+
+def check_delay(value: object, queue: str, setting: str = "delay") -> float:
+    """``value`` as seconds from 0 to ``MAX_DELAY_SECONDS``; ``InvalidSetting`` naming
+    the queue and the setting otherwise."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not 0 <= value <= MAX_DELAY_SECONDS
+    ):
+        raise InvalidSetting(
+            f"{setting}={value!r} for queue {queue!r} must be seconds from 0"
+            f" to {MAX_DELAY_SECONDS:g}"
+        )
+    return float(value)
 
 
 @dataclass(frozen=True)
@@ -118,6 +134,9 @@ class QueueConfig:
     #: Most producer ids remembered (Artemis's id-cache-size), the oldest forgotten
     #: first: bounds their memory (up to ~400 bytes each) and every checkpoint's size.
     id_cache_size: int = 100_000
+    #: Seconds a nacked message waits before it is delivered again (``Consumer.nack``'s
+    #: ``delay`` overrides it per call); 0: at once.
+    redelivery_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
         validate_queue_name(self.name)
@@ -136,17 +155,8 @@ class QueueConfig:
         if self.max_delivery_attempts is not None:
             check_int("max_delivery_attempts", self.max_delivery_attempts, minimum=1)
         check_int("id_cache_size", self.id_cache_size, minimum=0)
-        for setting in ("dedup_window_s",):
-            value = getattr(self, setting)
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, int | float)
-                or not 0 <= value <= MAX_DELAY_SECONDS
-            ):
-                raise InvalidSetting(
-                    f"{setting}={value!r} for queue {self.name!r} must be seconds from 0"
-                    f" to {MAX_DELAY_SECONDS:g}"
-                )
+        for setting in ("dedup_window_s", "redelivery_delay_s"):
+            check_delay(getattr(self, setting), self.name, setting)
         if self.dead_letter_queue is not None:
             validate_queue_name(self.dead_letter_queue)
         else:  # the default name must be valid too (a name near the length limit)

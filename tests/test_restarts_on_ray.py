@@ -181,3 +181,24 @@ def test_message_ids_store_each_message_once_across_a_queue_kill(broker):
     ]
     with pytest.raises(InvalidSetting, match="once"):
         again.send_batch([b"x"], message_ids=["a", "b"])
+
+
+def test_a_nack_delay_holds_and_survives_a_queue_kill(broker):
+    q = broker.create_queue("later")
+    q.send_batch([b"soon", b"much-later"])
+    c = q.consumer(prefetch=10)
+    got = c.receive(2, timeout=10.0)
+    assert [m.body for m in got] == [b"soon", b"much-later"]
+    t0 = time.monotonic()
+    assert c.nack(got[0], delay=1.0) == 1
+    assert c.nack(got[1], delay=3600.0) == 1
+    again = c.receive(1, timeout=30.0)
+    assert [m.body for m in again] == [b"soon"] and time.monotonic() - t0 >= 1.0
+    c.ack(again)
+    assert q.stats()["delayed_messages"] == 1
+    os.kill(_call(q._actor.pid), signal.SIGKILL)
+    q = broker.get_queue("later")
+    stats = q.stats()
+    assert stats["delayed_messages"] == 1 and stats["depth"] == 1 and stats["in_flight"] == 0
+    with q.consumer(prefetch=10) as fresh:
+        assert fresh.receive(1, timeout=0.5) == []

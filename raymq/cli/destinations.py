@@ -106,6 +106,13 @@ _node_id_option = click.option("--node-id", help="Node for the queue's files (de
     show_default=True,
     help="Most message ids remembered.",
 )
+@click.option(
+    "--redelivery-delay-s",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="Seconds a nacked message waits before it is delivered again.",
+)
 @click.pass_context
 def create_queue(ctx: click.Context, name: str, **settings: Any) -> None:
     """Create a queue (or confirm it exists with these settings)."""

@@ -121,6 +121,7 @@ class Broker:
         min_insync_replicas: int | None = None,
         dedup_window_s: float = 120.0,
         id_cache_size: int = 100_000,
+        redelivery_delay_s: float = 0.0,
     ) -> Queue:
         """Create a queue, or return it if it exists with equal settings.
 
@@ -132,8 +133,9 @@ class Broker:
         of 2, 2 of 3) have it durably, and the queue survives the loss of its leader's
         node (README, "Failure model"). A message sent with a ``message_id`` the queue
         stored within ``dedup_window_s`` seconds is not stored again (at most
-        ``id_cache_size`` ids remembered). Raises ``QueueExists`` for different
-        settings,
+        ``id_cache_size`` ids remembered); a nacked message waits
+        ``redelivery_delay_s`` seconds before it is delivered again. Raises
+        ``QueueExists`` for different settings,
         ``InvalidQueueName``, ``InvalidSetting`` or ``TypeError`` for bad arguments,
         ``BrokerUnavailable`` if there are fewer alive nodes than replicas (nothing is
         created then).
@@ -151,6 +153,7 @@ class Broker:
             min_insync_replicas=min_insync_replicas,
             dedup_window_s=dedup_window_s,
             id_cache_size=id_cache_size,
+            redelivery_delay_s=redelivery_delay_s,
         )
         handle = _call(self._actor.create_queue, cfg, node_id)
         return Queue(self, name, handle)

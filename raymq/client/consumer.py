@@ -587,12 +587,22 @@ class Consumer(AsyncReceives):
             return None
         return InvalidAck(refusal) if refusal else None
 
-    def nack(self, messages: Message | int | Iterable | pa.RecordBatch | pa.Table) -> int:
-        """Give messages back: they are delivered again with ``delivery_count`` + 1."""
+    def nack(
+        self,
+        messages: Message | int | Iterable | pa.RecordBatch | pa.Table,
+        *,
+        delay: float | None = None,
+    ) -> int:
+        """Give messages back: they are delivered again with ``delivery_count`` + 1,
+        after ``delay`` seconds (None: the queue's ``redelivery_delay_s``; 0: at once).
+        A delayed message holds no memory but its offset and keeps its delay across a
+        restart of the queue (durable when this returns)."""
         self._check_open()
         self._send_acks()  # in order: what was acked before is not given back
         offsets = _offsets_of(messages)
-        return self.queue._invoke("nack", self.consumer_id, offsets, self._subscription)
+        if delay is None:
+            return self.queue._invoke("nack", self.consumer_id, offsets, self._subscription)
+        return self.queue._invoke("nack", self.consumer_id, offsets, self._subscription, delay)
 
     def reject(self, messages: Message | int | Iterable | pa.RecordBatch | pa.Table) -> int:
         """Give up on messages: they go to the queue's dead-letter queue (with

@@ -15,6 +15,7 @@ touches the log's write path, so at most one write is in flight.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -25,7 +26,7 @@ import numpy as np
 import pyarrow as pa
 
 from raymq.batch import MessageBatch
-from raymq.config import BrokerConfig, QueueConfig
+from raymq.config import BrokerConfig, QueueConfig, check_delay
 from raymq.core.address import (
     address_subscription,
     check_settings,
@@ -130,6 +131,8 @@ class QueueCore:
         self._closed = False
         self._started_at = time.monotonic()
         self.duplicate_ids = self._remembered_ids()
+        self._delays_moved = asyncio.Event()
+        self._delays_after_restart()
         #: Ids of sends being stored now: a duplicate arriving meanwhile awaits the
         #: first one's answer (its offset) instead of storing a second copy.
         self._storing_ids: dict[str, asyncio.Future] = {}
@@ -141,7 +144,7 @@ class QueueCore:
         if not cache.enabled:
             return cache
         since_us = int((time.time() - cache.window_s) * 1e6)
-        t0 = time.perf_counter()
+        t0 = time.monotonic()
         found = stored_ids(self.log.segments, self.log.properties, since_us)
         kept = cache.restore([*self.log.recovered_duplicate_ids, *found])
         if kept:
@@ -149,7 +152,7 @@ class QueueCore:
                 "queue %r: %d producer ids remembered from before the restart (%.3f s)",
                 self.name,
                 kept,
-                time.perf_counter() - t0,
+                time.monotonic() - t0,
             )
         self.log.checkpoint_duplicate_ids(cache)
         return cache
@@ -230,6 +233,7 @@ class QueueCore:
         self._tasks.spawn("writer", self.commits.run)
         self._tasks.spawn("housekeeping", self._tick_loop)
         self._tasks.spawn("scrub", self._scrub_loop)
+        self._tasks.spawn("delays", self._delay_loop)
         for sub in self.all_subscriptions():
             sub.start()
 
@@ -700,10 +704,52 @@ class QueueCore:
         return await self.subscription(subscription).ack_acceptable(consumer_id, offsets)
 
     def nack(
-        self, consumer_id: str, offsets: np.ndarray, *, subscription: str | None = None
+        self,
+        consumer_id: str,
+        offsets: np.ndarray,
+        *,
+        subscription: str | None = None,
+        delay: float | None = None,
     ) -> int:
-        """Release offsets for redelivery with their delivery count raised."""
-        return self.subscription(subscription).nack(consumer_id, offsets)
+        """Release offsets for redelivery with their delivery count raised, after
+        ``delay`` seconds (None: the queue's ``redelivery_delay_s``; 0: at once). A
+        durable queue's delays reach its ack log with the next commit (``flush_acks``)."""
+        if delay is None:
+            delay = self.config.redelivery_delay_s
+        check_delay(delay, self.name)
+        until = time.time() + delay if delay > 0 else None
+        return self.subscription(subscription).nack(consumer_id, offsets, until)
+
+    def delays_moved(self) -> None:
+        """A nack with a delay: the delay task looks again at when the next is due."""
+        self._delays_moved.set()
+
+    async def _delay_loop(self) -> None:
+        """Make nacked messages deliverable again when their delay is over."""
+        while True:
+            dues = [d for s in self.all_subscriptions() if (d := s.area.next_due()) is not None]
+            wait = None if not dues else max(0.0, min(dues) - time.time())
+            self._delays_moved.clear()
+            if wait is None or wait > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._delays_moved.wait(), wait)
+                continue
+            now = time.time()
+            for sub in self.all_subscriptions():
+                if sub.area.release_due(now):
+                    sub.wake()
+
+    def _delays_after_restart(self) -> None:
+        """Messages still waiting out a nack's delay stay held until it ends; every
+        checkpoint carries the delays from now on (a queue's: an address's
+        subscriptions keep theirs in memory)."""
+        if self._own is None:
+            return
+        area = self._own.area
+        area.hold_delayed({o: due / 1e6 for o, due in self.log.recovered_delays.items()})
+        self.log.checkpoint_delays(
+            lambda: [(o, round(due * 1e6)) for o, due in sorted(area.delayed.items())]
+        )
 
     def give_back(
         self, consumer_id: str, offsets: np.ndarray, *, subscription: str | None = None
@@ -776,6 +822,7 @@ class QueueCore:
             group_commits=self.commits.group_commits,
             duplicates_dropped=self.duplicate_ids.duplicates_dropped,
             duplicate_ids=len(self.duplicate_ids),
+            delayed_messages=sum(len(s.area.delayed) for s in subs),
         )
 
     # -- an address's subscriptions come and go ----------------------------------------

@@ -108,6 +108,8 @@ class QueueStats:
     #: ``dedup_window_s`` (answered with its offset), and the ids remembered.
     duplicates_dropped: int = 0
     duplicate_ids: int = 0
+    #: Nacked messages waiting out a redelivery delay (``Consumer.nack(delay=)``).
+    delayed_messages: int = 0
 
     def to_dict(self) -> dict:
         """The snapshot as a plain dict."""

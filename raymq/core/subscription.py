@@ -52,6 +52,7 @@ class SubscriptionHost(Protocol):
     def shared_delivery(self, start: int, end: int) -> list[SharedPart]: ...
     def signal_freed(self) -> None: ...
     async def flush_acks(self) -> None: ...
+    def delays_moved(self) -> None: ...
 
 
 log = logging.getLogger("raymq.queue")
@@ -456,10 +457,17 @@ class Subscription:
             offsets = offsets[~np.isin(offsets, refused)]
         return (await self.ack(consumer_id, offsets) if len(offsets) else 0), refusal
 
-    def nack(self, consumer_id: str, offsets: np.ndarray) -> int:
-        """Release offsets for redelivery with their delivery count raised."""
+    def nack(self, consumer_id: str, offsets: np.ndarray, delay_until: float | None = None) -> int:
+        """Release offsets for redelivery with their delivery count raised; with
+        ``delay_until`` (seconds since the epoch), not before then: a queue's delays
+        go to its ack log with the next commit (``flush_acks`` makes them durable)."""
         offsets = self._checked(consumer_id, offsets)
-        n = self.area.release(consumer_id, offsets)
+        n = self.area.release(consumer_id, offsets, delay_until=delay_until)
+        if n and delay_until is not None:
+            delayed = [o for o in offsets.tolist() if self.area.delayed.get(o) == delay_until]
+            if self.sid is None:  # an address's subscriptions keep their delays in memory
+                self.log.delay(np.array(delayed, dtype=np.int64), round(delay_until * 1e6))
+            self.host.delays_moved()
         if n:
             self.wake()
             self._signal_dead_letters()

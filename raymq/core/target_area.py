@@ -47,6 +47,9 @@ SCAN_STEP_MESSAGES = 200_000
 #: The holder of messages waiting to be moved to the dead-letter queue (no consumer id
 #: is a NUL: consumer ids are hex).
 DEAD_LETTER_HOLDER = "\x00dead-letter"
+#: The holder of nacked messages waiting out a redelivery delay (``release``'s
+#: ``delay_until``): nobody takes them until ``release_due``.
+DELAYED_HOLDER = "\x00delayed"
 
 
 @dataclass
@@ -109,6 +112,10 @@ class TargetArea:
         self._highest_taken = -1
         #: offset -> reason, for messages held by DEAD_LETTER_HOLDER until moved.
         self.dead_letters: dict[int, str] = {}
+        #: offset -> when it may be delivered again (seconds since the epoch), for
+        #: messages held by DELAYED_HOLDER; and the same as a heap of (due, offset).
+        self.delayed: dict[int, float] = {}
+        self._due: list[tuple[float, int]] = []
         self.consumers: dict[str, ConsumerTarget] = {}
         self.redelivered_total = 0
         #: Offsets below this existed before this process: an earlier process of the
@@ -155,8 +162,9 @@ class TargetArea:
 
     @property
     def in_flight(self) -> int:
-        """Messages delivered and not yet acked or released (dead letters not counted)."""
-        return len(self._holder) - len(self.dead_letters)
+        """Messages delivered and not yet acked or released (dead letters and delayed
+        ones not counted)."""
+        return len(self._holder) - len(self.dead_letters) - len(self.delayed)
 
     @property
     def index_bytes(self) -> int:
@@ -461,12 +469,19 @@ class TargetArea:
         return fresh
 
     def release(
-        self, consumer_id: str, offsets: np.ndarray | None = None, *, count_delivery: bool = True
+        self,
+        consumer_id: str,
+        offsets: np.ndarray | None = None,
+        *,
+        count_delivery: bool = True,
+        delay_until: float | None = None,
     ) -> int:
         """Give messages back for redelivery (nack, close, death).
 
         ``offsets`` None means all the consumer holds. ``count_delivery`` False is for
-        messages prefetched but never handed to the application. Returns how many.
+        messages prefetched but never handed to the application. ``delay_until``
+        (seconds since the epoch): not delivered again before then (``release_due``).
+        Returns how many.
         """
         target = self.consumers.get(consumer_id)
         if target is None:
@@ -483,6 +498,9 @@ class TargetArea:
                 self._holder[o] = DEAD_LETTER_HOLDER
                 self.dead_letters[o] = REASON_MAX_DELIVERY_ATTEMPTS
                 continue
+            if delay_until is not None:
+                self._hold_delayed(o, delay_until)
+                continue
             del self._holder[o]
             heapq.heappush(self._redeliver, o)
             again.append(o)
@@ -493,6 +511,41 @@ class TargetArea:
         if again:
             self._offer_to_selectors(np.array(again, dtype=np.int64))
         return len(chosen)
+
+    def _hold_delayed(self, offset: int, due: float) -> None:
+        self._holder[offset] = DELAYED_HOLDER
+        self.delayed[offset] = due
+        heapq.heappush(self._due, (due, offset))
+
+    def hold_delayed(self, delays: dict[int, float]) -> None:
+        """After a restart: messages still waiting out a nack's delay (offset -> due,
+        seconds since the epoch) are held until then."""
+        for o, due in delays.items():
+            if o not in self._holder:
+                self._hold_delayed(o, due)
+                # Held ahead of the shared cursor: its takes must check the holders.
+                self._highest_taken = max(self._highest_taken, o)
+
+    def next_due(self) -> float | None:
+        """When the next delayed message may be delivered again (None: none waits)."""
+        while self._due and self.delayed.get(self._due[0][1]) != self._due[0][0]:
+            heapq.heappop(self._due)  # acked, forgotten or delayed again since
+        return self._due[0][0] if self._due else None
+
+    def release_due(self, now: float) -> int:
+        """Make delayed messages due by ``now`` deliverable again; returns how many."""
+        again: list[int] = []
+        while (due := self.next_due()) is not None and due <= now:
+            _due, o = heapq.heappop(self._due)
+            del self.delayed[o]
+            if self._holder.get(o) == DELAYED_HOLDER:
+                del self._holder[o]
+                heapq.heappush(self._redeliver, o)
+                again.append(o)
+        if again:
+            self.redelivered_total += len(again)
+            self._offer_to_selectors(np.array(sorted(again), dtype=np.int64))
+        return len(again)
 
     @staticmethod
     def _held_by(target: ConsumerTarget, offsets: np.ndarray | None) -> list[int]:
@@ -558,6 +611,7 @@ class TargetArea:
                 target.held.discard(o)
             self._previous.pop(o, None)
             self.dead_letters.pop(o, None)
+            self.delayed.pop(o, None)
         for t in self.selective:
             t.candidates.discard(offsets)
 

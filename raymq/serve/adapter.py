@@ -11,10 +11,13 @@ out, however long it runs). Statuses and results are kept by the broker's
 and the broker.
 
 A handler that raises runs again after ``retry_delay_s * retry_backoff**n`` seconds (at
-most ``max_retry_delay_s``), up to ``max_retries`` times; the wait holds its message
-(and its handler thread), as a Celery worker holds a task it retries with a countdown.
-Its runs are counted in the store, so redeliveries count too: a task whose replica died
-on each of its ``1 + max_retries`` runs fails without another. A task that fails for
+most ``max_retry_delay_s``), up to ``max_retries`` times: the task is nacked with that
+delay (``Consumer.nack(delay=)``), so the wait holds no handler thread and no prefetch
+slot, survives a restart of the queue, and the retry may run on any replica. A task is
+enqueued with its id as its message id, so a send the client repeats (a broken
+channel) stores it once. Its runs are counted in the store, so redeliveries count
+too: a task whose replica died on each of its ``1 + max_retries`` runs fails without
+another. A task that fails for
 good goes to ``failed_task_queue_name``, one with an unknown name or an undecodable
 body to ``unprocessable_task_queue_name``; either name None means the queue's dead-letter
 queue (``f"{queue_name}.DLQ"``), never nowhere. Dead letters carry the task's properties
@@ -106,7 +109,6 @@ class TaskCounts:
     retried: int = 0  # runs that failed and were run again
     unprocessable: int = 0  # unknown names and undecodable bodies (dead-lettered)
     skipped: int = 0  # deliveries of tasks cancelled or finished already
-    given_back: int = 0  # tasks given back by a stop before they finished
     receive_failures: int = 0  # receives that failed with a typed error (then tried again)
 
 
@@ -196,7 +198,7 @@ class RayMQTaskProcessorAdapter(TaskProcessorAdapter):
         self._require_initialized()
         task = TaskEnvelope(task_name, list(args or ()), dict(kwargs or {}), created_at=time.time())
         # The send is all: a task has no record until it starts (it is PENDING).
-        self._queue.send(task.encode(), task.properties())
+        self._queue.send(task.encode(), task.properties(), message_id=task.id)
         return TaskResult(id=task.id, status=PENDING, created_at=task.created_at, result=None)
 
     def get_task_status_sync(self, task_id: str) -> TaskResult:
@@ -347,8 +349,8 @@ class RayMQTaskProcessorAdapter(TaskProcessorAdapter):
                         log.exception("queue %r: a nack failed", self._config.queue_name)
 
     def _handle(self, consumer: Any, message: Any) -> None:
-        """Run one delivered task to its end (retries included), record its outcome,
-        then acknowledge it; a stop during a retry's wait leaves it unacknowledged."""
+        """Run one delivered task: record its outcome, then acknowledge it; or, when it
+        raised with retries left, nack it with the retry's delay."""
         try:
             task = TaskEnvelope.decode(message.body)
         except UndecodableTask as exc:
@@ -360,38 +362,35 @@ class RayMQTaskProcessorAdapter(TaskProcessorAdapter):
             self._give_up(consumer, message, task, UNKNOWN_TASK, exc)
             return
         ttl = self._settings.result_ttl_s
-        while True:
-            record = self._store("start", task.id, task.name, ttl)
-            if record.status in FINAL:  # cancelled, or run to its end before a redelivery
-                self.counts.skipped += 1
-                consumer.ack(message)
-                return
-            if record.runs > 1 + self._retry.max_retries:  # its replica died on each run
-                exc = RuntimeError(f"task {task.id}: {record.runs - 1} runs never finished")
-                self._give_up(consumer, message, task, FAILED, exc)
-                return
-            try:
-                value = self._run(handler, task)
-            except Exception as exc:  # noqa: BLE001 - the handler's failure: its outcome
-                text = traceback.format_exc()
-                if self._retry.retries_left(record.runs):
-                    self.counts.retried += 1
-                    if self._stopping.wait(self._retry.delay(record.runs)):
-                        self.counts.given_back += 1
-                        consumer.nack(message)  # runs again elsewhere, its runs counted
-                        return
-                    continue
-                self._give_up(consumer, message, task, FAILED, exc, text)
-                return
-            try:
-                self._store("finish", task.id, task.name, ttl, SUCCESS, value)
-            except TypeError as exc:  # not a msgpack value: recorded as the failure it is
-                self._finish_failed(task, exc, "")
-                self.counts.failed += 1
-            else:
-                self.counts.succeeded += 1
+        record = self._store("start", task.id, task.name, ttl)
+        if record.status in FINAL:  # cancelled, or run to its end before a redelivery
+            self.counts.skipped += 1
             consumer.ack(message)
             return
+        if record.runs > 1 + self._retry.max_retries:  # its replica died on each run
+            exc = RuntimeError(f"task {task.id}: {record.runs - 1} runs never finished")
+            self._give_up(consumer, message, task, FAILED, exc)
+            return
+        try:
+            value = self._run(handler, task)
+        except Exception as exc:  # noqa: BLE001 - the handler's failure: its outcome
+            text = traceback.format_exc()
+            if self._retry.retries_left(record.runs):
+                self.counts.retried += 1
+                # Runs again after the delay, here or on another replica; its runs
+                # are counted by the store.
+                consumer.nack(message, delay=self._retry.delay(record.runs))
+                return
+            self._give_up(consumer, message, task, FAILED, exc, text)
+            return
+        try:
+            self._store("finish", task.id, task.name, ttl, SUCCESS, value)
+        except TypeError as exc:  # not a msgpack value: recorded as the failure it is
+            self._finish_failed(task, exc, "")
+            self.counts.failed += 1
+        else:
+            self.counts.succeeded += 1
+        consumer.ack(message)
 
     def _give_up(
         self,

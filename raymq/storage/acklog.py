@@ -36,6 +36,9 @@ from raymq.storage.format import (
 
 #: First element of the pair that starts a subscription's ranges in an ack record.
 SUBSCRIPTION_MARK = -1
+#: First element of the pair (-2, due µs) that starts ranges of nacked offsets not to
+#: be delivered again before that time; these sections end every record.
+DELAY_MARK = -2
 
 #: Bytes of disk reserved ahead of the ack log's end (about 6,000 group commits of
 #: contiguous acks, 44 bytes each with the high-water pair).
@@ -56,14 +59,21 @@ def to_ranges(offsets: np.ndarray) -> np.ndarray:
 
 
 def encode_ack_record(
-    ranges: np.ndarray, high: int, subscriptions: dict[int, np.ndarray] | None = None
+    ranges: np.ndarray,
+    high: int,
+    subscriptions: dict[int, np.ndarray] | None = None,
+    delays: list[tuple[int, np.ndarray]] | None = None,
 ) -> tuple[bytes, bytes]:
     """(header, payload) of one ack record: the empty range (high, high), ``ranges``,
-    then each subscription's ranges after its marker (-1, id)."""
+    then each subscription's ranges after its marker (-1, id), then each delay's
+    ranges after its marker (-2, due µs since the epoch)."""
     parts = [np.array([[high, high]], dtype=np.int64), ranges.reshape(-1, 2)]
     for sid, sub_ranges in (subscriptions or {}).items():
         parts.append(np.array([[SUBSCRIPTION_MARK, sid]], dtype=np.int64))
         parts.append(sub_ranges.reshape(-1, 2))
+    for due_us, delayed in delays or ():
+        parts.append(np.array([[DELAY_MARK, due_us]], dtype=np.int64))
+        parts.append(delayed.reshape(-1, 2))
     payload = np.concatenate(parts).astype(np.int64, copy=False).tobytes()
     return ACK_RECORD_HEADER.pack(ACK_RECORD_MAGIC, crc32([payload]), len(payload)), payload
 
@@ -144,6 +154,7 @@ class AckLog:
         ranges: np.ndarray,
         high: int,
         subscriptions: dict[int, np.ndarray] | None = None,
+        delays: list[tuple[int, np.ndarray]] | None = None,
     ) -> None:
         """Append one record of ranges, led by the empty range (high, high) that records
         the queue's next offset, then each subscription's ranges after its marker
@@ -151,7 +162,7 @@ class AckLog:
         before the next write."""
         if self._dirty:
             self.repair()
-        header, payload = encode_ack_record(ranges, high, subscriptions)
+        header, payload = encode_ack_record(ranges, high, subscriptions, delays)
         self._dirty = True
         written = os.writev(self.fd, [header, payload])
         os.fdatasync(self.fd)
@@ -205,6 +216,8 @@ class AckLogContents:
     subscriptions: dict[int, np.ndarray] = field(default_factory=dict)
     #: Damaged records were skipped (their acks lost).
     skipped: bool = False
+    #: Delays of nacked messages, in file order: (due µs since the epoch, ranges).
+    delays: list[tuple[int, np.ndarray]] = field(default_factory=list)
 
 
 def read_ack_log(path: str) -> AckLogContents:
@@ -231,7 +244,7 @@ def read_ack_log(path: str) -> AckLogContents:
             continue
         pairs, pos = rec
         out.end = pos
-        plain = _split_subscriptions(pairs, tagged)
+        plain = _split_subscriptions(_split_delays(pairs, out.delays), tagged)
         chunks.append(plain)
     out.header_ok = _v2_header_ok(data)
     if chunks:
@@ -243,6 +256,17 @@ def read_ack_log(path: str) -> AckLogContents:
         out.high = max(out.high, int(ranges[:, 1].max(initial=0)))
         out.subscriptions[sid] = ranges[ranges[:, 1] > ranges[:, 0]]
     return out
+
+
+def _split_delays(pairs: np.ndarray, delays: list[tuple[int, np.ndarray]]) -> np.ndarray:
+    """The record without its delay sections (they end it), which go to ``delays``."""
+    marks = np.flatnonzero(pairs[:, 0] == DELAY_MARK)
+    if not len(marks):
+        return pairs
+    for i, mark in enumerate(marks.tolist()):
+        end = int(marks[i + 1]) if i + 1 < len(marks) else len(pairs)
+        delays.append((int(pairs[mark, 1]), pairs[mark + 1 : end]))
+    return pairs[: marks[0]]
 
 
 def _split_subscriptions(pairs: np.ndarray, tagged: dict[int, list[np.ndarray]]) -> np.ndarray:

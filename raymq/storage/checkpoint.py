@@ -32,6 +32,7 @@ def encode_checkpoint(
     subscriptions: dict[int, bytes] | None = None,
     routed_to: int | None = None,
     duplicate_ids: list[tuple[str, int, float]] | None = None,
+    delayed: list[tuple[int, int]] | None = None,
 ) -> bytes:
     """The checkpoint file's bytes for the current state of ``segments``; ``deleted``:
     base offsets of deleted segments whose file could not be unlinked; ``subscriptions``:
@@ -44,6 +45,8 @@ def encode_checkpoint(
         extra = {"subscriptions": sorted(subscriptions.items()), "routed_to": routed_to}
     if duplicate_ids:
         extra["duplicate_ids"] = [[m, o, round(t * 1e6)] for m, o, t in duplicate_ids]
+    if delayed:  # (offset, due µs) of nacked messages waiting out a delay
+        extra["delayed"] = [[o, due] for o, due in delayed]
     body = msgpack.packb(
         {
             **extra,

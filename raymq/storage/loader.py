@@ -95,6 +95,8 @@ class Recovered:
     deferred: Deferred | None = None
     #: The checkpoint's remembered producer ids: (id, offset, seconds since the epoch).
     duplicate_ids: list[tuple[str, int, float]] = field(default_factory=list)
+    #: offset -> due (µs since the epoch) of unacknowledged messages nacked with a delay.
+    delays: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -186,6 +188,7 @@ class Loader:
         self._load_segments(ckpt)
         for contents in logs.values():
             self.acks.apply_ranges(contents.ranges)
+        self._delays = self._delays_left(ckpt, logs)
         self._count_lost(np.concatenate([a.ranges for a in logs.values()]) if logs else None)
         last_end = self.segments[-1].end_offset if self.segments else 0
         next_offset = max(self._durable_high, self._floor, last_end, self._moved_aside_floor())
@@ -205,6 +208,7 @@ class Loader:
             next_offset, ack_log, ack_log.generation, self._undeleted, subscriptions, route_from
         )
         got.duplicate_ids = self._duplicate_ids
+        got.delays = self._delays
         for seg, _tail in self._cuts:
             seg.appendable = False  # the damaged bytes stay until cut: never write over them
         # Only now (a full disk fails recovery above) may damage be hidden from the next
@@ -234,6 +238,21 @@ class Loader:
         )
         self._checkpoint_next = ckpt["next_offset"] if ckpt else 0
         return ckpt, logs, max([first_gen, *generations]) + 1
+
+    def _delays_left(self, ckpt: dict | None, logs: dict[int, AckLogContents]) -> dict[int, int]:
+        """offset -> due (µs since the epoch) of each unacknowledged message nacked with
+        a delay: the checkpoint's, then the ack logs' in order (a later nack's delay
+        replaces an earlier one's)."""
+        due: dict[int, int] = {int(o): int(t) for o, t in (ckpt or {}).get("delayed", ())}
+        for contents in logs.values():
+            for due_us, ranges in contents.delays:
+                for start, end in ranges.tolist():
+                    due.update(dict.fromkeys(range(start, end), due_us))
+        if due:
+            offsets = np.fromiter(due, dtype=np.int64, count=len(due))
+            for o in offsets[self.acks.is_acked(offsets)].tolist():
+                del due[o]
+        return due
 
     def _delete_fully_acked(self) -> None:
         """Delete the segments whose every message is acknowledged (their acks are
@@ -334,6 +353,7 @@ class Loader:
             sections,
             route_from,
             self._duplicate_ids,  # kept: only the producers' resends bring them back
+            sorted(self._delays.items()),
         )
         try:
             write_checkpoint(self.directory, data)

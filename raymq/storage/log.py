@@ -21,12 +21,14 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 
 import numpy as np
 
 from raymq.batch import MessageBatch
 from raymq.errors import StorageError
 from raymq.storage.ack_state import AckState
+from raymq.storage.acklog import to_ranges
 from raymq.storage.damage import Quarantine
 from raymq.storage.files import create_queue_directory, storage_error
 from raymq.storage.flow import Flow
@@ -81,6 +83,9 @@ class SegmentLog:
         self.recovered_subscriptions: dict | None = None
         #: The checkpoint's remembered producer ids (see ``checkpoint_duplicate_ids``).
         self.recovered_duplicate_ids: list[tuple[str, int, float]] = []
+        #: offset -> due (µs since the epoch) of messages recovery found waiting out a
+        #: nack's delay (see ``delay``).
+        self.recovered_delays: dict[int, int] = {}
         self.route_from = 0
         #: An address's ``subscriptions`` file, read before recovery changes anything
         #: (None: there is none, or the queue is not durable).
@@ -170,6 +175,7 @@ class SegmentLog:
         self._writer.deferred = got.deferred
         self.recovered_subscriptions = got.subscription_ranges
         self.recovered_duplicate_ids = got.duplicate_ids
+        self.recovered_delays = got.delays
         self.route_from = got.route_from
 
     # -- writing (see Writer) ---------------------------------------------------------
@@ -339,12 +345,25 @@ class SegmentLog:
             self._acks.has_pending
             or (subs is not None and subs.has_pending)
             or self._writer.deferred is not None
+            or bool(self._writer.pending_delays)
         )
 
     def attach_subscriptions(self, subscriptions: SubscriptionAcks) -> None:
         """An address's subscriptions: their acks go to the ack log with each commit,
         their ranges into each checkpoint."""
         self._writer.subscriptions = subscriptions
+
+    def delay(self, offsets: np.ndarray, due_us: int) -> None:
+        """Offsets nacked with a delay, not to be delivered before ``due_us`` (µs since
+        the epoch): written to the ack log with the next commit (``flush`` awaits it),
+        found again by recovery (``recovered_delays``)."""
+        if self.durable and len(offsets):
+            self._writer.pending_delays.append((due_us, to_ranges(np.sort(offsets))))
+
+    def checkpoint_delays(self, delayed: Callable[[], list[tuple[int, int]]] | None) -> None:
+        """Every checkpoint from now on carries ``delayed()``: (offset, due µs) of each
+        message still waiting out a nack's delay."""
+        self._writer.delayed = delayed
 
     def checkpoint_duplicate_ids(self, ids: RememberedIds | None) -> None:
         """Every checkpoint from now on carries the producer ids the queue remembers

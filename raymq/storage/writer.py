@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -83,6 +84,8 @@ class PreparedWrite:
     #: Each subscription's acks (an address's), by subscription id, logged with
     #: ``ack_ranges`` in one record (``ack_ranges`` is then at least empty).
     subscription_ranges: dict[int, np.ndarray] | None = None
+    #: Delays of nacked messages in the same record: (due µs, ranges).
+    delays: list[tuple[int, np.ndarray]] = field(default_factory=list)
     ack_log: AckLog | None = None
     #: The queue's next offset when prepared, recorded with the acks.
     ack_high: int = 0
@@ -175,6 +178,11 @@ class Writer:
         #: checkpoint is then the only place they are kept.
         self.duplicate_ids: RememberedIds | None = None
         self.ids_checkpointed_below = 0
+        #: Delays of nacked messages for the next ack record: (due µs, ranges).
+        self.pending_delays: list[tuple[int, np.ndarray]] = []
+        #: The delays every checkpoint carries: a function giving (offset, due µs) of
+        #: each message still waiting out one; None: none.
+        self.delayed: Callable[[], list[tuple[int, int]]] | None = None
 
     @property
     def planned_next(self) -> int:
@@ -258,6 +266,9 @@ class Writer:
             prepared.subscription_ranges = self.subscriptions.take_pending()
             if prepared.subscription_ranges and prepared.ack_ranges is None:
                 prepared.ack_ranges = np.zeros((0, 2), dtype=np.int64)
+        prepared.delays, self.pending_delays = self.pending_delays, []
+        if prepared.delays and prepared.ack_ranges is None:
+            prepared.ack_ranges = np.zeros((0, 2), dtype=np.int64)
         prepared.ack_log = self.ack_log
 
     def _plan_checkpoint(self, prepared: PreparedWrite) -> None:
@@ -282,6 +293,7 @@ class Writer:
             sections,
             routed_to,
             None if ids is None else ids.entries(),
+            None if self.delayed is None else self.delayed(),
         )
         prepared.checkpoint_generation = gen
         prepared.next_ack_log = AckLog(self.directory, gen)
@@ -387,7 +399,10 @@ class Writer:
         if prepared.ack_ranges is not None and prepared.ack_log is not None:
             try:
                 prepared.ack_log.write(
-                    prepared.ack_ranges, prepared.ack_high, prepared.subscription_ranges
+                    prepared.ack_ranges,
+                    prepared.ack_high,
+                    prepared.subscription_ranges,
+                    prepared.delays,
                 )
                 prepared.acks_written = True
             except OSError as exc:
@@ -508,6 +523,7 @@ class Writer:
                 self.acks.requeue(prepared.ack_ranges)
             if prepared.subscription_ranges and self.subscriptions is not None:
                 self.subscriptions.requeue(prepared.subscription_ranges)
+            self.pending_delays[:0] = prepared.delays
             if prepared.ack_error is not None:
                 self._note(prepared.ack_error)
         if prepared.checkpoint is not None:
