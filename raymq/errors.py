@@ -62,8 +62,8 @@ class StorageError(RayMQError, OSError):
 
 
 class ReadStalled(BrokerUnavailable):
-    """A read of a whole queue (into a Dataset or a DataFrame) got nothing for minutes
-    while the queue still had messages for it; nothing it read was acknowledged."""
+    """No longer raised: reads of a whole queue lease it (``raymq.data.QueueReader``)
+    instead of receiving until idle. Kept so that code catching it still imports."""
 
 
 class SubscriptionNotFound(QueueNotFound):

@@ -31,9 +31,7 @@ import ray
 from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
-from raymq.client import Broker, Queue
-from raymq.client.calls import _call
-from raymq.data import (
+from raymq.arrow_messages import (
     DEFAULT_BATCH_ROWS,
     conform,
     delivery_to_table,
@@ -41,6 +39,8 @@ from raymq.data import (
     resolve_queue,
     unify_schemas,
 )
+from raymq.client import Broker, Queue
+from raymq.client.calls import _call
 from raymq.errors import ConsumerClosed, InvalidSetting
 
 #: Offsets leased per call to the queue actor: bounds one call's time and answer.

@@ -22,10 +22,10 @@ from ray.data.block import Block, BlockAccessor
 from ray.data.datasource import Datasink
 from ray.data.datasource.datasink import WriteResult
 
+from raymq.arrow_messages import encode_arrow, resolve_queue
 from raymq.client import Broker, Queue
 from raymq.client.calls import _call
 from raymq.core.duplicate_ids import DUPLICATE_ID_PROPERTY
-from raymq.data import encode_arrow, resolve_queue
 from raymq.errors import InvalidSetting
 
 #: Rows per send (one write and one fsync each), as ``raymq.spark``'s.

@@ -31,10 +31,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import ray
 
+from raymq.arrow_messages import DEFAULT_BATCH_ROWS, encode_arrow, progress_bar, resolve_queue
 from raymq.client import Broker, Queue
 from raymq.client.calls import _call
 from raymq.config import apply_ray_env_defaults
-from raymq.data import DEFAULT_BATCH_ROWS, encode_arrow, progress_bar, resolve_queue
 from raymq.errors import InvalidSetting, RayMQError
 from raymq.queue_reader import QueueReader, leased_blocks
 

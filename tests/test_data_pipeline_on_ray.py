@@ -131,6 +131,15 @@ def _driver(tmp_path, address: str, namespace: str, stop: bool) -> subprocess.Po
     )
 
 
+def _said(driver: subprocess.Popen, word: str) -> str:
+    """The driver's first line starting with ``word`` (Ray's own log lines, on the
+    same stdout, skipped); "" if it ended without one."""
+    for line in driver.stdout:
+        if line.startswith(word):
+            return line
+    return ""
+
+
 def test_a_pipeline_whose_driver_dies_before_commit_loses_nothing(broker, tmp_path):
     n = 3000
     src = broker.create_queue("events")
@@ -139,7 +148,7 @@ def test_a_pipeline_whose_driver_dies_before_commit_loses_nothing(broker, tmp_pa
     address = ray.get_runtime_context().gcs_address
 
     first = _driver(tmp_path, address, broker.namespace, stop=True)
-    line = first.stdout.readline()
+    line = _said(first, "WRITTEN")
     assert line.split() == ["WRITTEN", str(n)], line
     assert src.stats()["in_flight"] == n  # leased by the first driver
     os.kill(first.pid, signal.SIGKILL)
@@ -163,3 +172,22 @@ def test_a_pipeline_whose_driver_dies_before_commit_loses_nothing(broker, tmp_pa
     ids = {m.properties["_AMQ_DUPL_ID"] for m in dst.browse(batch_size=5000)}
     assert ids == {f"events:{i}" for i in range(n)}
     assert np.all(np.diff(sorted(m.offset for m in dst.browse(batch_size=5000))) == 1)
+
+
+def test_the_readme_pipeline_runs_as_typed(broker, monkeypatch):
+    """README.md's ``python data-pipeline`` block, run as written (``raymq.connect``
+    gives this test's broker)."""
+    import raymq
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "README.md")) as f:
+        text = f.read()
+    start = text.index("```python data-pipeline\n") + len("```python data-pipeline\n")
+    block = text[start : text.index("```\n", start)]
+    monkeypatch.setattr(raymq, "connect", lambda *a, **k: broker, raising=False)
+    scope: dict = {}
+    exec(compile(block, "README.md (python data-pipeline)", "exec"), scope)
+    assert scope["clicks"].stats()["depth"] == 0
+    got = sorted(m.body for m in scope["enriched"].browse(batch_size=2000))
+    assert got == sorted(b"CLICK-%d" % i for i in range(1000))
+    assert {m.properties["page"] for m in scope["enriched"].browse()} == {"home"}
