@@ -126,6 +126,7 @@ class QueueActor:
             config.name,
             broker.max_message_size,
             gather=not judged_whole,  # each client's send judged alone by its policy
+            send_ids=self._channel_send_ids,
         )
         self._endpoint: tuple[str, int, str] | None = None
         #: Its last call, for the broker's hibernation (``idle_seconds``).
@@ -139,6 +140,11 @@ class QueueActor:
         over its channel is not idle)."""
         self._activity.touch()
         return self.core.send_batch(batch, timeout)
+
+    def _channel_send_ids(self, batch, ids: list, timeout: float | None):
+        """The SendChannel's sends with producer ids (``QueueCore.send_batch_ids``)."""
+        self._activity.touch()
+        return self.core.send_batch_ids(batch, ids, timeout)
 
     async def _ensure_started(self, touch: bool = True) -> None:
         if touch:  # (not the governor's rounds: they would keep every queue awake)

@@ -18,7 +18,8 @@ from typing import Any
 
 import ray
 
-from raymq.core.tasks import TaskRecord
+from raymq.core.tasks import BATCHED, TaskRecord
+from raymq.errors import InvalidSetting
 from raymq.storage.task_results import TASKS_DIRECTORY, TaskResults
 
 #: Expired results are deleted at most this often (seconds).
@@ -58,6 +59,16 @@ class TaskResultsActor:
         """See ``TaskResults.counts``; with this actor's commits, calls and expired."""
         counts = await self._call("counts", ())
         return {**counts, "commits": self.commits, "calls": self.calls, "expired": self.expired}
+
+    async def batch(self, calls: list[tuple[str, tuple]]) -> list[Any]:
+        """Several calls (``raymq.core.call_batcher``), answered together: each one's
+        answer, or its exception as a value. Only ``BATCHED`` calls may be batched."""
+        for name, _ in calls:
+            if name not in BATCHED:
+                raise InvalidSetting(f"task results: {name!r} cannot be batched")
+        return await asyncio.gather(
+            *(self._call(name, tuple(args)) for name, args in calls), return_exceptions=True
+        )
 
     async def _call(self, name: str, args: tuple) -> Any:
         future = asyncio.get_running_loop().create_future()

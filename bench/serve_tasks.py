@@ -7,7 +7,10 @@ ingress enqueues for concurrent requests) and waits for each result: tasks/s fro
 the first enqueue to the last result, and enqueue -> start p50/p99 (ms). Celery runs on
 a ``redis-server`` this bench starts and stops (by PID; Debian's package, Redis's
 default settings: snapshots, no append-only file) and ``celery[redis]`` (``pip install
--e '.[bench]'``).
+-e '.[bench]'``). Celery's workers hold 4 tasks a thread (its default
+``worker_prefetch_multiplier``); RayMQ runs as "raymq" with the same
+(``prefetch_multiplier=4``) and as "raymq-x1" with its default (1: a replica holds only
+the tasks it runs).
 
 Then a broker loss: a run in which the broker's process is SIGKILLed at mid-run and
 started again (``redis-server`` on the same port and directory; RayMQ's queue actor,
@@ -103,13 +106,21 @@ class Redis:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+#: Tasks a Celery worker holds per thread by default (``worker_prefetch_multiplier``).
+CELERY_PREFETCH_MULTIPLIER = 4
+
+
 def config_for(kind: str, queue: str, namespace: str) -> TaskProcessorConfig:
+    """``kind`` "celery", "raymq" (holding as many tasks a thread as Celery's workers
+    do by default, ``prefetch_multiplier=4``) or "raymq-x1" (RayMQ's default: a replica
+    holds only the tasks it runs)."""
     if kind == "celery":
         url = f"redis://127.0.0.1:{REDIS_PORT}"
         adapter_config = CeleryAdapterConfig(broker_url=f"{url}/0", backend_url=f"{url}/1")
         adapter = "ray.serve.task_processor.CeleryTaskProcessorAdapter"
     else:
-        adapter_config = RayMQAdapterConfig(namespace=namespace)
+        multiplier = 1 if kind == "raymq-x1" else CELERY_PREFETCH_MULTIPLIER
+        adapter_config = RayMQAdapterConfig(namespace=namespace, prefetch_multiplier=multiplier)
         adapter = "raymq.serve.RayMQTaskProcessorAdapter"
     return TaskProcessorConfig(
         queue_name=queue, adapter=adapter, adapter_config=adapter_config, max_retries=3
@@ -216,7 +227,11 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=4, help="handler threads a replica")
     parser.add_argument("--grace", type=float, default=120.0, help="seconds for the last results")
     parser.add_argument("--kill-replica-every", type=float, default=None)
-    parser.add_argument("--brokers", default="celery,raymq")
+    parser.add_argument(
+        "--brokers",
+        default="celery,raymq,raymq-x1",
+        help="celery; raymq (4 tasks held a thread, as Celery); raymq-x1 (RayMQ's default)",
+    )
     parser.add_argument("--producers", type=int, default=8, help="threads enqueuing")
     args = parser.parse_args()
     broker = start_broker("raymq-bench-serve")
@@ -259,11 +274,13 @@ def main() -> None:
                         f"{got['p99']:.1f}",
                     ]
                 )
-            if set(kinds) == {"celery", "raymq"}:
-                r, c = results["raymq", replicas], results["celery", replicas]
+            for kind in kinds:
+                if kind == "celery" or "celery" not in kinds:
+                    continue
+                r, c = results[kind, replicas], results["celery", replicas]
                 rows.append(
                     [
-                        "RayMQ / Celery",
+                        f"{kind} / celery",
                         str(replicas),
                         f"{r['tasks/s'] / c['tasks/s']:.2f}x",
                         f"{r['p50'] / c['p50']:.2f}x",

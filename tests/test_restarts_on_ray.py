@@ -202,3 +202,17 @@ def test_a_nack_delay_holds_and_survives_a_queue_kill(broker):
     assert stats["delayed_messages"] == 1 and stats["depth"] == 1 and stats["in_flight"] == 0
     with q.consumer(prefetch=10) as fresh:
         assert fresh.receive(1, timeout=0.5) == []
+
+
+def test_concurrent_sends_of_one_id_over_the_channel_store_it_once(broker):
+    import concurrent.futures
+
+    q = broker.create_queue("racing-ids")
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda i: q.send(b"x", message_id=f"id-{i % 3}"), range(24)))
+    by_id = {}
+    for i, offset in enumerate(got):
+        by_id.setdefault(i % 3, set()).add(offset)
+    assert all(len(offsets) == 1 for offsets in by_id.values())
+    stats = q.stats()
+    assert stats["depth"] == 3 and stats["duplicates_dropped"] == 21

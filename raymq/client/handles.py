@@ -31,7 +31,12 @@ from raymq.client.consumer import Consumer
 from raymq.client.messages import Message, _check_count, _messages
 from raymq.client.producer import MAX_BATCH_BYTES, Producer, ProducerStats
 from raymq.config import BrokerConfig
-from raymq.core.duplicate_ids import check_message_ids, with_message_ids
+from raymq.core.duplicate_ids import (
+    DUPLICATE_ID_PROPERTY,
+    check_message_id,
+    check_message_ids,
+    with_message_ids,
+)
 from raymq.core.link import Fault, LinkFault, QueueLink
 from raymq.errors import (
     BrokerUnavailable,
@@ -173,7 +178,8 @@ class Queue:
         property): if the queue stored a message with this id within its
         ``dedup_window_s``, this one is not stored and the first one's offset comes
         back, so a send repeated after a lost answer stores the message once. Such a
-        send waits for its answer (``wait`` is ignored) and goes by a Ray call.
+        send waits for its answer (``wait`` is ignored), after this handle's pipelined
+        sends; concurrent ones from a process's threads still share a commit.
 
         Both modes go through this handle's producer (``raymq.client.producer``): the message
         joins its open batch, which travels over this process's SendChannel to the queue
@@ -195,8 +201,7 @@ class Queue:
         properties) raises here, at once, in both modes.
         """
         if message_id is not None:
-            got = self.send_batch([body], [properties], timeout=timeout, message_ids=[message_id])
-            return got[0] if got else None  # DROPped
+            return self._send_with_id(body, properties, message_id, timeout)
         body, props = self._encode_one(body, properties)
         producer = self._producer or self._make_producer()
         if not wait:
@@ -258,6 +263,26 @@ class Queue:
         except RayMQError as exc:
             raise calls.resent_refusal(exc, lost, self.name) from None
         return list(range(first, first + count))
+
+    def _send_with_id(
+        self, body: object, properties: Mapping[str, Any] | None, mid: object, timeout
+    ) -> int | None:
+        """``send`` with a producer id: over the send channel as one message (the
+        queue answers it with its own offset, or its first copy's), else, or when the
+        channel broke under it, by a Ray call (a resend is deduplicated too)."""
+        mid = check_message_id(mid, self.name)
+        body, props = self._encode_one(body, {**(properties or {}), DUPLICATE_ID_PROPERTY: mid})
+        if self._producer is not None and self._producer.busy():
+            self._producer.drain()  # earlier sends of this handle go first: order
+        channel = _send_channel(self)
+        if channel is not None:
+            try:
+                return channel.send(body, props, timeout)
+            except (WireBroken, NotLeader):  # a Ray call follows a restart or a new leader
+                pass
+        batch = MessageBatch.from_encoded([body], [props])
+        got = self._invoke("send_batch_ids", batch, [mid], timeout, answer_seconds=timeout)
+        return got[0]
 
     def _send_batch_ids(
         self, bodies, properties, message_ids: Sequence[str | None], timeout: float | None

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgpack
 import pyarrow as pa
 
 from raymq.errors import InvalidSetting
@@ -58,6 +59,19 @@ def check_message_id(mid: object, queue: str) -> str:
             f"message_id for queue {queue!r} is {len(mid.encode())} bytes, above {MAX_ID_BYTES}"
         )
     return mid
+
+
+#: The id's property name as msgpack encodes it (a fixstr of 12 bytes): properties
+#: without these bytes carry no id and are not decoded.
+ID_KEY_BYTES = msgpack.packb(DUPLICATE_ID_PROPERTY)
+
+
+def id_in_properties(props: bytes) -> str | None:
+    """The producer id in one message's msgpack-encoded properties, if any."""
+    if ID_KEY_BYTES not in props:
+        return None
+    mid = msgpack.unpackb(props, raw=False).get(DUPLICATE_ID_PROPERTY)
+    return mid if isinstance(mid, str) and mid else None
 
 
 def with_message_ids(bodies: Any, properties: Any, ids: list[str | None]) -> tuple[Any, Any]:

@@ -33,6 +33,10 @@ CANCELLED = "CANCELLED"
 FINAL = frozenset({SUCCESS, FAILURE, CANCELLED})
 STATUSES = frozenset({PENDING, STARTED, *FINAL})
 
+#: The result store's calls that may share one actor call (``TaskResultsActor.batch``):
+#: a task's start and finish, and reads. Not ``cancel``: it is never sent twice.
+BATCHED = frozenset({"start", "finish", "get"})
+
 
 class UndecodableTask(ValueError):
     """A message whose body is not a task (``TaskEnvelope.decode``)."""

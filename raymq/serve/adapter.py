@@ -3,8 +3,11 @@
 ``TaskProcessorConfig(queue_name=..., adapter="raymq.serve.RayMQTaskProcessorAdapter",
 adapter_config=RayMQAdapterConfig())`` makes a deployment's replicas take tasks from the
 RayMQ queue ``queue_name`` of the running broker. Each replica runs
-``consumer_concurrency`` handler threads over one consumer whose prefetch is that many:
-a task is acknowledged after its handler returned and its outcome is on disk, so a
+``consumer_concurrency`` handler threads over one consumer whose prefetch is that many
+(times ``prefetch_multiplier``; with more than 1, outcomes are stored and tasks
+acknowledged by completion threads while the handler threads go on). The threads'
+calls to the result store share actor calls (``raymq.core.call_batcher``). A task is
+acknowledged after its handler returned and its outcome is on disk, so a
 replica that dies mid-task has it delivered again to another (RayMQ never times a task
 out, however long it runs). Statuses and results are kept by the broker's
 ``TaskResultsActor`` (a SQLite file in the paging directory), so they outlive replicas
@@ -28,6 +31,7 @@ and ``RayMQDeadLetterReason``, ``RayMQExceptionType``, ``RayMQExceptionMessage``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import os
@@ -35,6 +39,8 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from concurrent import futures
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -44,7 +50,9 @@ from ray.serve.schema import TaskProcessorAdapter, TaskProcessorConfig, TaskResu
 import raymq
 from raymq.client.calls import _call
 from raymq.config import DEAD_LETTER_SUFFIX
+from raymq.core.call_batcher import CallBatcher
 from raymq.core.tasks import (
+    BATCHED,
     FAILURE,
     FINAL,
     PENDING,
@@ -87,6 +95,13 @@ class RayMQAdapterConfig(BaseModel):
     retry_delay_s: float = Field(default=1.0, description="Seconds before the first retry.")
     retry_backoff: float = Field(default=2.0, description="Factor of each further delay.")
     max_retry_delay_s: float = Field(default=60.0, description="Longest delay (seconds).")
+    prefetch_multiplier: int = Field(
+        default=1,
+        ge=1,
+        description="Tasks a replica holds per handler thread (Celery's"
+        " worker_prefetch_multiplier, 4 there): more keeps its threads busy between"
+        " tasks; 1 holds only what runs.",
+    )
 
 
 class TaskFailed(Exception):
@@ -147,6 +162,9 @@ class RayMQTaskProcessorAdapter(TaskProcessorAdapter):
         self._threads: list[threading.Thread] = []
         self._stopping = threading.Event()
         self._running = 0  # handlers running now
+        self._completions = ThreadPoolExecutor(max_workers=1)  # (start_consumer's)
+        self._pending: set[futures.Future] = set()  # completions not done yet
+        self._batcher = CallBatcher(lambda calls: self._store_call("batch", calls))
         self._lock = threading.Lock()
         self.counts = TaskCounts()
 
@@ -284,7 +302,13 @@ class RayMQTaskProcessorAdapter(TaskProcessorAdapter):
         if self._consumer is not None:
             return
         self._stopping.clear()
-        self._consumer = self._queue.consumer(prefetch=self._concurrency)
+        prefetch = self._concurrency * self._settings.prefetch_multiplier
+        self._consumer = self._queue.consumer(prefetch=prefetch)
+        # Outcomes are stored, and tasks acknowledged, beside the handler threads: a
+        # thread takes its next task meanwhile (its slot is free once it is acked).
+        self._completions = ThreadPoolExecutor(
+            max_workers=self._concurrency, thread_name_prefix="raymq-task-done"
+        )
         self._threads = [
             threading.Thread(
                 target=self._work, args=(self._consumer,), name=f"raymq-task-{i}", daemon=True
@@ -308,7 +332,11 @@ class RayMQTaskProcessorAdapter(TaskProcessorAdapter):
         deadline = time.monotonic() + timeout
         for thread in self._threads:
             thread.join(max(deadline - time.monotonic(), 0.0))
-        still = sum(t.is_alive() for t in self._threads)
+        with self._lock:
+            pending = list(self._pending)
+        futures.wait(pending, max(deadline - time.monotonic(), 0.0))
+        self._completions.shutdown(wait=False, cancel_futures=True)
+        still = sum(t.is_alive() for t in self._threads) + sum(not f.done() for f in pending)
         if still:
             log.warning(
                 "queue %r: %d tasks still running after %.1f s; given back",
@@ -383,14 +411,43 @@ class RayMQTaskProcessorAdapter(TaskProcessorAdapter):
                 return
             self._give_up(consumer, message, task, FAILED, exc, text)
             return
+        if self._settings.prefetch_multiplier == 1:
+            # Its slot frees only at the ack: nothing to gain from a completion thread.
+            self._complete(consumer, message, task, value)
+            return
+        done = self._completions.submit(self._complete, consumer, message, task, value)
+        with self._lock:
+            self._pending.add(done)
+        done.add_done_callback(self._completed)
+
+    def _complete(self, consumer: Any, message: Any, task: TaskEnvelope, value: Any) -> None:
+        """Store a task's result, then acknowledge it (a completion thread); if that
+        fails, give it back: it runs again."""
         try:
-            self._store("finish", task.id, task.name, ttl, SUCCESS, value)
-        except TypeError as exc:  # not a msgpack value: recorded as the failure it is
-            self._finish_failed(task, exc, "")
-            self.counts.failed += 1
-        else:
-            self.counts.succeeded += 1
-        consumer.ack(message)
+            try:
+                self._store(
+                    "finish", task.id, task.name, self._settings.result_ttl_s, SUCCESS, value
+                )
+            except TypeError as exc:  # not a msgpack value: recorded as the failure it is
+                self._finish_failed(task, exc, "")
+                with self._lock:  # several completion threads count
+                    self.counts.failed += 1
+            else:
+                with self._lock:
+                    self.counts.succeeded += 1
+            consumer.ack(message)
+        except ConsumerClosed:
+            pass  # stopped: the queue delivers it again
+        except Exception:  # noqa: BLE001 - the store or the broker: given back
+            log.exception(
+                "queue %r: task at offset %d: given back", self._config.queue_name, message.offset
+            )
+            with contextlib.suppress(Exception):  # closing gives it back in the end
+                consumer.nack(message)
+
+    def _completed(self, done: futures.Future) -> None:
+        with self._lock:
+            self._pending.discard(done)
 
     def _give_up(
         self,
@@ -496,8 +553,13 @@ class RayMQTaskProcessorAdapter(TaskProcessorAdapter):
     def _store(self, op: str, *args: Any, retry: bool = True) -> Any:
         """Call ``op`` of the broker's TaskResultsActor: its typed errors raised, a
         restart waited out (``raymq.client.calls._call``), the actor found again by the
-        broker if it was ended (a broker restarted), ``BrokerUnavailable`` past that."""
+        broker if it was ended (a broker restarted), ``BrokerUnavailable`` past that.
+        A task's start and finish from all threads share calls (``CallBatcher``)."""
+        if op in BATCHED and retry:
+            return self._batcher.call(op, args)
+        return self._store_call(op, *args, retry=retry)
 
+    def _store_call(self, op: str, *args: Any, retry: bool = True) -> Any:
         def again() -> Any:
             assert self._broker is not None
             self._results = self._broker.task_results()

@@ -18,7 +18,9 @@ from raymq.storage.record import CorruptRecord
 from raymq.storage.segment import Segment, Segments
 
 #: The property name as msgpack encodes it (a fixstr of 12 bytes): a record whose
-#: properties do not contain these bytes has no id, and is not decoded.
+#: properties do not contain these bytes has no id, and is not decoded. (Storage does
+#: not import the core: the name is spelled here too, see
+#: ``raymq.core.duplicate_ids.DUPLICATE_ID_PROPERTY``.)
 _ID_KEY = msgpack.packb("_AMQ_DUPL_ID")
 
 

@@ -11,8 +11,10 @@ Ops:
 
 - ``send [body, properties, timeout]``: one message (properties msgpack-encoded as in a
   ``MessageBatch``; timeout seconds or nil), answered with its offset once durable (nil:
-  DROPped). Single sends that arrive together are gathered into one ``MessageBatch``
-  (one record on disk, one group commit), as a client's producer gathers its threads'.
+  DROPped). One whose properties carry a producer id (``_AMQ_DUPL_ID``) is not stored
+  again within the queue's ``dedup_window_s``: answered with the first one's offset.
+  Single sends that arrive together are gathered into one ``MessageBatch`` (one record
+  on disk, one group commit), as a client's producer gathers its threads'.
 - ``send_batch [timeout]`` with four raw buffers (``MessageBatch.wire_buffers``),
   answered ``[first offset, count stored]``.
 
@@ -30,6 +32,7 @@ from typing import Any
 
 from raymq import errors
 from raymq.batch import MessageBatch
+from raymq.core.duplicate_ids import id_in_properties
 from raymq.properties import check_encoded_properties
 from raymq.wire.blocking import BlockingClient
 from raymq.wire.client import PATIENCE_SECONDS, Answer
@@ -52,6 +55,9 @@ REPLY_PATIENCE_SECONDS = PATIENCE_SECONDS
 
 #: ``send_batch(batch, timeout)``: store a batch, (first offset, count stored).
 SendBatch = Callable[[MessageBatch, "float | None"], Awaitable[tuple[int, int]]]
+#: ``send_ids(batch, ids, timeout)``: store a batch of messages with producer ids (None:
+#: none), each message's offset (a duplicate's: the first one's; None: DROPped).
+SendIds = Callable[[MessageBatch, list, "float | None"], Awaitable[list]]
 
 
 # -- the queue actor's side -------------------------------------------------------------
@@ -67,9 +73,16 @@ class SendServer(ProtocolServer):
     together)."""
 
     def __init__(
-        self, send_batch: SendBatch, queue: str, max_message_size: int, *, gather: bool = True
+        self,
+        send_batch: SendBatch,
+        queue: str,
+        max_message_size: int,
+        *,
+        gather: bool = True,
+        send_ids: SendIds | None = None,
     ):
         self._send_batch = send_batch
+        self._send_ids = send_ids
         self._gathers = gather
         self._queue = queue
         self._max_message_size = max_message_size
@@ -157,13 +170,19 @@ class SendServer(ProtocolServer):
         """Store gathered single sends as one batch and answer each."""
         try:
             batch = MessageBatch.from_encoded([i[0] for i in items], [i[1] for i in items])
-            first, count = await self._send_batch(batch, items[0][2])
+            ids = [id_in_properties(i[1]) for i in items] if self._send_ids else []
+            if any(ids):  # producer ids: each send answered with its own offset
+                assert self._send_ids is not None
+                offsets = await self._send_ids(batch, ids, items[0][2])
+            else:
+                first, count = await self._send_batch(batch, items[0][2])
+                offsets = [first + k if k < count else None for k in range(len(items))]
         except Exception as exc:  # every request of the batch gets the error
             for *_, request in items:
                 request.fail(exc)
             return
-        for k, (*_, request) in enumerate(items):
-            request.answer(first + k if k < count else None)  # None: DROPped
+        for offset, (*_, request) in zip(offsets, items, strict=True):
+            request.answer(offset)  # None: DROPped
 
 
 def _check_send(args: list, buffers: list) -> None:
