@@ -12,6 +12,7 @@ import pytest
 from raymq.client.calls import _call
 from raymq.errors import QueueExists, QueueNotFound, SubscriptionExists, SubscriptionNotFound
 from tests.consumer_helpers import receive_all
+from tests.readme_blocks import run_readme_block
 
 
 def test_fan_out_to_subscriptions_with_competing_consumers_and_selectors(broker):
@@ -95,16 +96,7 @@ def test_typed_errors_and_what_a_subscription_handle_refuses(broker):
 def test_the_readme_address_tour_runs_as_typed(broker, monkeypatch, capsys):
     """README.md's ``python addresses`` block, run as written (``raymq.connect`` gives
     this test's broker instead of the default one)."""
-    import raymq
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with open(os.path.join(root, "README.md")) as f:
-        text = f.read()
-    start = text.index("```python addresses\n") + len("```python addresses\n")
-    block = text[start : text.index("```\n", start)]
-    monkeypatch.setattr(raymq, "connect", lambda *a, **k: broker, raising=False)
-    scope: dict = {}
-    exec(compile(block, "README.md (python addresses)", "exec"), scope)
+    scope = run_readme_block("python addresses", broker, monkeypatch)
     assert [m.body for m in scope["suspicious"]] == [b"p2"]
     assert "{'ledger': 3, 'fraud': 0, 'audit': 3}" in capsys.readouterr().out
     assert scope["payments"].subscriptions() == ["ledger", "fraud"]

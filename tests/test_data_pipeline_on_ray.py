@@ -18,6 +18,7 @@ import ray
 
 from raymq.data import QueueDatasink, QueueReader
 from raymq.errors import ConsumerClosed, InvalidSetting
+from tests.readme_blocks import run_readme_block
 
 #: Bound on the queue noticing a dead reader (seconds): a wedge fails, not a timing.
 DEATH_NOTICE_DEADLINE = 60.0
@@ -177,16 +178,7 @@ def test_a_pipeline_whose_driver_dies_before_commit_loses_nothing(broker, tmp_pa
 def test_the_readme_pipeline_runs_as_typed(broker, monkeypatch):
     """README.md's ``python data-pipeline`` block, run as written (``raymq.connect``
     gives this test's broker)."""
-    import raymq
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with open(os.path.join(root, "README.md")) as f:
-        text = f.read()
-    start = text.index("```python data-pipeline\n") + len("```python data-pipeline\n")
-    block = text[start : text.index("```\n", start)]
-    monkeypatch.setattr(raymq, "connect", lambda *a, **k: broker, raising=False)
-    scope: dict = {}
-    exec(compile(block, "README.md (python data-pipeline)", "exec"), scope)
+    scope = run_readme_block("python data-pipeline", broker, monkeypatch)
     assert scope["clicks"].stats()["depth"] == 0
     got = sorted(m.body for m in scope["enriched"].browse(batch_size=2000))
     assert got == sorted(b"CLICK-%d" % i for i in range(1000))
