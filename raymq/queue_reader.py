@@ -133,6 +133,18 @@ class QueueReader:
 
         self._lease = ReadLeaseActor.remote()  # owned by this driver: ends with it
         taken: list[np.ndarray] = []
+        try:
+            self._lease_into(taken)
+        except BaseException:
+            # What was leased goes back now, not when this driver ends.
+            with contextlib.suppress(Exception):
+                self._end("aborted", np.concatenate(taken) if taken else None)
+            raise
+        self._offsets = np.sort(np.concatenate(taken)) if taken else np.zeros(0, np.int64)
+
+    def _lease_into(self, taken: list[np.ndarray]) -> None:
+        """Lease in chunks into ``taken`` until the queue has no more for the reader
+        (or ``max_messages``), waiting up to ``timeout`` for a first message."""
         n, more = 0, True
         total = self.max_messages
         deadline = time.monotonic() + self.timeout
@@ -156,7 +168,6 @@ class QueueReader:
                 elif n == 0 and time.monotonic() < deadline:
                     more = True  # the queue waits at most a second per call: ask again
             bar.set_total(n)
-        self._offsets = np.sort(np.concatenate(taken)) if taken else np.zeros(0, np.int64)
 
     def commit(self) -> int:
         """Acknowledge every message the dataset's read tasks read, give back the
@@ -184,7 +195,7 @@ class QueueReader:
         self._end("aborted", leased)
         return len(leased)
 
-    def _end(self, how: str, give_back: np.ndarray) -> None:
+    def _end(self, how: str, give_back: np.ndarray | None) -> None:
         self._ended = how
         if self._lease is None:
             return

@@ -183,3 +183,30 @@ def test_the_readme_pipeline_runs_as_typed(broker, monkeypatch):
     got = sorted(m.body for m in scope["enriched"].browse(batch_size=2000))
     assert got == sorted(b"CLICK-%d" % i for i in range(1000))
     assert {m.properties["page"] for m in scope["enriched"].browse()} == {"home"}
+
+
+def test_a_lease_that_fails_half_way_gives_back_what_it_took(broker, monkeypatch):
+    import raymq.queue_reader
+    from raymq.errors import BrokerUnavailable
+
+    q = broker.create_queue("half-lease")
+    _fill(q, 50)
+    monkeypatch.setattr(raymq.queue_reader, "LEASE_CHUNK", 20)
+    real = q._invoke
+    calls = []
+
+    def failing(method, *args, **kwargs):
+        if method == "lease":
+            calls.append(method)
+            if len(calls) == 2:
+                raise BrokerUnavailable("queue 'half-lease' went away (test)")
+        return real(method, *args, **kwargs)
+
+    monkeypatch.setattr(q, "_invoke", failing)
+    reader = QueueReader(q, progress=False)
+    with pytest.raises(BrokerUnavailable, match="half-lease"):
+        reader.dataset()
+    stats = q.stats()
+    assert stats["in_flight"] == 0 and stats["depth"] == 50
+    with pytest.raises(ConsumerClosed):
+        reader.commit()
