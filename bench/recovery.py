@@ -19,6 +19,7 @@ from rich.progress import track
 from bench.common import console, print_table
 from raymq.batch import MessageBatch
 from raymq.storage import SegmentLog
+from raymq.storage.duplicate_ids import stored_ids
 from raymq.storage.format import CHECKPOINT_NAME, SEGMENT_SUFFIX
 
 
@@ -48,6 +49,19 @@ def reopen(directory: str) -> tuple[float, int]:
     return dt, report.depth
 
 
+def id_scan(directory: str) -> tuple[float, int]:
+    """What a queue actor adds to its start for producer ids (``QueueCore``): the live
+    segments' stored properties read, newest first, for ids within the window; the
+    window here covers every message (all were written just now): the worst case."""
+    log, _ = SegmentLog.open(directory, queue="deep", page_size_bytes=10 * 2**20)
+    try:
+        t0 = time.perf_counter()
+        found = stored_ids(log.segments, log.properties, 0)
+        return time.perf_counter() - t0, len(found)
+    finally:
+        log.close()
+
+
 def damage_one_record(directory: str) -> None:
     """Flip a byte in the middle of the first segment file (inside some record)."""
     name = min(f for f in os.listdir(directory) if f.endswith(SEGMENT_SUFFIX))
@@ -68,6 +82,7 @@ def main() -> None:
     try:
         fill(directory, args.messages, args.body)
         with_ckpt, depth = reopen(directory)
+        ids_seconds, ids = id_scan(directory)
         os.unlink(os.path.join(directory, CHECKPOINT_NAME))
         full_scan, depth2 = reopen(directory)
         os.unlink(os.path.join(directory, CHECKPOINT_NAME))
@@ -84,6 +99,12 @@ def main() -> None:
                     f"{with_ckpt:.3f}",
                     f"{with_ckpt / full_scan:.2f}",
                     f"{depth:,}",
+                ],
+                [
+                    "producer ids scan, after it (none stored)",
+                    f"{ids_seconds:.3f}",
+                    f"{ids_seconds / full_scan:.2f}",
+                    f"{ids:,} ids",
                 ],
                 ["full scan (no checkpoint)", f"{full_scan:.3f}", "1.00", f"{depth2:,}"],
                 [
