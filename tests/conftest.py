@@ -11,10 +11,22 @@ import uuid
 import pytest
 
 from raymq.config import apply_ray_env_defaults
+from tests import background
 
 # Quiet and quick: no dashboard, no usage stats, short metrics interval.
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 apply_ray_env_defaults()  # the suite starts Ray itself, as RayMQ would
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the whole-system scenarios this session will check (tests/background.py),
+    in the order the suite reaches them, beside the rest of the suite."""
+    if not session.config.option.collectonly:
+        background.start([item.path.name for item in session.items])
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    background.stop_all()
 
 
 @pytest.fixture(scope="session")

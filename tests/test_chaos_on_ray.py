@@ -12,35 +12,47 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
+
+from tests import background
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_a_short_chaos_soak_loses_nothing_and_raises_only_typed_errors(tmp_path):
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAYMQ_BENCH_DIR": str(tmp_path)}
+@background.scenario("test_chaos_on_ray.py")
+def run_scenario() -> subprocess.CompletedProcess:
+    """The soak's process (started beside the suite by conftest.py)."""
+    bench_dir = tempfile.mkdtemp(prefix="rmq-chaos-")
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAYMQ_BENCH_DIR": bench_dir}
     env.pop("RAYMQ_BENCH_ADDRESS", None)  # a Ray of its own
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "bench.chaos",
-            "--minutes",
-            "0.5",
-            "--kill-every",
-            "3,6",
-            "--rate",
-            "1500",
-            "--seed",
-            "3",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    try:
+        return background.run_child(
+            [
+                sys.executable,
+                "-m",
+                "bench.chaos",
+                "--minutes",
+                "0.5",
+                "--kill-every",
+                "3,6",
+                "--rate",
+                "1500",
+                "--seed",
+                "3",
+            ],
+            cwd=ROOT,
+            env=env,
+            timeout=600,
+        )
+    finally:
+        shutil.rmtree(bench_dir, ignore_errors=True)
+
+
+def test_a_short_chaos_soak_loses_nothing_and_raises_only_typed_errors():
+    done = background.outcome("test_chaos_on_ray.py")
     out = done.stdout + done.stderr
     assert done.returncode == 0 and "CHAOS OK" in out, out[-8000:]
     kills = re.search(r"kills: \{([^}]*)\}", out)

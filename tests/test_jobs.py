@@ -18,6 +18,7 @@ import sys
 
 import pytest
 
+from tests import background
 from tests.jobs_scenario import clean_up, scratch_dirs
 
 #: The scenario runs in the first test's setup: a head, five jobs (Spark among them) and
@@ -37,21 +38,25 @@ LEFT = {
 }
 
 
-@pytest.fixture(scope="module")
-def observed() -> dict:
+@background.scenario("test_jobs.py")
+def run_scenario() -> subprocess.CompletedProcess:
+    """The scenario's process (started beside the suite by conftest.py)."""
     # The directories are made here so that the head is stopped even when the scenario
     # is killed (a timeout) before its own clean-up.
     home, ray_tmp = scratch_dirs()
     try:
-        done = subprocess.run(
+        return background.run_child(
             [sys.executable, SCENARIO, "--dirs", home, ray_tmp, *EXAMPLES],
-            capture_output=True,
-            text=True,
             timeout=850,
             env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"},
         )
     finally:
         clean_up(home, ray_tmp)
+
+
+@pytest.fixture(scope="module")
+def observed() -> dict:
+    done = background.outcome("test_jobs.py")
     assert done.returncode == 0, done.stderr[-4000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     # For the record (pytest -s shows it): how long a newcomer waits on this machine.

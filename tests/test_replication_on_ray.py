@@ -17,6 +17,8 @@ import tempfile
 
 import pytest
 
+from tests import background
+
 SCENARIO = os.path.join(os.path.dirname(__file__), "replication_scenario.py")
 #: Writes resume within this long of the leader's node dying: a bound only a wedged
 #: failover exceeds. The target (5 s, issue 14) is a speed, measured with its ratio by
@@ -24,23 +26,23 @@ SCENARIO = os.path.join(os.path.dirname(__file__), "replication_scenario.py")
 RESUME_SECONDS = 30.0
 
 
-@pytest.fixture(scope="module")
-def observed() -> dict:
+@background.scenario("test_replication_on_ray.py")
+def run_scenario() -> subprocess.CompletedProcess:
+    """The scenario's process (started beside the suite by conftest.py)."""
     root = tempfile.mkdtemp(prefix="rmq-replication-")
     paging, temp = os.path.join(root, "paging"), os.path.join(root, "ray")
     os.mkdir(paging)
     os.mkdir(temp)
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
     try:
-        done = subprocess.run(
-            [sys.executable, SCENARIO, paging, temp],
-            capture_output=True,
-            text=True,
-            timeout=600,
-            env=env,
-        )
+        return background.run_child([sys.executable, SCENARIO, paging, temp], timeout=600, env=env)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def observed() -> dict:
+    done = background.outcome("test_replication_on_ray.py")
     assert done.returncode == 0, done.stderr[-6000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
