@@ -52,6 +52,18 @@ def test_a_reader_holds_its_lease_and_commits_exactly_what_was_read(broker):
         reader.commit()
 
 
+def test_a_dataset_has_one_block_per_batch_rows_messages(broker):
+    # Ray Data, asked for no block count, splits a few tasks' output into 200 slivers.
+    q = broker.create_queue("blocks")
+    _fill(q, 350)
+    with QueueReader(q, batch_rows=100, progress=False) as reader:
+        ds = reader.dataset().materialize()
+        sizes = sorted(ray.get(b).num_rows for b in ds.to_arrow_refs())
+        assert sum(sizes) == 350 and len(sizes) == 4 and max(sizes) <= 100, sizes
+        reader.commit()
+    assert q.stats()["depth"] == 0
+
+
 def test_commit_gives_back_what_the_dataset_never_read_and_abort_gives_all(broker):
     q = broker.create_queue("partial")
     _fill(q, 100)
