@@ -38,6 +38,8 @@ CREATION_WAIT_SECONDS = 10.0
 #: core for most of a second, which that consumer's first message would share on a
 #: small machine (measured here on 2 cores: 6-7 ms alone, 7-15 ms beside it).
 DEFER_SECONDS = 1.0
+#: False once ``keep_none`` was called: this process starts no spare.
+_keeping = True
 
 
 def _key(node_id: str) -> tuple[str, str]:
@@ -56,10 +58,20 @@ def _new(node_id: str) -> tuple[object, object]:
     return actor, actor.ready.remote()
 
 
+def keep_none() -> None:
+    """Start no spare in this process from now on (``warm`` does nothing; ``take``
+    starts a TargetList when asked): for a process that makes one consumer at most and
+    ends, where each spare would be a process started for nothing."""
+    global _keeping
+    _keeping = False
+
+
 def warm(node_id: str, after: threading.Event | None = None) -> None:
     """Start a spare on ``node_id`` unless one is there or on its way (returns at once;
     the creation is submitted from a background thread, once ``after`` is set or
     ``DEFER_SECONDS`` have passed, or as soon as ``take`` or ``wait_warm`` wants it)."""
+    if not _keeping:
+        return
     key = _key(node_id)
     with _lock:
         if key in _spares or key in _making:

@@ -814,3 +814,25 @@ def test_bench_common_starts_a_local_ray_unless_told(monkeypatch):
     with pytest.raises(Stop):
         bench.common.start_broker("x")
     assert calls[0]["address"] == "local" and calls[1]["address"] == "h:1"
+
+
+def test_a_command_starts_no_spare_target_list(monkeypatch):
+    """A command makes one consumer at most and ends: it connects with warm=False, and a
+    process that does keeps no spare (each would be a Ray worker started for nothing)."""
+    from raymq.placement import spares
+
+    from raymq.cli import common
+
+    seen = {}
+    monkeypatch.setattr(common, "join_ray", lambda *a, **k: None)
+    monkeypatch.setattr(raymq, "connect", lambda **kw: seen.update(kw))
+    ctx = type("Ctx", (), {"obj": {"address": None, "namespace": "n", "verbose": False}})()
+    common.connect(ctx)
+    assert seen["warm"] is False
+
+    monkeypatch.setattr(spares, "_keeping", True)
+    monkeypatch.setattr(spares, "_making", {})  # other tests' spares are not this one's
+    monkeypatch.setattr(spares, "_spares", {})
+    spares.keep_none()
+    spares.warm("some-node")  # Ray-free: nothing is started, nothing is waited for
+    assert not spares._making and not spares._spares

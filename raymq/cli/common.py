@@ -68,8 +68,14 @@ def connect(ctx: click.Context, create: bool = False, **settings: Any):
     import raymq
 
     join_ray(ctx.obj["address"], ctx.obj["namespace"], verbose=ctx.obj["verbose"])
+    # warm=False: a command makes one consumer at most, then ends; a spare TargetList
+    # started for a next one would be a process (~0.5 s of CPU) for nothing.
     return raymq.connect(
-        address=ctx.obj["address"], namespace=ctx.obj["namespace"], create=create, **settings
+        address=ctx.obj["address"],
+        namespace=ctx.obj["namespace"],
+        create=create,
+        warm=False,
+        **settings,
     )
 
 

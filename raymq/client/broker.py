@@ -30,6 +30,7 @@ def connect(
     namespace: str = "raymq",
     *,
     create: bool = True,
+    warm: bool = True,
     **broker_config: Any,
 ) -> Broker:
     """Join (or start) Ray and the broker of ``namespace``; returns a ``Broker``.
@@ -39,6 +40,10 @@ def connect(
     of ``raymq.config.BrokerConfig`` (``paging_directory``, ``max_message_size``, ...);
     they apply when this call creates the broker, and must match a running one.
     ``create=False`` only joins a running broker (``BrokerUnavailable`` if none).
+    ``warm`` starts ahead what a first consumer would wait for (a spare TargetList
+    process on this node, pyarrow's lazy imports: about 0.7 s of CPU); a short-lived
+    process that makes one consumer at most (the ``raymq`` command) passes False, and
+    then keeps no spare at all (``raymq.placement.spares.keep_none``).
     """
     from raymq.actors.broker_actor import BrokerActor
     from raymq.actors.governor_actor import MemoryGovernorActor
@@ -77,8 +82,11 @@ def connect(
     running: BrokerConfig = _call(actor.config, refresh=again, about="the broker")
     if broker_config and running != config:
         raise InvalidSetting(f"broker in namespace {namespace!r} runs with {running}, not {config}")
-    spares.warm(current_node_id())  # the first consumer need not wait for a process
-    warm_arrow_conversions()  # nor its first receive for pyarrow's lazy imports
+    if warm:
+        spares.warm(current_node_id())  # the first consumer need not wait for a process
+        warm_arrow_conversions()  # nor its first receive for pyarrow's lazy imports
+    else:
+        spares.keep_none()
     governor = here(MemoryGovernorActor, GOVERNOR_ACTOR_NAME).remote(running, namespace)
     return Broker(actor, running, namespace, governor)
 
