@@ -69,3 +69,20 @@ def check_encoded_properties(data: bytes, *, where: str = "message") -> None:
 def decode_properties(data: bytes | memoryview) -> dict[str, Any]:
     """Decode what ``encode_properties`` wrote."""
     return msgpack.unpackb(data, raw=False) if len(data) else {}
+
+
+#: The property a producer's message id travels in (Artemis's name): durable with the
+#: message under its record's CRC (``raymq.core.duplicate_ids``).
+DUPLICATE_ID_PROPERTY = "_AMQ_DUPL_ID"
+#: The property name as msgpack encodes it (a fixstr of 12 bytes): properties without
+#: these bytes carry no id and are not decoded.
+ID_KEY_BYTES = msgpack.packb(DUPLICATE_ID_PROPERTY)
+
+
+def id_in_properties(props: bytes) -> str | None:
+    """The producer id in one message's msgpack-encoded properties, if any (a
+    non-empty string). Raises ``ValueError`` for bytes that are not msgpack."""
+    if ID_KEY_BYTES not in props:
+        return None
+    mid = msgpack.unpackb(props, raw=False).get(DUPLICATE_ID_PROPERTY)
+    return mid if isinstance(mid, str) and mid else None

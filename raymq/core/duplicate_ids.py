@@ -21,13 +21,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
 import pyarrow as pa
 
 from raymq.errors import InvalidSetting
 
-#: The property carrying a message's producer id (Artemis's name for it).
-DUPLICATE_ID_PROPERTY = "_AMQ_DUPL_ID"
+# Spelled once, in raymq.properties, which storage may import too.
+from raymq.properties import DUPLICATE_ID_PROPERTY
+
 #: Longest id, in UTF-8 bytes: ids are kept in memory and in every checkpoint.
 MAX_ID_BYTES = 256
 
@@ -59,19 +59,6 @@ def check_message_id(mid: object, queue: str) -> str:
             f"message_id for queue {queue!r} is {len(mid.encode())} bytes, above {MAX_ID_BYTES}"
         )
     return mid
-
-
-#: The id's property name as msgpack encodes it (a fixstr of 12 bytes): properties
-#: without these bytes carry no id and are not decoded.
-ID_KEY_BYTES = msgpack.packb(DUPLICATE_ID_PROPERTY)
-
-
-def id_in_properties(props: bytes) -> str | None:
-    """The producer id in one message's msgpack-encoded properties, if any."""
-    if ID_KEY_BYTES not in props:
-        return None
-    mid = msgpack.unpackb(props, raw=False).get(DUPLICATE_ID_PROPERTY)
-    return mid if isinstance(mid, str) and mid else None
 
 
 def with_message_ids(bodies: Any, properties: Any, ids: list[str | None]) -> tuple[Any, Any]:

@@ -162,7 +162,7 @@ class RayMQTaskProcessorAdapter(TaskProcessorAdapter):
         self._threads: list[threading.Thread] = []
         self._stopping = threading.Event()
         self._running = 0  # handlers running now
-        self._completions = ThreadPoolExecutor(max_workers=1)  # (start_consumer's)
+        self._completions: ThreadPoolExecutor | None = None  # made by start_consumer
         self._pending: set[futures.Future] = set()  # completions not done yet
         self._batcher = CallBatcher(lambda calls: self._store_call("batch", calls))
         self._lock = threading.Lock()
@@ -335,7 +335,9 @@ class RayMQTaskProcessorAdapter(TaskProcessorAdapter):
         with self._lock:
             pending = list(self._pending)
         futures.wait(pending, max(deadline - time.monotonic(), 0.0))
-        self._completions.shutdown(wait=False, cancel_futures=True)
+        if self._completions is not None:
+            self._completions.shutdown(wait=False, cancel_futures=True)
+            self._completions = None
         still = sum(t.is_alive() for t in self._threads) + sum(not f.done() for f in pending)
         if still:
             log.warning(
@@ -411,11 +413,13 @@ class RayMQTaskProcessorAdapter(TaskProcessorAdapter):
                 return
             self._give_up(consumer, message, task, FAILED, exc, text)
             return
-        if self._settings.prefetch_multiplier == 1:
-            # Its slot frees only at the ack: nothing to gain from a completion thread.
+        completions = self._completions
+        if self._settings.prefetch_multiplier == 1 or completions is None:
+            # Its slot frees only at the ack: nothing to gain from a completion thread
+            # (none is left either when this handler outlived stop_consumer's timeout).
             self._complete(consumer, message, task, value)
             return
-        done = self._completions.submit(self._complete, consumer, message, task, value)
+        done = completions.submit(self._complete, consumer, message, task, value)
         with self._lock:
             self._pending.add(done)
         done.add_done_callback(self._completed)

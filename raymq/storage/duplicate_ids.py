@@ -10,35 +10,29 @@ segment older than the window.
 
 from __future__ import annotations
 
-import msgpack
 import numpy as np
 
 from raymq.batch import MessageBatch
+from raymq.properties import ID_KEY_BYTES, id_in_properties
 from raymq.storage.record import CorruptRecord
 from raymq.storage.segment import Segment, Segments
-
-#: The property name as msgpack encodes it (a fixstr of 12 bytes): a record whose
-#: properties do not contain these bytes has no id, and is not decoded. (Storage does
-#: not import the core: the name is spelled here too, see
-#: ``raymq.core.duplicate_ids.DUPLICATE_ID_PROPERTY``.)
-_ID_KEY = msgpack.packb("_AMQ_DUPL_ID")
 
 
 def ids_in_batch(batch: MessageBatch, since_us: int) -> list[tuple[str, int, float]]:
     """(id, offset, seconds since the epoch) of the messages of ``batch`` (timestamps
     set) stored at ``since_us`` (µs since the epoch) or later that carry an id."""
-    if not len(batch.prop_data) or _ID_KEY not in batch.prop_data.tobytes():
+    if not len(batch.prop_data) or ID_KEY_BYTES not in batch.prop_data.tobytes():
         return []
     out = []
     ts = batch.timestamps if batch.timestamps is not None else np.zeros(len(batch), np.int64)
     for i, blob in enumerate(batch.property_blobs()):
-        if not blob or ts[i] < since_us or _ID_KEY not in blob:
+        if not blob or ts[i] < since_us:
             continue
         try:
-            mid = msgpack.unpackb(blob, raw=False).get("_AMQ_DUPL_ID")
+            mid = id_in_properties(blob)
         except ValueError:  # stored by the queue, so well formed: never seen
             continue
-        if isinstance(mid, str):
+        if mid is not None:
             out.append((mid, batch.first_offset + i, int(ts[i]) / 1e6))
     return out
 

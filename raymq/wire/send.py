@@ -32,8 +32,7 @@ from typing import Any
 
 from raymq import errors
 from raymq.batch import MessageBatch
-from raymq.core.duplicate_ids import id_in_properties
-from raymq.properties import check_encoded_properties
+from raymq.properties import check_encoded_properties, id_in_properties
 from raymq.wire.blocking import BlockingClient
 from raymq.wire.client import PATIENCE_SECONDS, Answer
 from raymq.wire.errors import WireBroken
