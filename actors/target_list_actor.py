@@ -42,6 +42,7 @@ from raymq.actors.target_list_link import RayQueueEndpoint
 from raymq import metrics
 from raymq.batch import offsets_of
 from raymq.core.budget import ConsumerUsage
+from raymq.core.link import LinkFault
 from raymq.core.supervisor import Supervisor
 from raymq.core.target_list import TargetList
 from raymq.core.target_list_link import ConsumerSpec, StaleEndpoint, TargetListLink
@@ -183,12 +184,17 @@ class TargetListActor:
         try:
             if registered is not None:
                 await self.link.finish_registration(registered)
-        except BaseException:
-            # Not a consumer after all (a malformed selector, a deleted subscription...).
+        except BaseException as exc:
+            # Not a consumer after all (a malformed selector, a deleted subscription, the
+            # queue's actor gone while registering...).
             self.link.stop()
             await self._tasks.cancel_all()
             if self._channel is not None:
                 self._channel.close()
+            if isinstance(exc, LinkFault):  # a typed error for the client, not a raw one
+                raise BrokerUnavailable(
+                    f"consumer {consumer_id}: queue {queue!r} could not register it: {exc}"
+                ) from None
             raise
         return endpoint
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from collections.abc import Iterator
 
 import ray
 
@@ -38,7 +39,7 @@ CREATION_WAIT_SECONDS = 10.0
 #: core for most of a second, which that consumer's first message would share on a
 #: small machine (measured here on 2 cores: 6-7 ms alone, 7-15 ms beside it).
 DEFER_SECONDS = 1.0
-#: False once ``keep_none`` was called: this process starts no spare.
+#: False within ``none_started``: ``warm`` starts nothing.
 _keeping = True
 
 
@@ -58,12 +59,17 @@ def _new(node_id: str) -> tuple[object, object]:
     return actor, actor.ready.remote()
 
 
-def keep_none() -> None:
-    """Start no spare in this process from now on (``warm`` does nothing; ``take``
-    starts a TargetList when asked): for a process that makes one consumer at most and
-    ends, where each spare would be a process started for nothing."""
+@contextlib.contextmanager
+def none_started() -> Iterator[None]:
+    """Within this block ``warm`` starts no spare: for the consumer of a process that
+    makes one and ends (the ``raymq`` command), whose next spare would be a Ray worker
+    started for nothing. Such a consumer still takes a spare that is there."""
     global _keeping
-    _keeping = False
+    before, _keeping = _keeping, False
+    try:
+        yield
+    finally:
+        _keeping = before
 
 
 def warm(node_id: str, after: threading.Event | None = None) -> None:

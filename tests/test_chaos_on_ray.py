@@ -17,7 +17,12 @@ import subprocess
 import sys
 import tempfile
 
+import pytest
+
 from tests import background
+
+#: The soak (600 s at most) is the first scenario queued (tests/background.py).
+pytestmark = pytest.mark.timeout(900)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

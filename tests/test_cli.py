@@ -817,8 +817,10 @@ def test_bench_common_starts_a_local_ray_unless_told(monkeypatch):
 
 
 def test_a_command_starts_no_spare_target_list(monkeypatch):
-    """A command makes one consumer at most and ends: it connects with warm=False, and a
-    process that does keeps no spare (each would be a Ray worker started for nothing)."""
+    """A command makes one consumer at most and ends: it connects with warm=False, and
+    its consumer is made where no next spare is started (each would be a Ray worker
+    started for nothing). The process is itself again after (the suite runs commands
+    in-process)."""
     from raymq.placement import spares
 
     from raymq.cli import common
@@ -830,9 +832,27 @@ def test_a_command_starts_no_spare_target_list(monkeypatch):
     common.connect(ctx)
     assert seen["warm"] is False
 
-    monkeypatch.setattr(spares, "_keeping", True)
     monkeypatch.setattr(spares, "_making", {})  # other tests' spares are not this one's
     monkeypatch.setattr(spares, "_spares", {})
-    spares.keep_none()
-    spares.warm("some-node")  # Ray-free: nothing is started, nothing is waited for
+    with spares.none_started():
+        spares.warm("some-node")  # Ray-free: nothing is started, nothing is waited for
     assert not spares._making and not spares._spares
+    assert spares._keeping
+
+
+def test_the_consume_command_makes_its_consumer_where_no_spare_is_started(broker, monkeypatch):
+    from raymq.placement import spares
+
+    q = broker.create_queue("one-consumer")
+    q.send(b"x")
+    kept = []
+    real = type(q).consumer
+
+    def consumer(self, *args, **kwargs):
+        kept.append(spares._keeping)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(q), "consumer", consumer)
+    assert main(["--namespace", broker.namespace, "consume", "one-consumer", "-n", "1"]) == 0
+    assert kept == [False] and spares._keeping
+    assert q.stats()["depth"] == 0

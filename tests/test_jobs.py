@@ -21,9 +21,11 @@ import pytest
 from tests import background
 from tests.jobs_scenario import clean_up, scratch_dirs
 
-#: The scenario runs in the first test's setup: a head, five jobs (Spark among them) and
-#: some fifteen commands, about 2.5 minutes alone on 2 cores, twice that on a busy machine.
-pytestmark = pytest.mark.timeout(900)
+#: The scenario (tests/background.py starts it beside the suite; the first test's setup
+#: waits for it, and for the chaos soak queued before it): a head, five jobs (Spark among
+#: them) and some fifteen commands, about 2.5 minutes alone on 2 cores, twice that on a
+#: busy machine.
+pytestmark = pytest.mark.timeout(1500)
 
 SCENARIO = os.path.join(os.path.dirname(__file__), "jobs_scenario.py")
 EXAMPLES = ["quickstart", "message_selectors", "deep_backlog", "spark_pipeline", "serve_tasks"]

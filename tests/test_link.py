@@ -210,3 +210,14 @@ def test_only_one_thread_follows_a_failed_actor(cluster):
     cluster.current = Actor("a2")
     assert link.follow(old) is True and cluster.located == 1
     assert link.follow(old) is True and cluster.located == 1  # moved on already
+
+
+def test_a_link_fault_survives_pickling():
+    # Ray pickles an exception that crosses an actor call: the default pickling (the
+    # message as the one argument) could not be rebuilt (UnserializableException).
+    import pickle
+
+    fault = LinkFault(Fault.GONE, RuntimeError("killed by ray.kill"), final=True)
+    back = pickle.loads(pickle.dumps(fault))
+    assert type(back) is LinkFault and back.kind is Fault.GONE and back.final
+    assert str(back) == str(fault) == "gone: killed by ray.kill"

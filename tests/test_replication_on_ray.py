@@ -19,6 +19,10 @@ import pytest
 
 from tests import background
 
+#: Its fixture may wait for the scenarios queued before it (tests/background.py) as well
+#: as its own (600 s at most).
+pytestmark = pytest.mark.timeout(1800)
+
 SCENARIO = os.path.join(os.path.dirname(__file__), "replication_scenario.py")
 #: Writes resume within this long of the leader's node dying: a bound only a wedged
 #: failover exceeds. The target (5 s, issue 14) is a speed, measured with its ratio by

@@ -69,7 +69,7 @@ def connect(ctx: click.Context, create: bool = False, **settings: Any):
 
     join_ray(ctx.obj["address"], ctx.obj["namespace"], verbose=ctx.obj["verbose"])
     # warm=False: a command makes one consumer at most, then ends; a spare TargetList
-    # started for a next one would be a process (~0.5 s of CPU) for nothing.
+    # started for it ahead would be a process (~0.5 s of CPU) mostly for nothing.
     return raymq.connect(
         address=ctx.obj["address"],
         namespace=ctx.obj["namespace"],

@@ -12,6 +12,7 @@ import click
 from raymq.cli import common
 from raymq.cli.common import _say, _warn
 from raymq.cli.targets import _check_selector, find_target
+from raymq.placement import spares
 
 #: Seconds each receive of ``raymq consume`` waits before it asks whether anything is
 #: left for it (``Consumer.backlog``): an empty receive with no backlog ends the command.
@@ -177,7 +178,9 @@ def consume(
     # delivery): it needs that much credit. A nack before the close would let the
     # consumer's loader take them again while it closes.
     prefetch = max_messages if no_ack else min(max_messages, 1000)
-    with q.consumer(selector=selector, prefetch=prefetch) as c:
+    with spares.none_started():  # the command ends after this consumer: no next spare
+        consumer = q.consumer(selector=selector, prefetch=prefetch)
+    with consumer as c:
         got = drain(c, max_messages, timeout, handle)
     if not as_json:
         _say(f"{got} message(s) from {queue!r}", style="dim")

@@ -42,8 +42,7 @@ def connect(
     ``create=False`` only joins a running broker (``BrokerUnavailable`` if none).
     ``warm`` starts ahead what a first consumer would wait for (a spare TargetList
     process on this node, pyarrow's lazy imports: about 0.7 s of CPU); a short-lived
-    process that makes one consumer at most (the ``raymq`` command) passes False, and
-    then keeps no spare at all (``raymq.placement.spares.keep_none``).
+    process that makes one consumer at most (the ``raymq`` command) passes False.
     """
     from raymq.actors.broker_actor import BrokerActor
     from raymq.actors.governor_actor import MemoryGovernorActor
@@ -85,8 +84,6 @@ def connect(
     if warm:
         spares.warm(current_node_id())  # the first consumer need not wait for a process
         warm_arrow_conversions()  # nor its first receive for pyarrow's lazy imports
-    else:
-        spares.keep_none()
     governor = here(MemoryGovernorActor, GOVERNOR_ACTOR_NAME).remote(running, namespace)
     return Broker(actor, running, namespace, governor)
 

@@ -79,6 +79,17 @@ class LinkFault(Exception):
         self.cause = cause
         self.final = final
 
+    def __reduce__(self):
+        # Pickled by kind, the cause's text and final: the default (the message as the
+        # one argument) cannot be rebuilt, and Ray turned one crossing it into a raw
+        # UnserializableException.
+        cause = None if self.cause is None else str(self.cause)
+        return (_link_fault, (self.kind, cause, self.final))
+
+
+def _link_fault(kind: Fault, cause: str | None, final: bool) -> LinkFault:
+    return LinkFault(kind, cause, final=final)
+
 
 class Transport(Protocol):
     """One call on one actor handle."""
