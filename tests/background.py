@@ -27,6 +27,7 @@ _lock = threading.Lock()
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
 _futures: dict[str, concurrent.futures.Future] = {}
 _children: set[subprocess.Popen] = set()
+_stopped = False  # the session ended: no child starts after stop_all
 
 
 def scenario(module: str) -> Callable[[Callable[[], object]], Callable[[], object]]:
@@ -43,11 +44,14 @@ def run_child(argv: list[str], *, timeout: float, **popen) -> subprocess.Complet
     """``subprocess.run(argv, capture_output=True, text=True, timeout=...)``, the child
     known to ``stop_all`` while it runs. Raises ``subprocess.TimeoutExpired`` (the child
     killed) past ``timeout`` seconds."""
-    with subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen
-    ) as proc:
-        with _lock:
-            _children.add(proc)
+    with _lock:
+        if _stopped:  # a scenario between its start and its child when the session ended
+            raise RuntimeError("the test session ended before this scenario's child started")
+        proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen
+        )
+        _children.add(proc)
+    with proc:
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -86,7 +90,9 @@ def outcome(module: str) -> object:
 
 def stop_all() -> None:
     """Kill the scenario children still running and drop the scenarios not started."""
+    global _stopped
     with _lock:
+        _stopped = True
         for future in _futures.values():
             future.cancel()
         for proc in _children:

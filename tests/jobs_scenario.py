@@ -56,14 +56,20 @@ FIRST_MESSAGE_LINE = "sent one message at offset"
 JOB_SECONDS = 300
 
 
-def readme_block(tag: str, readme: str = README) -> list[str]:
-    """The lines of README's fenced block opened with ```` ```bash TAG ````."""
+def fenced(name: str, readme: str = README) -> str:
+    """The text of README's fenced block opened with ```` ```NAME ```` (e.g. "python
+    addresses", "bash cluster-quickstart")."""
     with open(readme) as f:
         text = f.read()
-    m = re.search(rf"^```bash {re.escape(tag)}\n(.*?)^```\s*$", text, re.S | re.M)
+    m = re.search(rf"^```{re.escape(name)}\n(.*?)^```\s*$", text, re.S | re.M)
     if m is None:
-        raise LookupError(f"README.md has no ```bash {tag} block")
-    return [line for line in m.group(1).splitlines() if line.strip()]
+        raise LookupError(f"README.md has no ```{name} block")
+    return m.group(1)
+
+
+def readme_block(tag: str, readme: str = README) -> list[str]:
+    """The lines of README's fenced block opened with ```` ```bash TAG ````."""
+    return [line for line in fenced(f"bash {tag}", readme).splitlines() if line.strip()]
 
 
 def free_port() -> int:

@@ -2,17 +2,7 @@
 
 from __future__ import annotations
 
-import os
-
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
-
-
-def readme_block(name: str) -> str:
-    """The text of README.md's block opened by ```` ```name ````, e.g. "python addresses"."""
-    with open(README) as f:
-        text = f.read()
-    start = text.index(f"```{name}\n") + len(f"```{name}\n")
-    return text[start : text.index("```\n", start)]
+from tests.jobs_scenario import fenced as readme_block
 
 
 def run_readme_block(name: str, broker, monkeypatch) -> dict:
