@@ -4,6 +4,7 @@ real files, restarted as the queue actor is (close, open again)."""
 from __future__ import annotations
 
 import asyncio
+import errno
 
 import numpy as np
 import pyarrow as pa
@@ -18,8 +19,10 @@ from raymq.core.duplicate_ids import (
     with_message_ids,
 )
 from raymq.core.queue import QueueCore
-from raymq.errors import InvalidSetting
+from raymq.errors import InvalidSetting, StorageError
 from raymq.properties import decode_properties
+from raymq.storage.segment import Segment
+from tests.storage_helpers import flip
 
 
 class Clock:
@@ -183,6 +186,40 @@ def test_a_window_of_zero_stores_every_send(tmp_path):
             await core.close()
 
     assert asyncio.run(scenario()) == ([0], [1])
+
+
+def test_a_recovery_that_fails_reading_ids_leaves_its_damage_to_the_next(tmp_path, monkeypatch):
+    """Reading the producer ids is part of recovery, before the damage found is hidden
+    (checkpoint, cut): an open that fails there must leave the next one to find, and
+    count, the same damage (the fault simulator's seed 37599 lost that count)."""
+
+    async def send():
+        core = await _started(tmp_path)
+        try:
+            first = await core.send_batch_ids(_batch([b"m"] * 2, ["a", "b"]), ["a", "b"])
+            return first + await core.send_batch_ids(_batch([b"m" * 100], ["c"]), ["c"])
+        finally:
+            await core.close()
+
+    assert asyncio.run(send()) == [0, 1, 2]
+    directory = tmp_path / "orders"
+    (directory / "checkpoint").unlink()  # every file is scanned again
+    (segment,) = directory.glob("*.seg")
+    flip(str(segment), segment.stat().st_size - 10)  # the last record fails its CRC
+
+    def failing(self, k):
+        raise OSError(errno.EIO, "injected", self.path)
+
+    with monkeypatch.context() as m:
+        m.setattr(Segment, "read_properties", failing)
+        with pytest.raises(StorageError, match="orders"):
+            _core(tmp_path)
+    core = _core(tmp_path)
+    try:
+        assert core.recovery.damaged == 1  # found and counted again
+        assert core.recovery.lost_messages == 1
+    finally:
+        asyncio.run(core.close())
 
 
 @pytest.mark.parametrize(

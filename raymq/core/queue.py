@@ -57,7 +57,6 @@ from raymq.errors import (
 )
 from raymq.selector import Selector
 from raymq.storage import PreparedWrite, RecoveryReport, SegmentLog
-from raymq.storage.duplicate_ids import stored_ids
 from raymq.storage.subscriptions import (
     Manifest,
     SubscriptionAcks,
@@ -143,17 +142,9 @@ class QueueCore:
         cache = DuplicateIDCache(self.config.dedup_window_s, self.config.id_cache_size)
         if not cache.enabled:
             return cache
-        since_us = int((time.time() - cache.window_s) * 1e6)
-        t0 = time.monotonic()
-        found = stored_ids(self.log.segments, self.log.properties, since_us)
-        kept = cache.restore([*self.log.recovered_duplicate_ids, *found])
+        kept = cache.restore(self.log.recovered_duplicate_ids)
         if kept:
-            log.info(
-                "queue %r: %d producer ids remembered from before the restart (%.3f s)",
-                self.name,
-                kept,
-                time.monotonic() - t0,
-            )
+            log.info("queue %r: %d producer ids remembered from before a restart", self.name, kept)
         self.log.checkpoint_duplicate_ids(cache)
         return cache
 
@@ -167,6 +158,10 @@ class QueueCore:
             page_size_bytes=cfg.page_size_bytes,
             durable=cfg.durable,
             read_cache_bytes=max(cfg.page_max_cache_size, 1) * cfg.page_size_bytes,
+            # The producer ids stored within the window (see ``_remembered_ids``).
+            ids_since_us=int((time.time() - cfg.dedup_window_s) * 1e6)
+            if cfg.dedup_window_s > 0 and cfg.id_cache_size > 0
+            else None,
         )
         if replication is not None:
             opened.keep_deleted_names()

@@ -10,12 +10,14 @@ segment older than the window.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 
 from raymq.batch import MessageBatch
 from raymq.properties import ID_KEY_BYTES, id_in_properties
 from raymq.storage.record import CorruptRecord
-from raymq.storage.segment import Segment, Segments
+from raymq.storage.segment import Segment
 
 
 def ids_in_batch(batch: MessageBatch, since_us: int) -> list[tuple[str, int, float]]:
@@ -50,18 +52,27 @@ def segment_ids(seg: Segment) -> list[tuple[str, int, float]]:
     return out
 
 
-def stored_ids(segments: Segments, read_properties, since_us: int) -> list[tuple[str, int, float]]:
-    """The ids of the messages in live ``segments`` stored at ``since_us`` or later,
-    read with ``read_properties(start, end)`` (``SegmentLog.properties``)."""
+def stored_ids(segments: Iterable[Segment], since_us: int) -> list[tuple[str, int, float]]:
+    """The ids of the messages in ``segments`` stored at ``since_us`` (µs since the
+    epoch) or later, newest segment first, until a segment older than that. A damaged
+    record has none (reads quarantine it later); ``OSError`` is raised: recovery, which
+    calls this, fails and is retried, before it hides the damage it found."""
     out: list[tuple[str, int, float]] = []
     for seg in reversed(list(segments)):
-        if not seg.count:
-            continue
         older = True
-        for batch in read_properties(seg.base_offset, seg.end_offset):
-            if batch.timestamps is not None and len(batch) and batch.timestamps[-1] >= since_us:
+        damaged = seg.damaged_records
+        for k in range(len(seg.firsts)):
+            if damaged and k in damaged:
+                continue
+            try:
+                batch = seg.read_properties(k)
+            except CorruptRecord:
+                continue
+            if batch is None or not len(batch) or batch.timestamps is None:
+                continue
+            if batch.timestamps[-1] >= since_us:
                 older = False
                 out.extend(ids_in_batch(batch, since_us))
-        if older:  # offsets are given in time order: every older segment is older still
+        if seg.count and older:  # offsets are given in time order: older ones are older
             break
     return out

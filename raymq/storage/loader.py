@@ -35,7 +35,7 @@ from raymq.storage.checkpoint import (
     subscription_sections,
     write_checkpoint,
 )
-from raymq.storage.duplicate_ids import segment_ids
+from raymq.storage.duplicate_ids import segment_ids, stored_ids
 from raymq.storage.files import copy_aside, fsync_directory, remove_file
 from raymq.storage.format import (
     CHECKPOINT_NAME,
@@ -95,6 +95,8 @@ class Recovered:
     deferred: Deferred | None = None
     #: The checkpoint's remembered producer ids: (id, offset, seconds since the epoch).
     duplicate_ids: list[tuple[str, int, float]] = field(default_factory=list)
+    #: The producer ids in the live segments stored since ``recover``'s ``ids_since_us``.
+    stored_ids: list[tuple[str, int, float]] = field(default_factory=list)
     #: offset -> due (µs since the epoch) of unacknowledged messages nacked with a delay.
     delays: dict[int, int] = field(default_factory=dict)
 
@@ -174,7 +176,7 @@ class Loader:
         self._scanned_from = 2**63 - 1  # lowest offset of a record read past the checkpoint
         self._undeleted: list[str] = []
 
-    def recover(self, *, defer: bool = False) -> Recovered:
+    def recover(self, *, defer: bool = False, ids_since_us: int | None = None) -> Recovered:
         """Read the checkpoint and the ack logs, scan the segments, apply the acks, then
         delete what is fully acknowledged and start a new ack generation with a
         checkpoint written at once.
@@ -182,7 +184,12 @@ class Loader:
         ``defer`` (an address: its open can still fail after this, while its
         subscriptions are settled): if damage was found, what would hide it from the
         next recovery (renaming files with a bad header, the checkpoint, cutting
-        damaged ends) is left to the log's first checkpoint (``Recovered.deferred``)."""
+        damaged ends) is left to the log's first checkpoint (``Recovered.deferred``).
+
+        ``ids_since_us`` (µs since the epoch; None: none): the producer ids stored since
+        then in the live segments are read too (``Recovered.stored_ids``), before the
+        damage is settled: reading them can fail, and a recovery that fails must leave
+        its damage for the next one to find and count (found by the fault simulator)."""
         ckpt, logs, next_generation = self._read_durable_state()
         self._duplicate_ids = duplicate_id_entries(ckpt)
         self._load_segments(ckpt)
@@ -208,6 +215,8 @@ class Loader:
             next_offset, ack_log, ack_log.generation, self._undeleted, subscriptions, route_from
         )
         got.duplicate_ids = self._duplicate_ids
+        if ids_since_us is not None:
+            got.stored_ids = stored_ids(self.segments, ids_since_us)
         got.delays = self._delays
         for seg, _tail in self._cuts:
             seg.appendable = False  # the damaged bytes stay until cut: never write over them

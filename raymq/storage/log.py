@@ -81,7 +81,8 @@ class SegmentLog:
         #: From recovery, for an address: its subscriptions' ranges (``Loader``), and
         #: where its filters must be applied again.
         self.recovered_subscriptions: dict | None = None
-        #: The checkpoint's remembered producer ids (see ``checkpoint_duplicate_ids``).
+        #: The producer ids recovery found: the checkpoint's (see
+        #: ``checkpoint_duplicate_ids``) and the live segments' (``open``'s ``ids_since_us``).
         self.recovered_duplicate_ids: list[tuple[str, int, float]] = []
         #: offset -> due (µs since the epoch) of messages recovery found waiting out a
         #: nack's delay (see ``delay``).
@@ -104,6 +105,7 @@ class SegmentLog:
         page_size_bytes: int,
         durable: bool = True,
         read_cache_bytes: int = 64 * 2**20,
+        ids_since_us: int | None = None,
     ) -> tuple[SegmentLog, RecoveryReport]:
         """Open (creating if needed) the queue's directory and recover its state.
 
@@ -112,7 +114,9 @@ class SegmentLog:
         damaged one (``StorageError``) stops the open before anything changes; and as it
         may still fail to open after recovery (while its subscriptions are settled),
         what would hide the damage recovery found from the next one is left to the
-        log's first checkpoint (docs/FORMAT.md, "Recovery", step 6).
+        log's first checkpoint (docs/FORMAT.md, "Recovery", step 6). Recovery reads
+        the producer ids stored since ``ids_since_us`` (µs since the epoch; None: none)
+        into ``recovered_duplicate_ids``.
         """
         t0 = time.perf_counter()
         try:
@@ -128,7 +132,7 @@ class SegmentLog:
         )
         self._lock = DirectoryLock.acquire(directory, queue)  # one writer per directory
         report = RecoveryReport(queue=queue)
-        self._recover_or_close(report)
+        self._recover_or_close(report, ids_since_us)
         self._recovered_lost = report.lost_messages
         report.segments = len(self.segments)
         report.depth = self.depth
@@ -138,7 +142,7 @@ class SegmentLog:
             log.warning("queue %r: %s", queue, line)
         return self, report
 
-    def _recover_or_close(self, report: RecoveryReport) -> None:
+    def _recover_or_close(self, report: RecoveryReport, ids_since_us: int | None) -> None:
         """Recover a durable queue's state from its directory into this log (what was
         found goes to ``report``), or remove a non-durable queue's leftover files.
 
@@ -149,7 +153,7 @@ class SegmentLog:
         """
         try:
             if self.durable:
-                self._recover(report)
+                self._recover(report, ids_since_us)
             else:
                 remove_transient_files(self.directory)
         except OSError as exc:
@@ -164,17 +168,17 @@ class SegmentLog:
             self.close()
             raise
 
-    def _recover(self, report: RecoveryReport) -> None:
+    def _recover(self, report: RecoveryReport, ids_since_us: int | None) -> None:
         """Read an address's ``subscriptions`` file (before anything changes), run the
         ``Loader`` and set the writer and the address's state from what it recovered."""
         if os.path.exists(os.path.join(self.directory, MANIFEST_NAME)):
             self.manifest = read_manifest(self.directory, self.queue)
         loader = Loader(self.directory, self.segments, self._acks, report)
-        got = loader.recover(defer=self.manifest is not None)
+        got = loader.recover(defer=self.manifest is not None, ids_since_us=ids_since_us)
         self._writer.resume(got.next_offset, got.ack_log, got.ack_generation, got.undeleted)
         self._writer.deferred = got.deferred
         self.recovered_subscriptions = got.subscription_ranges
-        self.recovered_duplicate_ids = got.duplicate_ids
+        self.recovered_duplicate_ids = [*got.duplicate_ids, *got.stored_ids]
         self.recovered_delays = got.delays
         self.route_from = got.route_from
 
