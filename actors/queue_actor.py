@@ -23,6 +23,7 @@ import contextlib
 import logging
 import os
 import time
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -107,7 +108,8 @@ class QueueActor:
             replication=replication,
         )
         self._start_lock = asyncio.Lock()
-        self._dead_letter_queue = None  # its actor handle, once found
+        #: Dead-letter and expiry queues' actor handles, by name, once found.
+        self._dead_letter_queues: dict[str, Any] = {}
         #: Which consumers are taken for dead, and when (the clock: monotonic seconds).
         self._liveness = ConsumerLiveness(time.monotonic)
         #: Set when an event brought the liveness's next tick nearer (a channel lost).
@@ -268,15 +270,17 @@ class QueueActor:
     async def _send_dead_letters(self, dead_letter_queue: str, batch: MessageBatch) -> None:
         """The QueueCore's dead-letter sink: append ``batch`` durably to the dead-letter
         queue, which the broker actor creates if it does not exist."""
-        if self._dead_letter_queue is None:
+        handle = self._dead_letter_queues.get(dead_letter_queue)
+        if handle is None:
             broker = ray.get_actor(BROKER_ACTOR_NAME, namespace=self.namespace)
-            self._dead_letter_queue = await broker.dead_letter_queue.remote(
+            handle = await broker.dead_letter_queue.remote(
                 dead_letter_queue, self.core.config.durable
             )
+            self._dead_letter_queues[dead_letter_queue] = handle
         try:
-            await self._dead_letter_queue.send_batch.remote(batch, DEAD_LETTER_SEND_TIMEOUT_SECONDS)
+            await handle.send_batch.remote(batch, DEAD_LETTER_SEND_TIMEOUT_SECONDS)
         except _ACTOR_GONE:
-            self._dead_letter_queue = None  # deleted, or restarting: find it again
+            del self._dead_letter_queues[dead_letter_queue]  # deleted, or restarting
             raise
 
     # -- consumer liveness (raymq.core.consumer_liveness decides) -------------------
@@ -627,6 +631,15 @@ class QueueActor:
         await self._ensure_started()
         self._liveness.heard_from(consumer_id, subscription)
         return self.core.reject(consumer_id, offsets, subscription=subscription)
+
+    async def expire(
+        self, consumer_id: str, offsets: np.ndarray, subscription: str | None = None
+    ) -> int:
+        """Held messages that expired before the application received them (found by
+        the consumer): to the expiry queue, or dropped."""
+        await self._ensure_started()
+        self._liveness.heard_from(consumer_id, subscription)
+        return self.core.expire(consumer_id, offsets, subscription=subscription)
 
     async def close_consumer(
         self,

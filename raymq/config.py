@@ -6,6 +6,7 @@ Names follow Artemis where Artemis has one (``max_size_bytes``, ``page_size_byte
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -100,6 +101,17 @@ def check_delay(value: object, queue: str, setting: str = "delay") -> float:
     return float(value)
 
 
+def check_ttl(ttl: object, where: str, setting: str = "ttl") -> None:
+    """Raise ``InvalidSetting`` naming ``where`` unless ``ttl`` is None or a finite
+    number of seconds > 0 (a message's time to live, ``raymq.core.expiry``)."""
+    if ttl is None:
+        return
+    if isinstance(ttl, bool) or not isinstance(ttl, int | float):
+        raise InvalidSetting(f"{setting}={ttl!r} for {where} must be a number of seconds")
+    if not math.isfinite(ttl) or ttl <= 0:
+        raise InvalidSetting(f"{setting}={ttl!r} for {where} must be finite and > 0 seconds")
+
+
 @dataclass(frozen=True)
 class QueueConfig:
     """Settings of one queue; equal settings make ``create_queue`` idempotent."""
@@ -137,6 +149,15 @@ class QueueConfig:
     #: Seconds a nacked message waits before it is delivered again (``Consumer.nack``'s
     #: ``delay`` overrides it per call); 0: at once.
     redelivery_delay_s: float = 0.0
+    #: Seconds a message sent without a ``ttl`` lives (Artemis's expiry-delay); None:
+    #: for ever. An expired message is never delivered (``raymq.core.expiry``).
+    default_ttl_s: float | None = None
+    #: Where expired messages go (created when first needed, as a dead-letter queue
+    #: is); None: they are dropped. Either way they count in ``messages_expired``.
+    expiry_queue: str | None = None
+    #: Seconds between background passes that find expired messages nobody asks for
+    #: (Artemis's message-expiry-scan-period), so that they free their files.
+    message_expiry_scan_period_s: float = 30.0
 
     def __post_init__(self) -> None:
         validate_queue_name(self.name)
@@ -169,7 +190,21 @@ class QueueConfig:
                 ) from None
         if self.dead_letter_address == self.name:
             raise InvalidSetting(f"queue {self.name!r} cannot be its own dead_letter_queue")
+        self._check_expiry()
         self._check_replicas()
+
+    def _check_expiry(self) -> None:
+        check_ttl(self.default_ttl_s, f"queue {self.name!r}", "default_ttl_s")
+        if self.expiry_queue is not None:
+            validate_queue_name(self.expiry_queue)
+            if self.expiry_queue == self.name:
+                raise InvalidSetting(f"queue {self.name!r} cannot be its own expiry_queue")
+        period = self.message_expiry_scan_period_s
+        check_delay(period, self.name, "message_expiry_scan_period_s")
+        if period <= 0:
+            raise InvalidSetting(
+                f"message_expiry_scan_period_s={period!r} for queue {self.name!r} must be > 0"
+            )
 
     def _check_replicas(self) -> None:
         check_int("replicas", self.replicas, minimum=1)

@@ -101,6 +101,11 @@ QUEUE_METRICS: list[MetricSpec] = _specs(
             "Messages moved to the dead-letter queue since start (messages)",
         ),
         (
+            "messages_expired",
+            "messages_expired",
+            "Messages expired before delivery (moved to expiry_queue or dropped) (messages)",
+        ),
+        (
             "dead_letters_pending",
             "dead_letters_pending",
             "Messages waiting to be moved to the dead-letter queue (messages)",

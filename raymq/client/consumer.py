@@ -18,6 +18,7 @@ import ray
 
 from raymq.batch import (
     EMPTY_DELIVERY,
+    offsets_of,
     warm_arrow_conversions,
 )
 from raymq.client import acks, calls
@@ -32,6 +33,7 @@ from raymq.client.messages import (
     _messages,
     _offsets_of,
 )
+from raymq.core.expiry import expired_rows, now_ms
 from raymq.errors import (
     BrokerUnavailable,
     ConsumerClosed,
@@ -160,6 +162,8 @@ class Consumer(AsyncReceives):
         self._by_reference = False
         #: Channel breaks whose unread answer could not be given back (``_channel_broke``).
         self.delivery_channel_unread = 0
+        #: Messages that expired between the queue and the application: not handed out.
+        self.messages_expired = 0
 
     def _launch(
         self,
@@ -353,21 +357,51 @@ class Consumer(AsyncReceives):
             raise InvalidSetting(f"max_messages={max_messages!r} must be an int >= 1")
         with self._buffer_lock:
             buffer = self._buffer
-            return None if buffer is None else self._slice(buffer, max_messages)
+            batch = None if buffer is None else self._slice(buffer, max_messages)
+        return self._without_expired(batch)
 
     def _take(self, max_messages: int, timeout: float | None) -> pa.RecordBatch | None:
-        batch = self._take_buffered(max_messages)
-        if batch is not None:
-            return batch
-        batch = self._fill(timeout, max_messages)  # waits: not under the lock
+        """Up to ``max_messages`` for the application, none of them expired, waiting up
+        to ``timeout`` seconds (None: until some come)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            batch = self._take_buffered(max_messages)
+            if batch is not None:
+                return batch
+            batch = self._fill(timeout, max_messages)  # waits: not under the lock
+            if batch is None:
+                return None
+            with self._buffer_lock:
+                if self._closed:  # the queue redelivers them: close released what we hold
+                    raise self._closed_error()
+                if self._buffer is not None:  # another receive (or a give-back) filled it
+                    batch = pa.concat_batches([self._buffer, batch])
+                batch = self._slice(batch, max_messages)
+            batch = self._without_expired(batch)
+            if batch is not None:
+                return batch
+            if deadline is not None:  # every one had expired: wait on for the rest
+                timeout = deadline - time.monotonic()
+                if timeout <= 0:
+                    return None
+
+    def _without_expired(self, batch: pa.RecordBatch | None) -> pa.RecordBatch | None:
+        """``batch`` without the messages that expired while this consumer held them
+        (None if nothing is left): the queue takes those back for its expiry queue."""
         if batch is None:
             return None
-        with self._buffer_lock:
-            if self._closed:  # the queue redelivers them: close released what we hold
-                raise self._closed_error()
-            if self._buffer is not None:  # another receive (or a give-back) filled it
-                batch = pa.concat_batches([self._buffer, batch])
-            return self._slice(batch, max_messages)
+        expired = expired_rows(batch.column("properties"), now_ms(time.time()))
+        if expired is None:
+            return batch
+        offsets = offsets_of(batch)[expired]
+        self.messages_expired += len(offsets)
+        self._send_acks()  # in order, as for reject
+        try:
+            self.queue._invoke("expire", self.consumer_id, offsets, self._subscription)
+        except RayMQError as exc:  # held still: the queue finds them expired when released
+            _log.warning("queue %r: expired messages not handed back: %s", self.queue.name, exc)
+        kept = batch.filter(pa.array(~expired))
+        return kept if kept.num_rows else None
 
     def _slice(self, buffer: pa.RecordBatch, max_messages: int) -> pa.RecordBatch:
         """The first ``max_messages`` of ``buffer``; the rest stays buffered (under

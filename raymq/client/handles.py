@@ -30,13 +30,14 @@ from raymq.client.calls import _FAULTS, _call, _reason, _unwrap
 from raymq.client.consumer import Consumer
 from raymq.client.messages import Message, _check_count, _messages
 from raymq.client.producer import MAX_BATCH_BYTES, Producer, ProducerStats
-from raymq.config import BrokerConfig
+from raymq.config import BrokerConfig, check_ttl
 from raymq.core.duplicate_ids import (
     DUPLICATE_ID_PROPERTY,
     check_message_id,
     check_message_ids,
     with_message_ids,
 )
+from raymq.core.expiry import EXPIRATION_PROPERTY, expiration_ms, with_expiration
 from raymq.core.link import Fault, LinkFault, QueueLink
 from raymq.errors import (
     BrokerUnavailable,
@@ -170,6 +171,7 @@ class Queue:
         timeout: float | None = None,
         wait: bool = True,
         message_id: str | None = None,
+        ttl: float | None = None,
     ) -> Any:
         """Send one message; returns its offset once it is durable (``wait=False``: a
         ``SendFuture`` of it at once).
@@ -199,7 +201,13 @@ class Queue:
         raises the first failure (a waiting send raises its own instead). A handle's
         messages are stored in the order sent, waiting or not. Bad input (type, size,
         properties) raises here, at once, in both modes.
+
+        ``ttl`` (seconds): the message expires then (its ``RayMQExpiration`` property,
+        ms since the epoch by this process's clock) and is never delivered after;
+        the queue moves it to its ``expiry_queue`` or drops it (README, "Message
+        expiry"). None: the queue's ``default_ttl_s``, if any.
         """
+        properties = self._with_ttl(properties, ttl)
         if message_id is not None:
             return self._send_with_id(body, properties, message_id, timeout)
         body, props = self._encode_one(body, properties)
@@ -208,7 +216,24 @@ class Queue:
             return producer.send(body, props, timeout)
         return producer.send(body, props, timeout, waited=True).result()
 
-    def _pack(self, bodies, properties) -> MessageBatch:
+    def _with_ttl(self, properties: Mapping[str, Any] | None, ttl: object) -> Any:
+        """``properties`` with the expiry of a message sent now with ``ttl`` seconds to
+        live (None: as they are)."""
+        if ttl is None:
+            return properties
+        check_ttl(ttl, f"a message for queue {self.name!r}")
+        return {**(properties or {}), EXPIRATION_PROPERTY: expiration_ms(ttl, time.time())}
+
+    def _pack(self, bodies, properties, ttl: float | None = None) -> MessageBatch:
+        """The messages checked and encoded as one batch, each with ``ttl`` seconds to
+        live if given."""
+        check_ttl(ttl, f"messages for queue {self.name!r}")
+        batch = self._pack_checked(bodies, properties)
+        if ttl is not None:
+            batch = with_expiration(batch, expiration_ms(ttl, time.time()), keep_existing=False)
+        return batch
+
+    def _pack_checked(self, bodies, properties) -> MessageBatch:
         limit = self.broker.config.max_message_size
         if isinstance(bodies, pa.Table | pa.RecordBatch):
             if properties is not None:
@@ -229,6 +254,7 @@ class Queue:
         *,
         timeout: float | None = None,
         message_ids: Sequence[str | None] | None = None,
+        ttl: float | None = None,
     ) -> list[int]:
         """Send many messages in one write and one fsync; returns their offsets.
 
@@ -239,11 +265,12 @@ class Queue:
         none, BLOCK waits up to ``timeout`` seconds for room for all of them.
         ``message_ids``: one producer id (or None) per message, as ``send``'s
         ``message_id``: a message already stored under its id is not stored again (its
-        offset is the first one's); the call goes by Ray.
+        offset is the first one's); the call goes by Ray. ``ttl``: every message's time
+        to live, seconds (as ``send``'s).
         """
         if message_ids is not None:
-            return self._send_batch_ids(bodies, properties, message_ids, timeout)
-        batch = self._pack(bodies, properties)
+            return self._send_batch_ids(bodies, properties, message_ids, timeout, ttl)
+        batch = self._pack(bodies, properties, ttl)
         if self._producer is not None and self._producer.busy():
             self._producer.drain()  # earlier sends of this handle go first: order
         channel = (
@@ -285,14 +312,19 @@ class Queue:
         return got[0]
 
     def _send_batch_ids(
-        self, bodies, properties, message_ids: Sequence[str | None], timeout: float | None
+        self,
+        bodies,
+        properties,
+        message_ids: Sequence[str | None],
+        timeout: float | None,
+        ttl: float | None = None,
     ) -> list[int]:
         """``send_batch`` with producer ids: each stamped into its message's
         ``_AMQ_DUPL_ID`` property, the batch sent by a Ray call (a resend after a
         restart is deduplicated too)."""
         n = bodies.num_rows if isinstance(bodies, pa.Table | pa.RecordBatch) else len(bodies)
         ids = check_message_ids(message_ids, n, self.name)
-        batch = self._pack(*with_message_ids(bodies, properties, ids))
+        batch = self._pack(*with_message_ids(bodies, properties, ids), ttl)
         if self._producer is not None and self._producer.busy():
             self._producer.drain()  # earlier sends of this handle go first: order
         offsets = self._invoke("send_batch_ids", batch, ids, timeout, answer_seconds=timeout)
@@ -305,13 +337,14 @@ class Queue:
         properties: Mapping[str, Any] | None = None,
         *,
         timeout: float | None = None,
+        ttl: float | None = None,
     ) -> int | None:
         """``send`` for asyncio code: over the send channel (concurrent tasks' sends
         share the queue's group commits), awaiting the answer without blocking the event
         loop; through a Ray call when the queue has no channel or it broke. Behind this
         handle's unanswered ``send``s it joins them instead (from a worker thread): a
-        handle's messages are stored in the order sent."""
-        body, props = self._encode_one(body, properties)
+        handle's messages are stored in the order sent. ``ttl`` as ``send``'s."""
+        body, props = self._encode_one(body, self._with_ttl(properties, ttl))
         producer = self._producer
         if producer is not None and producer.busy():
             return await asyncio.to_thread(
@@ -331,12 +364,13 @@ class Queue:
         return first if count else None
 
     async def send_batch_async(
-        self, bodies, properties=None, *, timeout: float | None = None
+        self, bodies, properties=None, *, timeout: float | None = None, ttl: float | None = None
     ) -> list[int]:
         """``send_batch`` for asyncio code: over the send channel as ``send_batch``,
         awaiting without blocking the event loop; else through a Ray call. This handle's
-        unanswered ``send``s are waited for first (in a worker thread): the order."""
-        batch = self._pack(bodies, properties)
+        unanswered ``send``s are waited for first (in a worker thread): the order.
+        ``ttl`` as ``send_batch``'s."""
+        batch = self._pack(bodies, properties, ttl)
         producer = self._producer
         if producer is not None and producer.busy():
             await asyncio.to_thread(producer.drain)

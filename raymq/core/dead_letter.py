@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from raymq.batch import MessageBatch
+from raymq.core.expiry import without_expiration
 from raymq.properties import decode_properties, encode_properties
 
 #: Property names a dead-lettered message gains (stable: consumers of a DLQ match on them).
@@ -28,6 +29,8 @@ DEAD_LETTER_REASON = "RayMQDeadLetterReason"
 #: Why a message was dead-lettered (the value of ``RayMQDeadLetterReason``).
 REASON_MAX_DELIVERY_ATTEMPTS = "max_delivery_attempts"
 REASON_REJECTED = "rejected"
+#: A message whose ``RayMQExpiration`` passed (moved to the queue's ``expiry_queue``).
+REASON_EXPIRED = "expired"
 
 #: Most messages moved to the dead-letter queue in one batch (one write there, one ack
 #: here).
@@ -56,6 +59,8 @@ def dead_letter_batch(
         bodies.append(b.body(i))
         raw = b.properties_bytes(i)
         merged = decode_properties(raw) if raw else {}
+        if reason == REASON_EXPIRED:
+            merged = without_expiration(merged)
         merged[ORIGINAL_QUEUE] = queue
         merged[ORIGINAL_OFFSET] = offset
         merged[DEAD_LETTER_REASON] = reason
@@ -68,6 +73,7 @@ __all__ = [
     "MOVE_BATCH_MESSAGES",
     "ORIGINAL_OFFSET",
     "ORIGINAL_QUEUE",
+    "REASON_EXPIRED",
     "REASON_MAX_DELIVERY_ATTEMPTS",
     "REASON_REJECTED",
     "dead_letter_batch",

@@ -38,6 +38,7 @@ from raymq.core.address import (
 from raymq.core.admission import Admission, batch_cost, check_batch
 from raymq.core.budget import QueueUsage, head_cache_want, split_queue_bytes
 from raymq.core.duplicate_ids import DuplicateIDCache
+from raymq.core.expiry import expiration_ms, with_expiration
 from raymq.core.group_commit import GroupCommit
 from raymq.core.head_cache import REFILL_STEP_BYTES, HeadQueueCache, SharedPart
 from raymq.core.queue_stats import (
@@ -287,6 +288,9 @@ class QueueCore:
         ``timeout`` seconds (None: for ever) for acks to free room, then ``AddressFull``.
         """
         check_batch(batch, self.broker.max_message_size, self.name)
+        if self.config.default_ttl_s is not None and len(batch):
+            expires = expiration_ms(self.config.default_ttl_s, time.time())
+            batch = with_expiration(batch, expires, keep_existing=True)
         if self.replication is not None:
             self.replication.require_quorum()  # refused before anything is stored
         if len(batch) == 0:
@@ -768,6 +772,27 @@ class QueueCore:
         """Dead-letter messages the consumer holds instead of delivering them again."""
         return self.subscription(subscription).reject(consumer_id, offsets)
 
+    def expire(
+        self, consumer_id: str, offsets: np.ndarray, *, subscription: str | None = None
+    ) -> int:
+        """Messages the consumer holds that expired before its application received
+        them: to the expiry queue, or dropped (``raymq.core.expiry``)."""
+        return self.subscription(subscription).expire(consumer_id, offsets)
+
+    async def expiry_pass(self) -> int:
+        """One background expiry pass over every subscription now (it also runs every
+        ``message_expiry_scan_period_s``); returns the expired messages it found."""
+        return sum([await s.expiry_pass() for s in self.all_subscriptions()])
+
+    async def dead_letters_settled(self, subscription: str | None = None) -> None:
+        """Return once every dead letter that can move now has moved or been dropped."""
+        await self.subscription(subscription).dead_letters_settled()
+
+    def now(self) -> float:
+        """Seconds since the epoch, as this module's clock says (the fault simulator
+        replaces it)."""
+        return time.time()
+
     def consumer_stats(self, consumer_id: str, *, subscription: str | None = None) -> dict:
         """The queue side of one consumer's TargetList (counts in messages, bytes)."""
         return self.subscription(subscription).consumer_stats(consumer_id)
@@ -818,6 +843,7 @@ class QueueCore:
             duplicates_dropped=self.duplicate_ids.duplicates_dropped,
             duplicate_ids=len(self.duplicate_ids),
             delayed_messages=sum(len(s.area.delayed) for s in subs),
+            expiry_queue=self.config.expiry_queue or "",
         )
 
     # -- an address's subscriptions come and go ----------------------------------------

@@ -110,6 +110,10 @@ class QueueStats:
     duplicate_ids: int = 0
     #: Nacked messages waiting out a redelivery delay (``Consumer.nack(delay=)``).
     delayed_messages: int = 0
+    #: Messages whose ``RayMQExpiration`` passed before delivery: moved to
+    #: ``expiry_queue`` ("" : none, they were dropped); see ``raymq.core.expiry``.
+    messages_expired: int = 0
+    expiry_queue: str = ""
 
     def to_dict(self) -> dict:
         """The snapshot as a plain dict."""
@@ -144,6 +148,7 @@ def subscription_fields(subs: Sequence[Subscription]) -> dict:
         "messages_dead_lettered": sum(s.dead_lettered for s in subs),
         "dead_letters_pending": sum(len(s.area.dead_letters) for s in subs),
         "dead_letter_failures": sum(s.dead_letter_failures for s in subs),
+        "messages_expired": sum(s.messages_expired for s in subs),
     }
 
 

@@ -28,7 +28,13 @@ import pyarrow as pa
 
 from raymq.batch import EMPTY_DELIVERY, MessageBatch, PropertyGroups, fixed_array, offsets_of
 from raymq.config import QueueConfig
-from raymq.core.dead_letter import MOVE_BATCH_MESSAGES, REASON_REJECTED, dead_letter_batch
+from raymq.core.dead_letter import (
+    MOVE_BATCH_MESSAGES,
+    REASON_EXPIRED,
+    REASON_REJECTED,
+    dead_letter_batch,
+)
+from raymq.core.expiry import SCAN_STEP_MESSAGES, ExpiryScan, expired_offsets, now_ms
 from raymq.core.head_cache import HeadQueueCache, SharedPart
 from raymq.core.target_area import DEAD_LETTER_HOLDER, TargetArea
 from raymq.errors import ConsumerClosed, InvalidAck
@@ -53,6 +59,7 @@ class SubscriptionHost(Protocol):
     def signal_freed(self) -> None: ...
     async def flush_acks(self) -> None: ...
     def delays_moved(self) -> None: ...
+    def now(self) -> float: ...
 
 
 log = logging.getLogger("raymq.queue")
@@ -137,16 +144,21 @@ class Subscription:
         self._closed_consumers: dict[str, None] = {}
         self.closed = False
         self._mover: asyncio.Task | None = None
+        #: The background expiry pass's state (``raymq.core.expiry``); restarted with
+        #: messages, any of them may carry an expiry until a pass has looked.
+        self.expiry = ExpiryScan(may_expire=bool(log.depth))
+        self.messages_expired = 0
+        self._dead_letters_moved: asyncio.Event | None = None
 
     def start(self) -> None:
         """Create the events and start the dead-letter mover (on the running loop)."""
         self._arrival = asyncio.Event()
         self._dead_letter_kick = asyncio.Event()
-        if self.host.dead_letter_sink is not None:
-            what = "dead-letter mover"
-            if self.subscription_name is not None:
-                what += f" of {self.subscription_name}"
-            self._mover = self.host.supervise(what, self._move_dead_letters)
+        self._dead_letters_moved = asyncio.Event()
+        of = "" if self.subscription_name is None else f" of {self.subscription_name}"
+        # (Without a sink, only expired messages with no expiry queue move: dropped.)
+        self._mover = self.host.supervise("dead-letter mover" + of, self._move_dead_letters)
+        self.host.supervise("expiry scan" + of, self._expiry_loop)
 
     # -- messages arriving, leaving ----------------------------------------------------
 
@@ -157,6 +169,7 @@ class Subscription:
             rejected = ~self.area._mask(self.filter, chunk, groups)
             if rejected.any():
                 self.log.ack(np.flatnonzero(rejected) + chunk.first_offset)
+        self.expiry.arrived(groups)
         self.area.arrived(chunk, groups)
 
     def route_again(self, start: int) -> int:
@@ -254,6 +267,10 @@ class Subscription:
             offsets, counts = self.area.take(consumer_id, max_messages)
             if len(offsets):
                 try:
+                    if self.expiry.may_expire:
+                        offsets, counts = self._without_expired(consumer_id, offsets, counts)
+                        if not len(offsets):
+                            continue  # all expired: take again
                     delivery = self._deliver(offsets, counts)
                 except BaseException:
                     # Unread, so not delivered: nobody may hold them (uncounted).
@@ -402,7 +419,17 @@ class Subscription:
         deadline = time.monotonic() + min(max(timeout, 0.0), MAX_POLL_SECONDS)
         while n < max_messages and self.area.consumers.get(consumer_id) is target:
             arrival = self._arrival
-            offsets, _counts = self.area.take(consumer_id, max_messages - n)
+            offsets, counts = self.area.take(consumer_id, max_messages - n)
+            if len(offsets) and self.expiry.may_expire:
+                try:
+                    offsets, counts = self._without_expired(consumer_id, offsets, counts)
+                except BaseException:  # none leased after all: nobody may hold them
+                    everything = np.concatenate([*taken, offsets])
+                    self.area.release(consumer_id, everything, count_delivery=False)
+                    self.wake()
+                    raise
+                if not len(offsets):
+                    continue  # all expired: take again
             if len(offsets):
                 taken.append(offsets)
                 n += len(offsets)
@@ -538,13 +565,37 @@ class Subscription:
         if self.area.dead_letters and self._dead_letter_kick is not None:
             self._dead_letter_kick.set()
 
+    def _destination(self, reason: str) -> str | None:
+        """Where a dead letter of ``reason`` goes (None: dropped, acknowledged)."""
+        if reason == REASON_EXPIRED:
+            return self.host.config.expiry_queue
+        return self.dead_letter_address
+
+    def _movable(self, limit: int) -> tuple[np.ndarray, list[str]]:
+        """Up to ``limit`` waiting dead letters that can move now (sorted offsets, and
+        each one's reason): without a sink, only those dropped."""
+        offsets, reasons = self.area.next_dead_letters(limit)
+        if self.host.dead_letter_sink is None and len(offsets):
+            keep = [self._destination(r) is None for r in reasons]
+            offsets = offsets[np.array(keep, dtype=np.bool_)]
+            reasons = [r for r, k in zip(reasons, keep, strict=True) if k]
+        return offsets, reasons
+
+    async def dead_letters_settled(self) -> None:
+        """Return once every dead letter that can move now has moved (or was dropped)."""
+        while len(self._movable(1)[0]):
+            self._dead_letters_moved.clear()
+            self._signal_dead_letters()
+            await self._dead_letters_moved.wait()
+
     async def _move_dead_letters(self) -> None:
-        """Move waiting dead letters to the dead-letter queue, a batch at a time: append
-        there durably, then ack here durably (a crash in between leaves a copy in both,
-        never in neither). A failure is logged, counted and retried with backoff."""
+        """Move waiting dead letters to their queue, a batch at a time: append there
+        durably, then ack here durably (a crash in between leaves a copy in both,
+        never in neither); expired ones without an expiry queue are acked only. A
+        failure is logged, counted and retried with backoff."""
         backoff = 0.1
         while True:
-            if not self.area.dead_letters:
+            if not len(self._movable(1)[0]):
                 self._dead_letter_kick.clear()
                 await self._dead_letter_kick.wait()
                 continue
@@ -556,10 +607,9 @@ class Subscription:
             except Exception as exc:  # the DLQ unavailable or full: try again later
                 self.dead_letter_failures += 1
                 log.warning(
-                    "queue %r: moving %d dead letters to %r failed (retry in %.1f s): %s",
+                    "queue %r: moving %d dead letters failed (retry in %.1f s): %s",
                     self.name,
                     len(self.area.dead_letters),
-                    self.dead_letter_address,
                     backoff,
                     exc,
                 )
@@ -567,25 +617,101 @@ class Subscription:
                 backoff = min(backoff * 2, DEAD_LETTER_RETRY_MAX_SECONDS)
 
     async def _move_dead_letter_batch(self) -> None:
-        offsets, reasons = self.area.next_dead_letters(MOVE_BATCH_MESSAGES)
-        runs = np.split(offsets, np.flatnonzero(np.diff(offsets) != 1) + 1)
-        stored = [b for run in runs for b in self.log.read(int(run[0]), int(run[-1]) + 1)]
-        self.host.forget_damaged()  # a damaged one is no longer a dead letter to move
-        readable = np.isin(offsets, [o for o in offsets.tolist() if o in self.area.dead_letters])
-        offsets = offsets[readable]
-        reasons = [r for r, ok in zip(reasons, readable.tolist(), strict=True) if ok]
-        if not len(offsets):
-            return
-        batch = dead_letter_batch(stored, offsets, reasons, self.name)
-        await self.host.dead_letter_sink(self.dead_letter_address, batch)
+        """Move (or drop) one batch of dead letters, all with one destination."""
+        offsets, reasons = self._movable(MOVE_BATCH_MESSAGES)
+        dest = self._destination(reasons[0])
+        same = [self._destination(r) == dest for r in reasons]
+        offsets = offsets[np.array(same, dtype=np.bool_)]
+        reasons = [r for r, k in zip(reasons, same, strict=True) if k]
+        if dest is not None:
+            runs = np.split(offsets, np.flatnonzero(np.diff(offsets) != 1) + 1)
+            stored = [b for run in runs for b in self.log.read(int(run[0]), int(run[-1]) + 1)]
+            self.host.forget_damaged()  # a damaged one is no longer a dead letter to move
+            waiting = self.area.dead_letters
+            readable = np.array([o in waiting for o in offsets.tolist()], dtype=np.bool_)
+            offsets = offsets[readable]
+            reasons = [r for r, ok in zip(reasons, readable.tolist(), strict=True) if ok]
+            if not len(offsets):
+                return
+            batch = dead_letter_batch(stored, offsets, reasons, self.name)
+            await self.host.dead_letter_sink(dest, batch)
         await self.ack(DEAD_LETTER_HOLDER, offsets)
-        self.dead_lettered += len(offsets)
-        log.info(
-            "queue %r: %d messages moved to dead-letter queue %r",
-            self.name,
-            len(offsets),
-            self.dead_letter_address,
-        )
+        expired = sum(r == REASON_EXPIRED for r in reasons)
+        self.messages_expired += expired
+        self.dead_lettered += len(offsets) - expired
+        self._dead_letters_moved.set()
+        if dest is not None:
+            log.info("queue %r: %d messages moved to %r", self.name, len(offsets), dest)
+
+    # -- expiry (raymq.core.expiry) -----------------------------------------------------
+
+    def _without_expired(
+        self, consumer_id: str, offsets: np.ndarray, counts: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Of offsets just taken by ``consumer_id``, those not expired (and their
+        counts); the expired ones go to the expiry queue (or are dropped) instead."""
+        expired = self._expired(offsets)
+        if not expired.any():
+            return offsets, counts
+        self.area.dead_letter(consumer_id, offsets[expired], REASON_EXPIRED)
+        self._signal_dead_letters()
+        return offsets[~expired], counts[~expired]
+
+    def _expired(self, offsets: np.ndarray) -> np.ndarray:
+        """Which of sorted ``offsets`` expired (their stored properties read: from the
+        HeadQueueCache where it has them)."""
+        now = now_ms(self.host.now())
+        groups = np.split(offsets, np.flatnonzero(np.diff(offsets) > MATERIALIZE_GAP) + 1)
+        batches: list[MessageBatch] = []
+        for group in groups:
+            start, end = int(group[0]), int(group[-1]) + 1
+            cached = self.host.head_cache.get(start, end) if self.host.config.durable else None
+            batches.extend(cached if cached is not None else self.log.properties(start, end))
+        return expired_offsets(batches, offsets, now)
+
+    def expire(self, consumer_id: str, offsets: np.ndarray) -> int:
+        """Messages the consumer holds that expired before its application received
+        them (found by the client): to the expiry queue, or dropped; returns how many."""
+        offsets = self._checked(consumer_id, offsets)
+        n = self.area.dead_letter(consumer_id, offsets, REASON_EXPIRED)
+        self._signal_dead_letters()
+        return n
+
+    async def _expiry_loop(self) -> None:
+        """A background expiry pass every ``message_expiry_scan_period_s`` while any
+        message may carry an expiry."""
+        while True:
+            await asyncio.sleep(self.host.config.message_expiry_scan_period_s)
+            if self.expiry.may_expire:
+                await self.expiry_pass()
+
+    async def expiry_pass(self) -> int:
+        """Walk the unacknowledged messages once, a step at a time (their stored
+        properties only), taking the expired ones nobody holds out of delivery for the
+        mover; returns how many. At most two move batches wait at a time, so a paged
+        backlog never comes into memory at once."""
+        scan = self.expiry
+        scan.start_pass()
+        found = 0
+        while not self.closed:
+            got = self.log.unacked(scan.position, SCAN_STEP_MESSAGES)
+            if not len(got):
+                break
+            scan.position = int(got[-1]) + 1
+            batches = self.log.properties(int(got[0]), scan.position)
+            self.host.forget_damaged()
+            scan.met(batches)
+            expired = got[expired_offsets(batches, got, now_ms(self.host.now()))]
+            taken = self.area.hold_expired(expired)
+            found += taken
+            if taken:
+                self._signal_dead_letters()
+            while len(self._movable(2 * MOVE_BATCH_MESSAGES + 1)[0]) > 2 * MOVE_BATCH_MESSAGES:
+                self._dead_letters_moved.clear()
+                await self._dead_letters_moved.wait()
+            await asyncio.sleep(0)  # let other calls in between steps
+        scan.end_pass()
+        return found
 
     # -- consumers' liveness and statistics ----------------------------------------------
 

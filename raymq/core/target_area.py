@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from raymq.batch import MessageBatch, PropertyGroups, stored_property_groups
-from raymq.core.dead_letter import REASON_MAX_DELIVERY_ATTEMPTS
+from raymq.core.dead_letter import REASON_EXPIRED, REASON_MAX_DELIVERY_ATTEMPTS
 from raymq.core.offset_set import OffsetSet
 from raymq.errors import InvalidAck, StorageError
 from raymq.selector import HEADER_DELIVERY_COUNT, HEADER_OFFSET, HEADER_TIMESTAMP, Selector
@@ -565,6 +565,21 @@ class TargetArea:
         for o in chosen:
             self._holder[o] = DEAD_LETTER_HOLDER
             self.dead_letters[o] = reason
+        return len(chosen)
+
+    def hold_expired(self, offsets: np.ndarray) -> int:
+        """Take expired messages nobody holds out of delivery, for the expiry queue (as
+        dead letters, reason ``"expired"``); returns how many (held ones are left to
+        their holder: the consumer finds them expired, or they come back released)."""
+        holder = self._holder
+        chosen = [o for o in offsets.tolist() if o not in holder]
+        if not chosen:
+            return 0
+        for o in chosen:
+            holder[o] = DEAD_LETTER_HOLDER
+            self.dead_letters[o] = REASON_EXPIRED
+        # The shared cursor skips held offsets ahead of it only below this mark.
+        self._highest_taken = max(self._highest_taken, chosen[-1])
         return len(chosen)
 
     def next_dead_letters(self, limit: int) -> tuple[np.ndarray, list[str]]:

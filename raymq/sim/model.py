@@ -15,6 +15,11 @@ COLORS = ("red", "green", "blue")
 #: so that the seeds the tests fix for queues (0..11, and 40, 41 of ``make fuzz``) still
 #: run the queue they ran; about half of all seeds run an address.
 ADDRESS_SALT = 0x2EAC0
+#: Mixed into a seed for the generator of its messages' expiries: drawn apart, so that a
+#: seed's other draws are what they were before expiry came.
+TTL_SALT = 0x77E1
+#: Times to live a message may be sent with (seconds; a step is 10 ms of the clock).
+TTLS = (0.05, 0.3, 1.0, 5.0)
 #: Most subscriptions an address has at once (deleted ones make room).
 MAX_SUBSCRIPTIONS = 4
 #: Routing filters a subscription draws, with what each selects. A message without
@@ -48,6 +53,8 @@ class Message:
     #: its ack), "doubt" it may get it (its ack or its routing is in doubt), "yes" its
     #: ack returned; a subscription not named here must never get it.
     routes: dict[str, str] = field(default_factory=dict)
+    #: Its ``RayMQExpiration`` (ms since the epoch by the simulator's clock), if any.
+    expires: int | None = None
 
 
 @dataclass
@@ -143,6 +150,8 @@ __all__ = [
     "FILTERS",
     "MAX_SUBSCRIPTIONS",
     "QUEUE",
+    "TTLS",
+    "TTL_SALT",
     "Message",
     "Settings",
     "SimClock",

@@ -54,6 +54,7 @@ from raymq.batch import MessageBatch
 from raymq.config import BrokerConfig, QueueConfig
 from raymq.core import admission, group_commit
 from raymq.core import queue as queue_module
+from raymq.core.expiry import EXPIRATION_PROPERTY, expiration_ms, now_ms
 from raymq.core.queue import QueueCore
 from raymq.errors import ConsumerClosed, RayMQError, StorageError, SubscriptionNotFound
 from raymq.sim.address_ops import AddressOps
@@ -62,6 +63,8 @@ from raymq.sim.model import (
     COLORS,
     FILTERS,
     QUEUE,
+    TTL_SALT,
+    TTLS,
     Message,
     Settings,
     SimClock,
@@ -87,6 +90,7 @@ class Simulation(AddressOps):
         self.seed = seed
         self.steps = steps
         self.rng = random.Random(seed)
+        self.ttl_rng = random.Random(seed ^ TTL_SALT)
         self.settings = Settings.draw(self.rng, seed)
         self.verbose = verbose
         self._own_root = root is None
@@ -122,6 +126,7 @@ class Simulation(AddressOps):
             "subscriptions_deleted": 0,
             "subscriptions_in_doubt": 0,  # a create or delete whose outcome an open told
             "damage_found_opening": 0,  # messages quarantined by opens, after recovery
+            "expired": 0,  # messages the queue counted expired, all incarnations
         }
 
     # -- running ------------------------------------------------------------------------
@@ -157,6 +162,7 @@ class Simulation(AddressOps):
             "injected_errors": len(self.disk.injected),
             "flips": len(self.flipped),
             "damaged": self.damage_allowed,
+            "with_ttl": sum(m.expires is not None for m in self.messages),
         }
 
     async def _run(self) -> None:
@@ -282,6 +288,7 @@ class Simulation(AddressOps):
         core = self.core
         if core is not None:
             self._count_damage(core)
+            self.counts["expired"] += core.stats().messages_expired
             await core._tasks.cancel_all()
 
     def _count_damage(self, core: QueueCore) -> None:
@@ -318,7 +325,11 @@ class Simulation(AddressOps):
         props = {"color": rng.choice(COLORS), "n": n} if rng.random() < 0.7 else None
         if props is not None and self.settings.address:
             props["k"] = rng.randrange(10)  # what subscription filters select on
-        m = Message(n, body, msgpack.packb(props) if props else b"")
+        expires = None
+        if props is not None and self.ttl_rng.random() < 0.25:
+            expires = expiration_ms(self.ttl_rng.choice(TTLS), self.clock.time())
+            props[EXPIRATION_PROPERTY] = expires
+        m = Message(n, body, msgpack.packb(props) if props else b"", expires=expires)
         # Routed now: no subscription is created or deleted while a send is under way.
         for sub in self.subs.values():
             if FILTERS[sub.filter](props):
@@ -413,6 +424,8 @@ class Simulation(AddressOps):
                 raise Violation(f"served offset {offset} was never sent: {body[:40]!r}")
             if m.state == "failed":
                 raise Violation(f"served offset {offset}, whose send raised")
+            if self._expired(m):
+                raise Violation(f"served offset {offset}, expired at {m.expires} ms")
             if c.selector and msgpack.unpackb(prop or b"\x80").get("color") != "red":
                 raise Violation(f"selector consumer {c.cid} got offset {offset}: {prop!r}")
             if c.subscription is not None and c.subscription not in m.routes:
@@ -433,6 +446,10 @@ class Simulation(AddressOps):
         target = self._area(c.subscription).consumers.get(c.cid)
         if not after_crash and target is not None and len(target.held) > c.prefetch:
             raise Violation(f"{c.cid} holds {len(target.held)} > prefetch {c.prefetch}")
+
+    def _expired(self, m: Message) -> bool:
+        """Whether ``m`` expired by the clock now (it may never be delivered again)."""
+        return m.expires is not None and m.expires <= now_ms(self.clock.time())
 
     def _acked(self, m: Message, name: str | None) -> str:
         """What the queue (``name`` None) or a subscription acknowledged of ``m``:
@@ -518,6 +535,9 @@ class Simulation(AddressOps):
         core.set_budget(self.rng.choice([0, 4096, 1 << 16, 1 << 22]))
         core.housekeeping()
         core._scrub(1.0)
+        if self.ttl_rng.random() < 0.5:
+            with contextlib.suppress(StorageError):
+                await self._bounded(core.expiry_pass(), "an expiry pass")
 
     async def _op_faults(self) -> None:
         disk = self.disk
@@ -631,6 +651,7 @@ class Simulation(AddressOps):
             if m.state == "stored"
             and (not m.acked if name is None else m.routes.get(name) == "")
             and i not in drained
+            and not self._expired(m)  # expired: never delivered again
         ]
         # Only rot may take a stored message (an unsynced hole never held one).
         if len(outstanding) > (self.damage_allowed if self.flipped else 0):
@@ -671,6 +692,8 @@ class Simulation(AddressOps):
             raise Violation("a drain does not end: the same messages come back")
         self.core.close_consumer(c.cid, subscription=name)
         del self.consumers[c.cid]
+        # Expired ones it met are dropped by the dead-letter mover, a task.
+        await self._bounded(self.core.dead_letters_settled(name), "dropping expired messages")
         depth = self.core.log.depth if name is None else self.core.subscription_depths()[name]
         if ack and depth:
             raise Violation(f"drained, yet depth is {depth}")
