@@ -532,7 +532,22 @@ def test_dead_letter_queues_beside_their_queues(ns, capsys):
     rows = [line for line in out.splitlines() if line.startswith("│")]
     names = [re.split(r"\s*│\s*", row)[1] for row in rows[:3]]
     assert names == ["audit", "orders", "poison (DLQ of orders)"]
-    assert re.search(r"│\s+2\s+│$", rows[1])  # orders: 2 dead-lettered (last column)
+    assert re.search(r"│\s+2\s+│\s+│$", rows[1])  # orders: 2 dead-lettered, none expired
+
+
+def test_sends_with_a_ttl_expire_to_the_expiry_queue_and_status_says_so(ns, capsys):
+    scan = ("--message-expiry-scan-period-s", "0.2")
+    ok(capsys, ns, "create-queue", "short", "--expiry-queue", "short.gone", *scan)
+    ok(capsys, ns, "send", "short", "a", "b", "--ttl", "0.2")
+    ok(capsys, ns, "send", "short", "kept")
+    deadline = time.monotonic() + PROMPT
+    while (s := status_json(capsys, ns)["queues"])["short"]["messages_expired"] < 2:
+        assert time.monotonic() < deadline, s["short"]
+        time.sleep(0.1)  # polling the condition; the expiry pass runs in the queue actor
+    assert s["short"]["depth"] == 1 and s["short.gone"]["depth"] == 2
+    assert "2 (short.gone)" in ok(capsys, ns, "status")
+    out = ok(capsys, ns, "consume", "short", "-n", "1", "--json")
+    assert [json.loads(x)["body"] for x in out.splitlines()] == ["kept"]
 
 
 def test_dead_letter_queue_order():
@@ -560,6 +575,7 @@ def test_create_queue_passes_dead_letter_settings_only_when_given(monkeypatch, c
     ok(capsys, "any", "create-queue", "a")
     ok(capsys, "any", "create-queue", "b", "--max-delivery-attempts", "3")
     assert "max_delivery_attempts" not in made[0] and "dead_letter_queue" not in made[0]
+    assert "default_ttl_s" not in made[0] and "expiry_queue" not in made[0]
     assert made[1]["max_delivery_attempts"] == 3 and "dead_letter_queue" not in made[1]
 
 

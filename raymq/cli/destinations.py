@@ -113,10 +113,33 @@ _node_id_option = click.option("--node-id", help="Node for the queue's files (de
     show_default=True,
     help="Seconds a nacked message waits before it is delivered again.",
 )
+@click.option(
+    "--default-ttl-s",
+    type=click.FloatRange(min=0, min_open=True),
+    help="Seconds a message sent without --ttl lives (default: for ever).",
+)
+@click.option(
+    "--expiry-queue",
+    help="Where expired messages go (created when first needed; default: dropped).",
+)
+@click.option(
+    "--message-expiry-scan-period-s",
+    type=click.FloatRange(min=0, min_open=True),
+    default=30.0,
+    show_default=True,
+    help="Seconds between passes that find expired messages nobody asks for.",
+)
 @click.pass_context
 def create_queue(ctx: click.Context, name: str, **settings: Any) -> None:
     """Create a queue (or confirm it exists with these settings)."""
-    for optional in ("max_delivery_attempts", "dead_letter_queue", "min_insync_replicas"):
+    optional_settings = (
+        "max_delivery_attempts",
+        "dead_letter_queue",
+        "min_insync_replicas",
+        "default_ttl_s",
+        "expiry_queue",
+    )
+    for optional in optional_settings:
         if settings[optional] is None:  # passed only when given (older clients lack them)
             del settings[optional]
     q = common.connect(ctx).create_queue(name, **settings)

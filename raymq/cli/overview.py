@@ -132,7 +132,7 @@ def subscription_sources(addresses: dict[str, dict]) -> dict[str, dict]:
 #: Columns of the queue and address tables of ``raymq status`` (after the name).
 STATS_COLUMNS = (
     "depth", "in flight", "head cache", "read cache", "transient", "disk", "files",
-    "consumers", "budget", "policy", "blocked", "dead-lettered",
+    "consumers", "budget", "policy", "blocked", "dead-lettered", "expired",
 )  # fmt: skip
 
 
@@ -165,6 +165,7 @@ def _stats_cells(s: dict) -> list[str]:
         policy,
         str(s["blocked_producers"]) if s["blocked_producers"] else "",
         _dead_lettered(s),
+        _expired(s),
     ]
 
 
@@ -179,6 +180,7 @@ def _subscription_cells(s: dict) -> list[str]:
         str(s["consumers"]),
         "", "", "",
         _dead_lettered(s),
+        _expired(s),
     ]  # fmt: skip
 
 
@@ -188,11 +190,20 @@ def _dead_lettered(s: dict) -> str:
     return text + (f" (+{pending:,} waiting)" if pending else "")
 
 
+def _expired(s: dict) -> str:
+    """Messages expired since the queue's actor started, and where they went."""
+    n = s.get("messages_expired", 0)
+    if not n:
+        return ""
+    where = s.get("expiry_queue") or "dropped"
+    return f"{n:,} ({where})"
+
+
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 @click.pass_context
 def status(ctx: click.Context, as_json: bool) -> None:
-    """Queues (depth, caches, disk, consumers, budget, policy, dead letters);
+    """Queues (depth, caches, disk, consumers, budget, policy, dead letters, expired);
     addresses, each with its subscriptions and their lag; the MemoryGovernor and where
     each node's Prometheus metrics are.
 

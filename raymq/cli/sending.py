@@ -92,6 +92,12 @@ def _send_error(q, exc: RayMQError, batch: list[bytes], props_bytes: int, sent: 
     type=click.FloatRange(min=0),
     help="Seconds a BLOCKed send may wait (default: for ever).",
 )
+@click.option(
+    "--ttl",
+    type=click.FloatRange(min=0, min_open=True),
+    help="Seconds each message lives: never delivered after (default: the queue's"
+    " default_ttl_s, else for ever).",
+)
 @click.pass_context
 def send(
     ctx: click.Context,
@@ -103,6 +109,7 @@ def send(
     size: int,
     batch_size: int,
     timeout: float | None,
+    ttl: float | None,
 ) -> None:
     """Send messages to QUEUE (a queue or an address): BODIES, the lines of --stdin, or
     --count generated ones."""
@@ -133,7 +140,7 @@ def send(
         for batch in batches(stream, batch_size):
             wanted += len(batch)
             try:
-                sent += len(q.send_batch(batch, properties, timeout=timeout))
+                sent += len(q.send_batch(batch, properties, timeout=timeout, ttl=ttl))
             except RayMQError as exc:
                 raise click.ClickException(_send_error(q, exc, batch, props_bytes, sent)) from None
             if advance is not None:

@@ -1,0 +1,88 @@
+"""Message expiry on a real local Ray: sends with a ttl never received after it, moved
+to the expiry queue (those the queue held, and those a consumer held when they
+expired), the default TTL, and a paged backlog expiring across a SIGKILL of the queue's
+process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from raymq.client.calls import _call
+from raymq.core.dead_letter import DEAD_LETTER_REASON, ORIGINAL_QUEUE
+from raymq.core.expiry import EXPIRATION_PROPERTY
+
+#: Bound on what the queue's tasks do in the background (seconds): a wedge fails.
+DEADLINE_SECONDS = 120.0
+
+
+def wait_for(condition, what: str) -> None:
+    deadline = time.monotonic() + DEADLINE_SECONDS
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not after {DEADLINE_SECONDS} s"
+        time.sleep(0.05)
+
+
+def wait_past(expires_ms: int) -> None:
+    """Until the clock has passed an expiry (the TTL must run out: that is the test)."""
+    while time.time() * 1000 <= expires_ms:
+        time.sleep(max(0.0, expires_ms / 1000 - time.time()) + 0.01)
+
+
+def test_expired_messages_go_to_the_expiry_queue_and_are_never_received(broker):
+    q = broker.create_queue("orders", expiry_queue="orders.expired")
+    q.send(b"short", {"n": 1}, ttl=0.3)
+    q.send(b"live", ttl=600)
+    q.send_batch([b"b1", b"b2"], ttl=0.3)
+    [stored] = [m for m in q.browse() if m.body == b"short"]
+    wait_past(stored.properties[EXPIRATION_PROPERTY])
+    with q.consumer(prefetch=10) as c:
+        got = c.receive(10, timeout=5)
+        assert [m.body for m in got] == [b"live"]
+        c.ack(got)
+    wait_for(lambda: q.stats()["messages_expired"] == 3, "expired")
+    moved = list(broker.get_queue("orders.expired").browse())
+    assert sorted(m.body for m in moved) == [b"b1", b"b2", b"short"]
+    for m in moved:
+        assert m.properties[ORIGINAL_QUEUE] == "orders"
+        assert m.properties[DEAD_LETTER_REASON] == "expired"
+        assert EXPIRATION_PROPERTY not in m.properties
+    stats = q.stats()
+    assert (stats["depth"], stats["in_flight"], stats["expiry_queue"]) == (0, 0, "orders.expired")
+
+
+def test_messages_a_consumer_held_when_they_expired_are_not_handed_out(broker):
+    q = broker.create_queue("held", default_ttl_s=1.0)
+    with q.consumer(prefetch=100) as c:
+        q.send_batch([b"m"] * 50)
+        first = c.receive(1, timeout=30)  # the rest wait in the TargetList or the client
+        assert len(first) == 1
+        wait_past(first[0].properties[EXPIRATION_PROPERTY])
+        c.ack(first)
+        assert not c.receive(100, timeout=0.5)
+    wait_for(lambda: q.stats()["messages_expired"] == 49, "expired")
+    stats = q.stats()
+    assert (stats["depth"], stats["in_flight"], stats["expiry_queue"]) == (0, 0, "")
+
+
+def test_a_paged_backlog_expires_across_a_sigkill_of_the_queue(broker):
+    q = broker.create_queue("backlog", page_size_bytes=64 * 1024, message_expiry_scan_period_s=0.2)
+    offsets = []
+    for _ in range(20):
+        offsets += q.send_batch([b"x" * 1000] * 500, ttl=1.0)
+    latest_expiry = time.time() * 1000 + 1000  # every ttl'd message expires by then
+    q.send_batch([b"keep"] * 10)
+    files = q.stats()["segment_files"]
+    pid = _call(q._actor.pid)
+    os.kill(pid, signal.SIGKILL)
+    wait_past(latest_expiry)
+    wait_for(lambda: q.stats()["depth"] == 10, "the backlog expired")
+    stats = q.stats()
+    assert _call(q._actor.pid) != pid
+    assert stats["messages_expired"] == len(offsets) == 10_000
+    assert stats["segment_files"] < files
+    with q.consumer(prefetch=100) as c:
+        got = c.receive(100, timeout=30)
+        assert [m.body for m in got] == [b"keep"] * 10
+        c.ack(got)
