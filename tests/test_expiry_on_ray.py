@@ -12,6 +12,7 @@ import time
 from raymq.client.calls import _call
 from raymq.core.dead_letter import DEAD_LETTER_REASON, ORIGINAL_QUEUE
 from raymq.core.expiry import EXPIRATION_PROPERTY
+from tests.readme_blocks import run_readme_block
 
 #: Bound on what the queue's tasks do in the background (seconds): a wedge fails.
 DEADLINE_SECONDS = 120.0
@@ -86,3 +87,12 @@ def test_a_paged_backlog_expires_across_a_sigkill_of_the_queue(broker):
         got = c.receive(100, timeout=30)
         assert [m.body for m in got] == [b"keep"] * 10
         c.ack(got)
+
+
+def test_the_readme_expiry_block_runs_as_typed(broker, monkeypatch):
+    scope = run_readme_block("python expiry", broker, monkeypatch)
+    assert [m.body for m in scope["fresh"]] == [b"GBPUSD 1.2702"]
+    quotes = broker.get_queue("quotes")
+    wait_for(lambda: quotes.stats()["messages_expired"] == 1, "expired")
+    [moved] = list(broker.get_queue("quotes.expired").browse())
+    assert moved.body == b"EURUSD 1.0841"
