@@ -277,6 +277,12 @@ def test_expired_rows_finds_the_rows_of_a_delivery_batch():
     assert expired_rows(column, 1000).tolist() == [True, False, False, False]
     assert expired_rows(column, 5000).tolist() == [True, False, True, False]
     assert expired_rows(pa.array([b"", b""], pa.binary()), 10**15) is None
+    # A slice looks at its own rows only (its buffers are its parent's).
+    assert expired_rows(column.slice(1, 2), 5000).tolist() == [False, True]
+    assert expired_rows(column.slice(3, 1), 5000) is None
+    assert expired_rows(column.slice(1, 1), 5000) is None
+    large = pa.array(props, pa.large_binary())
+    assert expired_rows(large.slice(2), 5000).tolist() == [True, False]
 
 
 def test_damaged_properties_read_without_their_crc_expire_nothing():
@@ -337,3 +343,31 @@ def test_bad_expiry_settings_are_refused(setting):
 def test_expiration_is_never_before_its_time():
     assert expiration_ms(0.0005, 1.0) == 1001
     assert expiration_ms(1.0, 2.0) == 3000
+
+
+def test_on_an_address_a_message_expires_for_every_subscription(tmp_path, clock):
+    async def scenario():
+        broker = BrokerConfig(paging_directory=str(tmp_path))
+        core = QueueCore(QueueConfig("news", address=True, default_ttl_s=5.0), broker)
+        core.start()
+        try:
+            await core.create_subscription("a")
+            await core.create_subscription("b")
+            await core.send_batch(_batch([b"old"]))
+            await core.send_batch(_batch([b"new"], ttl=60.0))
+            clock.now += 10.0
+            got = {}
+            for name in ("a", "b"):
+                core.register_consumer("c", 10, subscription=name)
+                rows = await core.fetch("c", 10, 0.0, 10, subscription=name)
+                got[name] = _bodies(rows)
+                await core.ack("c", rows.column("offset").to_numpy(), subscription=name)
+                await core.dead_letters_settled(name)
+            expired = {n: core.stats(n).messages_expired for n in ("a", "b")}
+            return got, expired, core.stats().depth
+        finally:
+            await core.close()
+
+    got, expired, depth = asyncio.run(scenario())
+    assert got == {"a": [b"new"], "b": [b"new"]}
+    assert expired == {"a": 1, "b": 1} and depth == 0

@@ -101,8 +101,16 @@ def expired_rows(properties: pa.Array, now: int) -> np.ndarray | None:
     """Which rows of a delivery batch's ``properties`` column (msgpack binary) expired
     at ``now`` (ms since the epoch), or None if none did (the common case costs one
     byte search of the column's data)."""
-    data = properties.buffers()[2]
-    if data is None or EXPIRATION_KEY_BYTES not in data.to_pybytes():
+    n = len(properties)
+    _validity, offsets, data = properties.buffers()
+    if data is None or not n:
+        return None
+    # Only this array's bytes: a slice's buffers are its parent's (a consumer's buffer
+    # handed out a message at a time would search the whole parent each time).
+    width = 8 if pa.types.is_large_binary(properties.type) else 4
+    ends = np.frombuffer(offsets, np.int32 if width == 4 else np.int64)
+    start, end = int(ends[properties.offset]), int(ends[properties.offset + n])
+    if end <= start or EXPIRATION_KEY_BYTES not in data.slice(start, end - start).to_pybytes():
         return None
     expired = np.array(
         [

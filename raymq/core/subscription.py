@@ -149,6 +149,7 @@ class Subscription:
         self.expiry = ExpiryScan(may_expire=bool(log.depth))
         self.messages_expired = 0
         self._dead_letters_moved: asyncio.Event | None = None
+        self._moving = False  # a batch of dead letters is on its way (see below)
 
     def start(self) -> None:
         """Create the events and start the dead-letter mover (on the running loop)."""
@@ -583,7 +584,7 @@ class Subscription:
 
     async def dead_letters_settled(self) -> None:
         """Return once every dead letter that can move now has moved (or was dropped)."""
-        while len(self._movable(1)[0]):
+        while self._moving or len(self._movable(1)[0]):
             self._dead_letters_moved.clear()
             self._signal_dead_letters()
             await self._dead_letters_moved.wait()
@@ -599,6 +600,7 @@ class Subscription:
                 self._dead_letter_kick.clear()
                 await self._dead_letter_kick.wait()
                 continue
+            self._moving = True
             try:
                 await self._move_dead_letter_batch()
                 backoff = 0.1
@@ -615,6 +617,9 @@ class Subscription:
                 )
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, DEAD_LETTER_RETRY_MAX_SECONDS)
+            finally:
+                self._moving = False
+                self._dead_letters_moved.set()  # counted by now: dead_letters_settled
 
     async def _move_dead_letter_batch(self) -> None:
         """Move (or drop) one batch of dead letters, all with one destination."""
@@ -639,7 +644,6 @@ class Subscription:
         expired = sum(r == REASON_EXPIRED for r in reasons)
         self.messages_expired += expired
         self.dead_lettered += len(offsets) - expired
-        self._dead_letters_moved.set()
         if dest is not None:
             log.info("queue %r: %d messages moved to %r", self.name, len(offsets), dest)
 
