@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 
 from raymq.errors import InvalidProperties, MessageTooLarge
-from raymq.properties import encode_properties, validate_properties
+from raymq.properties import decode_properties, encode_properties, validate_properties
 
 #: Schema of what consumers receive (``Consumer.receive_batch``).
 DELIVERY_SCHEMA = pa.schema(
@@ -298,6 +298,32 @@ class MessageBatch:
             self.prop_data[po[0] : po[-1]],
             None if self.timestamps is None else self.timestamps[start:stop],
             self.first_offset + start,
+        )
+
+    def with_property(self, name: str, value: int, *, keep_existing: bool) -> MessageBatch:
+        """This batch with property ``name`` set to ``value`` on every message (a new
+        batch; bodies shared); ``keep_existing``: a message that has it keeps its own.
+        Each distinct property map is decoded and encoded once."""
+        if not len(self):
+            return self
+        groups = self.property_groups()
+        distinct: list[bytes] = []
+        for blob in groups.distinct:
+            props = decode_properties(blob)
+            if not (keep_existing and name in props):
+                props[name] = value
+            distinct.append(encode_properties(props))
+        sizes = np.array([len(d) for d in distinct], dtype=np.int64)[groups.index]
+        prop_offsets = np.zeros(len(self) + 1, dtype=np.int64)
+        np.cumsum(sizes, out=prop_offsets[1:])
+        data = as_u8(b"".join(distinct[i] for i in groups.index.tolist()))
+        return MessageBatch(
+            self.body_offsets,
+            self.body_data,
+            prop_offsets,
+            data,
+            self.timestamps,
+            self.first_offset,
         )
 
     def take(self, indexes: Sequence[int]) -> MessageBatch:

@@ -20,7 +20,7 @@ from raymq.core.dead_letter import (
 )
 from raymq.core.expiry import (
     EXPIRATION_PROPERTY,
-    ExpiryScan,
+    TimesScan,
     expiration_in,
     expiration_ms,
     expired_rows,
@@ -199,7 +199,7 @@ def test_expiry_holds_across_a_restart(tmp_path, clock):
         core = _core(tmp_path)
         core.start()
         try:
-            assert core._own.expiry.may_expire  # not known until a pass looks
+            assert core._own.expiry.may_have_times  # not known until a pass looks
             core.register_consumer("c", 10)
             got = await core.fetch("c", 10, 0.0, 10)
             await _settled(core, 2)
@@ -219,7 +219,7 @@ def test_a_queue_without_expiring_messages_stops_checking_after_one_pass(tmp_pat
         core.start()
         try:
             await core.send_batch(_batch([b"a", b"b"]))
-            return core._own.expiry.may_expire
+            return core._own.expiry.may_have_times
         finally:
             await core.close()
 
@@ -228,11 +228,11 @@ def test_a_queue_without_expiring_messages_stops_checking_after_one_pass(tmp_pat
         core.start()
         try:
             scan = core._own.expiry
-            before = scan.may_expire
+            before = scan.may_have_times
             await core.expiry_pass()
-            after_pass = scan.may_expire
+            after_pass = scan.may_have_times
             await core.send_batch(_batch([b"c"], ttl=5.0))
-            return before, after_pass, scan.may_expire
+            return before, after_pass, scan.may_have_times
         finally:
             await core.close()
 
@@ -309,7 +309,7 @@ def test_with_expiration_keeps_or_replaces_an_existing_one():
 
 
 def test_a_pass_with_an_arrival_carrying_an_expiry_keeps_checking():
-    scan = ExpiryScan(may_expire=True)
+    scan = TimesScan(may_have_times=True)
     scan.start_pass()
     scan.arrived(
         MessageBatch.from_bodies(
@@ -317,10 +317,10 @@ def test_a_pass_with_an_arrival_carrying_an_expiry_keeps_checking():
         ).property_groups()
     )
     scan.end_pass()
-    assert scan.may_expire
+    assert scan.may_have_times
     scan.start_pass()
     scan.end_pass()
-    assert not scan.may_expire
+    assert not scan.may_have_times
 
 
 @pytest.mark.parametrize(

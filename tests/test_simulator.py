@@ -7,18 +7,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import os
 import random
 import subprocess
 import sys
 import types
 
+import numpy as np
 import pytest
 
 from raymq.core import subscription as subscription_module
 from raymq.core.queue import QueueCore
-from raymq.core.subscription import Subscription
 from raymq.sim.disk import SimDisk
 from raymq.sim.run import Settings, Violation, is_address_seed, repro_command, run_seed
 
@@ -54,7 +53,7 @@ def test_the_fixed_seeds_crash_rot_and_fail_calls():
     assert totals["flips"] > 0 and totals["damaged"] > 0
     assert totals["injected_errors"] > 0
     assert totals["restarts"] > 0
-    assert totals["with_ttl"] > 0 and totals["expired"] > 0
+    assert totals["with_ttl"] > 0 and totals["expired"] > 0 and totals["scheduled"] > 0
 
 
 def test_a_seeds_mode_is_drawn_apart_from_its_own_random_sequence():
@@ -103,11 +102,11 @@ def test_damage_a_read_finds_while_an_address_opens_is_counted():
     and their loss (a true one, counted by the queue) was reported as a violation. Seed
     367 opens so (it was seed 1478 before the scrub read neighbouring records together:
     a seed's trajectory follows the file calls it makes; 1231 since expiry reads
-    properties at delivery)."""
+    properties at delivery; 1175 since delivery times)."""
     try:
-        summary = _run(1231)
+        summary = _run(1175)
     except Violation as exc:
-        pytest.fail(f"{exc}\nreproduce: {repro_command(1231, 300)}")
+        pytest.fail(f"{exc}\nreproduce: {repro_command(1175, 300)}")
     assert summary["address"] == 1 and summary["damage_found_opening"] > 0  # the scenario
 
 
@@ -131,15 +130,20 @@ def test_the_simulator_finds_an_address_that_ignores_filters(monkeypatch):
 
 
 def test_the_simulator_finds_a_queue_that_delivers_expired_messages(monkeypatch):
-    monkeypatch.setattr(Subscription, "_without_expired", lambda self, c, o, n: (o, n))
+    never = lambda batches, offsets, now: np.zeros(len(offsets), dtype=np.bool_)  # noqa: E731
+    monkeypatch.setattr(subscription_module, "expired_offsets", never)
     assert "expired at" in _first_violation(FIXED_SEEDS)
 
 
-def test_the_simulator_finds_a_queue_that_expires_messages_early(monkeypatch):
-    from raymq.core import expiry
+def test_the_simulator_finds_a_queue_that_delivers_scheduled_messages_early(monkeypatch):
+    monkeypatch.setattr(subscription_module, "due_times", lambda batches, offsets: None)
+    assert "before its delivery time" in _first_violation(FIXED_SEEDS)
 
-    monkeypatch.setattr(expiry, "now_ms", lambda now: math.floor(now * 1000) + 200)
-    monkeypatch.setattr(subscription_module, "now_ms", expiry.now_ms)
+
+def test_the_simulator_finds_a_queue_that_expires_messages_early(monkeypatch):
+    checked = subscription_module.expired_offsets
+    early = lambda batches, offsets, now: checked(batches, offsets, now + 200)  # noqa: E731
+    monkeypatch.setattr(subscription_module, "expired_offsets", early)
     assert "never delivered again" in _first_violation(FIXED_SEEDS)
 
 

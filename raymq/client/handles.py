@@ -7,6 +7,7 @@ locator."""
 from __future__ import annotations
 
 import asyncio
+import datetime
 import functools
 import itertools
 import logging
@@ -37,8 +38,9 @@ from raymq.core.duplicate_ids import (
     check_message_ids,
     with_message_ids,
 )
-from raymq.core.expiry import EXPIRATION_PROPERTY, expiration_ms, with_expiration
+from raymq.core.expiry import EXPIRATION_PROPERTY, expiration_ms
 from raymq.core.link import Fault, LinkFault, QueueLink
+from raymq.core.schedule import SCHEDULED_PROPERTY, delivery_time
 from raymq.errors import (
     BrokerUnavailable,
     NotLeader,
@@ -172,6 +174,8 @@ class Queue:
         wait: bool = True,
         message_id: str | None = None,
         ttl: float | None = None,
+        deliver_at: float | datetime.datetime | None = None,
+        delay: float | None = None,
     ) -> Any:
         """Send one message; returns its offset once it is durable (``wait=False``: a
         ``SendFuture`` of it at once).
@@ -206,8 +210,13 @@ class Queue:
         ms since the epoch by this process's clock) and is never delivered after;
         the queue moves it to its ``expiry_queue`` or drops it (README, "Message
         expiry"). None: the queue's ``default_ttl_s``, if any.
+
+        ``deliver_at`` (seconds since the epoch, or a ``datetime``) or ``delay``
+        (seconds from now): the message is not delivered before then (its
+        ``RayMQScheduledDelivery`` property, ms since the epoch; README, "Scheduled
+        delivery").
         """
-        properties = self._with_ttl(properties, ttl)
+        properties = self._with_times(properties, ttl, deliver_at, delay)
         if message_id is not None:
             return self._send_with_id(body, properties, message_id, timeout)
         body, props = self._encode_one(body, properties)
@@ -216,21 +225,30 @@ class Queue:
             return producer.send(body, props, timeout)
         return producer.send(body, props, timeout, waited=True).result()
 
-    def _with_ttl(self, properties: Mapping[str, Any] | None, ttl: object) -> Any:
-        """``properties`` with the expiry of a message sent now with ``ttl`` seconds to
-        live (None: as they are)."""
-        if ttl is None:
-            return properties
-        check_ttl(ttl, f"a message for queue {self.name!r}")
-        return {**(properties or {}), EXPIRATION_PROPERTY: expiration_ms(ttl, time.time())}
+    def _times(self, ttl: object, deliver_at: object, delay: object) -> dict[str, int]:
+        """The time properties of a message sent now with ``ttl`` seconds to live and a
+        delivery time (``deliver_at`` or ``delay``); ``InvalidSetting`` if bad."""
+        where = f"a message for queue {self.name!r}"
+        check_ttl(ttl, where)
+        now = time.time()
+        times = {} if ttl is None else {EXPIRATION_PROPERTY: expiration_ms(ttl, now)}
+        at = delivery_time(deliver_at, delay, now, where)
+        if at is not None:
+            times[SCHEDULED_PROPERTY] = at
+        return times
 
-    def _pack(self, bodies, properties, ttl: float | None = None) -> MessageBatch:
+    def _with_times(self, properties, ttl, deliver_at, delay) -> Any:
+        """``properties`` with a message's time properties (as they are if none)."""
+        times = self._times(ttl, deliver_at, delay)
+        return {**(properties or {}), **times} if times else properties
+
+    def _pack(self, bodies, properties, ttl=None, deliver_at=None, delay=None) -> MessageBatch:
         """The messages checked and encoded as one batch, each with ``ttl`` seconds to
-        live if given."""
-        check_ttl(ttl, f"messages for queue {self.name!r}")
+        live and a delivery time if given."""
+        times = self._times(ttl, deliver_at, delay)
         batch = self._pack_checked(bodies, properties)
-        if ttl is not None:
-            batch = with_expiration(batch, expiration_ms(ttl, time.time()), keep_existing=False)
+        for name, value in times.items():
+            batch = batch.with_property(name, value, keep_existing=False)
         return batch
 
     def _pack_checked(self, bodies, properties) -> MessageBatch:
@@ -255,6 +273,8 @@ class Queue:
         timeout: float | None = None,
         message_ids: Sequence[str | None] | None = None,
         ttl: float | None = None,
+        deliver_at: float | datetime.datetime | None = None,
+        delay: float | None = None,
     ) -> list[int]:
         """Send many messages in one write and one fsync; returns their offsets.
 
@@ -265,12 +285,13 @@ class Queue:
         none, BLOCK waits up to ``timeout`` seconds for room for all of them.
         ``message_ids``: one producer id (or None) per message, as ``send``'s
         ``message_id``: a message already stored under its id is not stored again (its
-        offset is the first one's); the call goes by Ray. ``ttl``: every message's time
-        to live, seconds (as ``send``'s).
+        offset is the first one's); the call goes by Ray. ``ttl``, ``deliver_at`` and
+        ``delay`` apply to every message, as ``send``'s.
         """
+        times = (ttl, deliver_at, delay)
         if message_ids is not None:
-            return self._send_batch_ids(bodies, properties, message_ids, timeout, ttl)
-        batch = self._pack(bodies, properties, ttl)
+            return self._send_batch_ids(bodies, properties, message_ids, timeout, times)
+        batch = self._pack(bodies, properties, *times)
         if self._producer is not None and self._producer.busy():
             self._producer.drain()  # earlier sends of this handle go first: order
         channel = (
@@ -317,14 +338,14 @@ class Queue:
         properties,
         message_ids: Sequence[str | None],
         timeout: float | None,
-        ttl: float | None = None,
+        times: tuple = (None, None, None),
     ) -> list[int]:
         """``send_batch`` with producer ids: each stamped into its message's
         ``_AMQ_DUPL_ID`` property, the batch sent by a Ray call (a resend after a
         restart is deduplicated too)."""
         n = bodies.num_rows if isinstance(bodies, pa.Table | pa.RecordBatch) else len(bodies)
         ids = check_message_ids(message_ids, n, self.name)
-        batch = self._pack(*with_message_ids(bodies, properties, ids), ttl)
+        batch = self._pack(*with_message_ids(bodies, properties, ids), *times)
         if self._producer is not None and self._producer.busy():
             self._producer.drain()  # earlier sends of this handle go first: order
         offsets = self._invoke("send_batch_ids", batch, ids, timeout, answer_seconds=timeout)
@@ -338,13 +359,16 @@ class Queue:
         *,
         timeout: float | None = None,
         ttl: float | None = None,
+        deliver_at: float | datetime.datetime | None = None,
+        delay: float | None = None,
     ) -> int | None:
         """``send`` for asyncio code: over the send channel (concurrent tasks' sends
         share the queue's group commits), awaiting the answer without blocking the event
         loop; through a Ray call when the queue has no channel or it broke. Behind this
         handle's unanswered ``send``s it joins them instead (from a worker thread): a
-        handle's messages are stored in the order sent. ``ttl`` as ``send``'s."""
-        body, props = self._encode_one(body, self._with_ttl(properties, ttl))
+        handle's messages are stored in the order sent. ``ttl``, ``deliver_at`` and
+        ``delay`` as ``send``'s."""
+        body, props = self._encode_one(body, self._with_times(properties, ttl, deliver_at, delay))
         producer = self._producer
         if producer is not None and producer.busy():
             return await asyncio.to_thread(
@@ -364,13 +388,20 @@ class Queue:
         return first if count else None
 
     async def send_batch_async(
-        self, bodies, properties=None, *, timeout: float | None = None, ttl: float | None = None
+        self,
+        bodies,
+        properties=None,
+        *,
+        timeout: float | None = None,
+        ttl: float | None = None,
+        deliver_at: float | datetime.datetime | None = None,
+        delay: float | None = None,
     ) -> list[int]:
         """``send_batch`` for asyncio code: over the send channel as ``send_batch``,
         awaiting without blocking the event loop; else through a Ray call. This handle's
         unanswered ``send``s are waited for first (in a worker thread): the order.
-        ``ttl`` as ``send_batch``'s."""
-        batch = self._pack(bodies, properties, ttl)
+        ``ttl``, ``deliver_at`` and ``delay`` as ``send_batch``'s."""
+        batch = self._pack(bodies, properties, ttl, deliver_at, delay)
         producer = self._producer
         if producer is not None and producer.busy():
             await asyncio.to_thread(producer.drain)

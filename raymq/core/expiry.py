@@ -10,7 +10,7 @@ TargetList (``Subscription``) and when the consumer hands them to the applicatio
 (``raymq.client.consumer``): what expired between the two is taken out there. An
 expired message moves to the queue's ``expiry_queue`` (with the dead-letter
 properties, reason ``"expired"``) or, without one, is acknowledged and dropped; either
-way it is counted in ``messages_expired``. A background pass (``ExpiryScan``) finds the
+way it is counted in ``messages_expired``. A background pass (``TimesScan``) finds the
 expired messages nobody asks for, a step at a time, reading stored properties only, so
 a paged backlog's expired messages free their segment files as acks do.
 
@@ -28,7 +28,8 @@ import numpy as np
 import pyarrow as pa
 
 from raymq.batch import MessageBatch, PropertyGroups
-from raymq.properties import decode_properties, encode_properties
+from raymq.core.schedule import SCHEDULED_KEY_BYTES
+from raymq.properties import decode_properties
 
 #: The property holding a message's expiry, ms since the epoch (stable: applications
 #: and selectors may read it).
@@ -36,7 +37,7 @@ EXPIRATION_PROPERTY = "RayMQExpiration"
 #: The property name as msgpack encodes it: properties without these bytes carry no
 #: expiry and are not decoded.
 EXPIRATION_KEY_BYTES = msgpack.packb(EXPIRATION_PROPERTY)
-#: Messages a background pass examines per step before it yields (see ``ExpiryScan``).
+#: Messages a background pass examines per step before it yields (see ``TimesScan``).
 SCAN_STEP_MESSAGES = 10_000
 
 
@@ -54,6 +55,11 @@ def now_ms(now: float) -> int:
 def carries_expiry(blob: bytes) -> bool:
     """Whether msgpack-encoded properties may hold an expiry (a byte search)."""
     return EXPIRATION_KEY_BYTES in blob
+
+
+def carries_times(blob: bytes) -> bool:
+    """Whether msgpack-encoded properties may hold an expiry or a delivery time."""
+    return EXPIRATION_KEY_BYTES in blob or SCHEDULED_KEY_BYTES in blob
 
 
 def expiration_in(blob: bytes) -> int | None:
@@ -124,29 +130,8 @@ def expired_rows(properties: pa.Array, now: int) -> np.ndarray | None:
 
 def with_expiration(batch: MessageBatch, expires: int, *, keep_existing: bool) -> MessageBatch:
     """``batch`` with every message's ``RayMQExpiration`` set to ``expires`` (ms since the
-    epoch); ``keep_existing``: a message that has one keeps it (a queue's default TTL).
-    Each distinct property map is re-encoded once."""
-    if not len(batch):
-        return batch
-    groups = batch.property_groups()
-    distinct: list[bytes] = []
-    for blob in groups.distinct:
-        props = decode_properties(blob)
-        if not (keep_existing and EXPIRATION_PROPERTY in props):
-            props[EXPIRATION_PROPERTY] = expires
-        distinct.append(encode_properties(props))
-    sizes = np.array([len(d) for d in distinct], dtype=np.int64)[groups.index]
-    prop_offsets = np.zeros(len(batch) + 1, dtype=np.int64)
-    np.cumsum(sizes, out=prop_offsets[1:])
-    prop_data = np.frombuffer(b"".join(distinct[i] for i in groups.index.tolist()), np.uint8)
-    return MessageBatch(
-        batch.body_offsets,
-        batch.body_data,
-        prop_offsets,
-        prop_data,
-        batch.timestamps,
-        batch.first_offset,
-    )
+    epoch); ``keep_existing``: a message that has one keeps it (a queue's default TTL)."""
+    return batch.with_property(EXPIRATION_PROPERTY, expires, keep_existing=keep_existing)
 
 
 def without_expiration(props: dict) -> dict:
@@ -158,17 +143,18 @@ def without_expiration(props: dict) -> dict:
     return props
 
 
-class ExpiryScan:
-    """Where a subscription's background expiry pass is, and whether it needs one.
+class TimesScan:
+    """Where a subscription's background pass is, and whether it needs one.
 
-    ``may_expire`` is True while any unacknowledged message may carry an expiry: after a
-    restart with messages (not known until a pass), and whenever one arrives with it.
-    A whole pass that met none, with none arriving meanwhile, sets it False again, so a
-    queue without expiring messages stops paying for the check at delivery.
+    ``may_have_times`` is True while any unacknowledged message may carry an expiry or a
+    delivery time (``raymq.core.schedule``): after a restart with messages (not known
+    until a pass), and whenever one arrives with one. A whole pass that met none, with
+    none arriving meanwhile, sets it False again, so a queue whose messages carry no
+    times stops paying for the check at delivery.
     """
 
-    def __init__(self, may_expire: bool):
-        self.may_expire = may_expire
+    def __init__(self, may_have_times: bool):
+        self.may_have_times = may_have_times
         self.position = 0  # the next offset the pass examines
         self.arrivals = 0  # chunks that arrived carrying an expiry
         self._pass_arrivals = 0
@@ -177,9 +163,9 @@ class ExpiryScan:
 
     def arrived(self, groups: PropertyGroups) -> None:
         """A newly published chunk (its property groups)."""
-        if any(carries_expiry(d) for d in groups.distinct):
+        if any(carries_times(d) for d in groups.distinct):
             self.arrivals += 1
-            self.may_expire = True
+            self.may_have_times = True
 
     def start_pass(self) -> None:
         """A pass begins at offset 0."""
@@ -190,21 +176,22 @@ class ExpiryScan:
     def met(self, batches: Sequence[MessageBatch]) -> None:
         """The pass read ``batches``: note whether any message in them carries an expiry."""
         if not self._pass_met:
-            self._pass_met = any(carries_expiry(b.prop_data.tobytes()) for b in batches)
+            self._pass_met = any(carries_times(b.prop_data.tobytes()) for b in batches)
 
     def end_pass(self) -> None:
         """The pass reached the end of the log."""
         self.passes += 1
         if not self._pass_met and self.arrivals == self._pass_arrivals:
-            self.may_expire = False
+            self.may_have_times = False
 
 
 __all__ = [
     "EXPIRATION_KEY_BYTES",
     "EXPIRATION_PROPERTY",
     "SCAN_STEP_MESSAGES",
-    "ExpiryScan",
+    "TimesScan",
     "carries_expiry",
+    "carries_times",
     "expiration_in",
     "expiration_ms",
     "expired_in_groups",

@@ -114,6 +114,9 @@ class QueueStats:
     #: ``expiry_queue`` ("" : none, they were dropped); see ``raymq.core.expiry``.
     messages_expired: int = 0
     expiry_queue: str = ""
+    #: Messages set aside until their delivery time (``send(deliver_at=)``) that the
+    #: queue has found: after a restart, those its pass or its consumers met so far.
+    scheduled: int = 0
 
     def to_dict(self) -> dict:
         """The snapshot as a plain dict."""
@@ -149,6 +152,7 @@ def subscription_fields(subs: Sequence[Subscription]) -> dict:
         "dead_letters_pending": sum(len(s.area.dead_letters) for s in subs),
         "dead_letter_failures": sum(s.dead_letter_failures for s in subs),
         "messages_expired": sum(s.messages_expired for s in subs),
+        "scheduled": sum(s.area.scheduled.count for s in subs),
     }
 
 

@@ -34,8 +34,9 @@ from raymq.core.dead_letter import (
     REASON_REJECTED,
     dead_letter_batch,
 )
-from raymq.core.expiry import SCAN_STEP_MESSAGES, ExpiryScan, expired_offsets, now_ms
+from raymq.core.expiry import SCAN_STEP_MESSAGES, TimesScan, expired_offsets, now_ms
 from raymq.core.head_cache import HeadQueueCache, SharedPart
+from raymq.core.schedule import due_times
 from raymq.core.target_area import DEAD_LETTER_HOLDER, TargetArea
 from raymq.errors import ConsumerClosed, InvalidAck
 from raymq.selector import Selector
@@ -146,20 +147,24 @@ class Subscription:
         self._mover: asyncio.Task | None = None
         #: The background expiry pass's state (``raymq.core.expiry``); restarted with
         #: messages, any of them may carry an expiry until a pass has looked.
-        self.expiry = ExpiryScan(may_expire=bool(log.depth))
+        self.expiry = TimesScan(may_have_times=bool(log.depth))
         self.messages_expired = 0
         self._dead_letters_moved: asyncio.Event | None = None
         self._moving = False  # a batch of dead letters is on its way (see below)
+        #: Set when messages are set aside until a delivery time (see _schedule_loop).
+        self._schedule_kick: asyncio.Event | None = None
 
     def start(self) -> None:
         """Create the events and start the dead-letter mover (on the running loop)."""
         self._arrival = asyncio.Event()
         self._dead_letter_kick = asyncio.Event()
         self._dead_letters_moved = asyncio.Event()
+        self._schedule_kick = asyncio.Event()
         of = "" if self.subscription_name is None else f" of {self.subscription_name}"
         # (Without a sink, only expired messages with no expiry queue move: dropped.)
         self._mover = self.host.supervise("dead-letter mover" + of, self._move_dead_letters)
         self.host.supervise("expiry scan" + of, self._expiry_loop)
+        self.host.supervise("scheduled delivery" + of, self._schedule_loop)
 
     # -- messages arriving, leaving ----------------------------------------------------
 
@@ -265,10 +270,12 @@ class Subscription:
             if self.area.consumers.get(consumer_id) is not target:
                 return NOTHING  # closed (or closed and back) while we waited
             arrival = self._arrival
+            if self.area.scheduled:
+                self.release_scheduled()
             offsets, counts = self.area.take(consumer_id, max_messages)
             if len(offsets):
                 try:
-                    if self.expiry.may_expire:
+                    if self.expiry.may_have_times:
                         offsets, counts = self._without_expired(consumer_id, offsets, counts)
                         if not len(offsets):
                             continue  # all expired: take again
@@ -420,8 +427,10 @@ class Subscription:
         deadline = time.monotonic() + min(max(timeout, 0.0), MAX_POLL_SECONDS)
         while n < max_messages and self.area.consumers.get(consumer_id) is target:
             arrival = self._arrival
+            if self.area.scheduled:
+                self.release_scheduled()
             offsets, counts = self.area.take(consumer_id, max_messages - n)
-            if len(offsets) and self.expiry.may_expire:
+            if len(offsets) and self.expiry.may_have_times:
                 try:
                     offsets, counts = self._without_expired(consumer_id, offsets, counts)
                 except BaseException:  # none leased after all: nobody may hold them
@@ -647,31 +656,58 @@ class Subscription:
         if dest is not None:
             log.info("queue %r: %d messages moved to %r", self.name, len(offsets), dest)
 
-    # -- expiry (raymq.core.expiry) -----------------------------------------------------
+    # -- expiry and delivery times (raymq.core.expiry, raymq.core.schedule) ------------
 
     def _without_expired(
         self, consumer_id: str, offsets: np.ndarray, counts: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Of offsets just taken by ``consumer_id``, those not expired (and their
-        counts); the expired ones go to the expiry queue (or are dropped) instead."""
-        expired = self._expired(offsets)
-        if not expired.any():
-            return offsets, counts
-        self.area.dead_letter(consumer_id, offsets[expired], REASON_EXPIRED)
-        self._signal_dead_letters()
-        return offsets[~expired], counts[~expired]
-
-    def _expired(self, offsets: np.ndarray) -> np.ndarray:
-        """Which of sorted ``offsets`` expired (their stored properties read: from the
-        HeadQueueCache where it has them)."""
+        """Of offsets just taken by ``consumer_id``, those to deliver now (and their
+        counts): the expired ones go to the expiry queue (or are dropped), those not
+        due yet are set aside until their time."""
         now = now_ms(self.host.now())
+        batches = self._stored_properties(offsets)
+        expired = expired_offsets(batches, offsets, now)
+        if expired.any():
+            self.area.dead_letter(consumer_id, offsets[expired], REASON_EXPIRED)
+            self._signal_dead_letters()
+        dues = due_times(batches, offsets)
+        later = np.zeros(len(offsets), dtype=np.bool_) if dues is None else (dues > now) & ~expired
+        if later.any():
+            self.area.set_aside(consumer_id, offsets[later], dues[later])
+            self._schedule_kick.set()
+        keep = ~(expired | later)
+        return offsets[keep], counts[keep]
+
+    def _stored_properties(self, offsets: np.ndarray) -> list[MessageBatch]:
+        """The stored batches holding sorted ``offsets``, properties at least: from the
+        HeadQueueCache where it has them, else the log's properties."""
         groups = np.split(offsets, np.flatnonzero(np.diff(offsets) > MATERIALIZE_GAP) + 1)
         batches: list[MessageBatch] = []
         for group in groups:
             start, end = int(group[0]), int(group[-1]) + 1
             cached = self.host.head_cache.get(start, end) if self.host.config.durable else None
             batches.extend(cached if cached is not None else self.log.properties(start, end))
-        return expired_offsets(batches, offsets, now)
+        return batches
+
+    def release_scheduled(self) -> int:
+        """Make the messages whose delivery time came deliverable; returns how many."""
+        n = self.area.release_scheduled(now_ms(self.host.now()))
+        if n:
+            self.wake()
+        return n
+
+    async def _schedule_loop(self) -> None:
+        """Release set-aside messages at their delivery time (a fetch also releases
+        what is due before it takes)."""
+        while True:
+            due = self.area.scheduled.next_due()
+            self._schedule_kick.clear()
+            wait = None if due is None else max(0.0, due / 1000 - self.host.now())
+            if wait is None or wait > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._schedule_kick.wait(), wait)
+                continue
+            self.release_scheduled()
 
     def expire(self, consumer_id: str, offsets: np.ndarray) -> int:
         """Messages the consumer holds that expired before its application received
@@ -682,12 +718,13 @@ class Subscription:
         return n
 
     async def _expiry_loop(self) -> None:
-        """A background expiry pass every ``message_expiry_scan_period_s`` while any
-        message may carry an expiry."""
+        """A background pass every ``message_expiry_scan_period_s`` while any message
+        may carry an expiry or a delivery time."""
         while True:
-            await asyncio.sleep(self.host.config.message_expiry_scan_period_s)
-            if self.expiry.may_expire:
+            # At once after a restart with messages: their delivery times are found so.
+            if self.expiry.may_have_times:
                 await self.expiry_pass()
+            await asyncio.sleep(self.host.config.message_expiry_scan_period_s)
 
     async def expiry_pass(self) -> int:
         """Walk the unacknowledged messages once, a step at a time (their stored
@@ -705,7 +742,13 @@ class Subscription:
             batches = self.log.properties(int(got[0]), scan.position)
             self.host.forget_damaged()
             scan.met(batches)
-            expired = got[expired_offsets(batches, got, now_ms(self.host.now()))]
+            now = now_ms(self.host.now())
+            expired_mask = expired_offsets(batches, got, now)
+            dues = due_times(batches, got)
+            later = None if dues is None else (dues > now) & ~expired_mask
+            if later is not None and self.area.set_aside_unheld(got[later], dues[later]):
+                self._schedule_kick.set()
+            expired = got[expired_mask]
             taken = self.area.hold_expired(expired)
             found += taken
             if taken:

@@ -33,6 +33,7 @@ import numpy as np
 from raymq.batch import MessageBatch, PropertyGroups, stored_property_groups
 from raymq.core.dead_letter import REASON_EXPIRED, REASON_MAX_DELIVERY_ATTEMPTS
 from raymq.core.offset_set import OffsetSet
+from raymq.core.schedule import ScheduleIndex
 from raymq.errors import InvalidAck, StorageError
 from raymq.selector import HEADER_DELIVERY_COUNT, HEADER_OFFSET, HEADER_TIMESTAMP, Selector
 from raymq.storage import SegmentLog
@@ -116,6 +117,9 @@ class TargetArea:
         #: messages held by DELAYED_HOLDER; and the same as a heap of (due, offset).
         self.delayed: dict[int, float] = {}
         self._due: list[tuple[float, int]] = []
+        #: Messages not due yet (``send(deliver_at=)``), set aside as runs: no consumer
+        #: takes them until ``release_scheduled`` (``raymq.core.schedule``).
+        self.scheduled = ScheduleIndex()
         self.consumers: dict[str, ConsumerTarget] = {}
         self.redelivered_total = 0
         #: Offsets below this existed before this process: an earlier process of the
@@ -169,7 +173,8 @@ class TargetArea:
     @property
     def index_bytes(self) -> int:
         """Bytes of delivery bookkeeping: CacheReference bitmaps, and the holder, held
-        and redelivery entries of messages in flight (about 100 bytes each in CPython)."""
+        and redelivery entries of messages in flight (about 100 bytes each in CPython),
+        and the runs of messages set aside until their delivery time."""
         bitmaps = sum(t.candidates.nbytes for t in self.selective)
         per_message = (
             2 * len(self._holder)
@@ -177,7 +182,7 @@ class TargetArea:
             + len(self._previous)
             + len(self.dead_letters)
         )
-        return bitmaps + 100 * per_message
+        return bitmaps + 100 * per_message + self.scheduled.nbytes
 
     # -- matching --------------------------------------------------------------------
 
@@ -319,6 +324,8 @@ class TargetArea:
             self.cursor = int(got[-1]) + 1 if len(got) == need else self.log.next_offset
             # Selector consumers may hold offsets beyond the cursor: skip those (they come
             # back through the redelivery heap if released).
+            if self.scheduled:
+                got = got[~self.scheduled.contains(got)]
             listed = got.tolist()
             fresh.extend([o for o in listed if o not in holder] if ahead_may_be_held else listed)
         if picked and fresh:  # a released offset can be ahead of the cursor as well
@@ -337,8 +344,10 @@ class TargetArea:
                     break
                 self.scan_step(target)
                 continue
-            target.candidates.discard(examined)
+            target.candidates.discard(examined)  # set-aside ones come back at their time
             ok = examined[~self.log.is_acked(examined)]
+            if self.scheduled:
+                ok = ok[~self.scheduled.contains(ok)]
             # Not held, and not picked already: a scan step may find again what this
             # call took before it (they are held only once the call returns).
             ok = np.array(
@@ -359,6 +368,9 @@ class TargetArea:
             popped = [heapq.heappop(self._redeliver) for _ in range(k)]
             # An offset released twice (by two consumers in turn) is in the heap twice.
             candidates = [o for o in dict.fromkeys(popped) if o not in self._holder]
+            if self.scheduled and candidates:
+                aside = self.scheduled.contains(np.array(candidates, dtype=np.int64))
+                candidates = [o for o, a in zip(candidates, aside.tolist(), strict=True) if not a]
             if picked:
                 candidates = [o for o in candidates if o != picked[-1]]
             if candidates:
@@ -566,6 +578,40 @@ class TargetArea:
             self._holder[o] = DEAD_LETTER_HOLDER
             self.dead_letters[o] = reason
         return len(chosen)
+
+    def set_aside(self, consumer_id: str, offsets: np.ndarray, dues: np.ndarray) -> None:
+        """Messages just taken by ``consumer_id`` that are not due yet (sorted, with their
+        times, ms since the epoch): not its, and not delivered, until their time."""
+        target = self.consumers.get(consumer_id)
+        listed = offsets.tolist()
+        if target is not None:
+            target.held.difference_update(listed)
+            target.delivered -= len(listed)
+        for o in listed:
+            self._holder.pop(o, None)
+        self.scheduled.add(offsets, dues)
+
+    def set_aside_unheld(self, offsets: np.ndarray, dues: np.ndarray) -> int:
+        """Messages not due yet that nobody holds (found by a background pass): set
+        aside until their time; returns how many."""
+        free = np.array([o not in self._holder for o in offsets.tolist()], dtype=np.bool_)
+        before = self.scheduled.count
+        self.scheduled.add(offsets[free], dues[free])
+        return self.scheduled.count - before
+
+    def release_scheduled(self, now: int) -> int:
+        """Make the messages set aside until ``now`` (ms since the epoch) deliverable, as
+        released ones are (not counted as redelivered); returns how many."""
+        due = self.scheduled.pop_due(now)
+        if not len(due):
+            return 0
+        due = due[~self.log.is_acked(due)]
+        again = [o for o in due.tolist() if o not in self._holder]
+        for o in again:
+            heapq.heappush(self._redeliver, o)
+        if again:
+            self._offer_to_selectors(np.array(again, dtype=np.int64))
+        return len(again)
 
     def hold_expired(self, offsets: np.ndarray) -> int:
         """Take expired messages nobody holds out of delivery, for the expiry queue (as

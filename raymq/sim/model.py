@@ -20,6 +20,8 @@ ADDRESS_SALT = 0x2EAC0
 TTL_SALT = 0x77E1
 #: Times to live a message may be sent with (seconds; a step is 10 ms of the clock).
 TTLS = (0.05, 0.3, 1.0, 5.0)
+#: Delays a message may be scheduled with (seconds from its send).
+DELAYS = (0.02, 0.2, 1.0, 3.0)
 #: Most subscriptions an address has at once (deleted ones make room).
 MAX_SUBSCRIPTIONS = 4
 #: Routing filters a subscription draws, with what each selects. A message without
@@ -55,6 +57,8 @@ class Message:
     routes: dict[str, str] = field(default_factory=dict)
     #: Its ``RayMQExpiration`` (ms since the epoch by the simulator's clock), if any.
     expires: int | None = None
+    #: Its ``RayMQScheduledDelivery`` (ms since the epoch), if any.
+    due: int | None = None
 
 
 @dataclass
@@ -147,6 +151,7 @@ def offset_runs(offsets: list[int]) -> str:
 __all__ = [
     "ADDRESS_SALT",
     "COLORS",
+    "DELAYS",
     "FILTERS",
     "MAX_SUBSCRIPTIONS",
     "QUEUE",

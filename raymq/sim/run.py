@@ -56,11 +56,14 @@ from raymq.core import admission, group_commit
 from raymq.core import queue as queue_module
 from raymq.core.expiry import EXPIRATION_PROPERTY, expiration_ms, now_ms
 from raymq.core.queue import QueueCore
+from raymq.core.schedule import SCHEDULED_PROPERTY
+from raymq.core.subscription import Subscription
 from raymq.errors import ConsumerClosed, RayMQError, StorageError, SubscriptionNotFound
 from raymq.sim.address_ops import AddressOps
 from raymq.sim.disk import SimDisk
 from raymq.sim.model import (
     COLORS,
+    DELAYS,
     FILTERS,
     QUEUE,
     TTL_SALT,
@@ -138,6 +141,11 @@ class Simulation(AddressOps):
         if not self.verbose:
             quiet.setLevel(logging.CRITICAL)
         to_thread, clocks = asyncio.to_thread, [m.time for m in CLOCKED_MODULES]
+        # The subscriptions' background passes and delivery-time timers wait on the wall
+        # clock: they run when the simulator says (housekeeping; fetches release what
+        # is due), so that a seed replays.
+        loops = Subscription._expiry_loop, Subscription._schedule_loop
+        Subscription._expiry_loop = Subscription._schedule_loop = _forever_method
         # The queue hands big writes and unlinks to threads; here they run inline, and
         # its clock is the simulator's (a step is 10 ms), so that a seed replays exactly.
         asyncio.to_thread = _inline
@@ -150,6 +158,7 @@ class Simulation(AddressOps):
             raise Violation(f"seed {self.seed}, step {self.step}: {exc}") from None
         finally:
             asyncio.to_thread = to_thread
+            Subscription._expiry_loop, Subscription._schedule_loop = loops
             for module, clock in zip(CLOCKED_MODULES, clocks, strict=True):
                 module.time = clock
             quiet.setLevel(level)
@@ -163,6 +172,7 @@ class Simulation(AddressOps):
             "flips": len(self.flipped),
             "damaged": self.damage_allowed,
             "with_ttl": sum(m.expires is not None for m in self.messages),
+            "scheduled": sum(m.due is not None for m in self.messages),
         }
 
     async def _run(self) -> None:
@@ -325,11 +335,14 @@ class Simulation(AddressOps):
         props = {"color": rng.choice(COLORS), "n": n} if rng.random() < 0.7 else None
         if props is not None and self.settings.address:
             props["k"] = rng.randrange(10)  # what subscription filters select on
-        expires = None
+        expires = due = None
         if props is not None and self.ttl_rng.random() < 0.25:
             expires = expiration_ms(self.ttl_rng.choice(TTLS), self.clock.time())
             props[EXPIRATION_PROPERTY] = expires
-        m = Message(n, body, msgpack.packb(props) if props else b"", expires=expires)
+        if props is not None and self.ttl_rng.random() < 0.2:
+            due = expiration_ms(self.ttl_rng.choice(DELAYS), self.clock.time())
+            props[SCHEDULED_PROPERTY] = due
+        m = Message(n, body, msgpack.packb(props) if props else b"", expires=expires, due=due)
         # Routed now: no subscription is created or deleted while a send is under way.
         for sub in self.subs.values():
             if FILTERS[sub.filter](props):
@@ -426,6 +439,8 @@ class Simulation(AddressOps):
                 raise Violation(f"served offset {offset}, whose send raised")
             if self._expired(m):
                 raise Violation(f"served offset {offset}, expired at {m.expires} ms")
+            if self._not_due(m):
+                raise Violation(f"served offset {offset} before its delivery time {m.due} ms")
             if c.selector and msgpack.unpackb(prop or b"\x80").get("color") != "red":
                 raise Violation(f"selector consumer {c.cid} got offset {offset}: {prop!r}")
             if c.subscription is not None and c.subscription not in m.routes:
@@ -450,6 +465,25 @@ class Simulation(AddressOps):
     def _expired(self, m: Message) -> bool:
         """Whether ``m`` expired by the clock now (it may never be delivered again)."""
         return m.expires is not None and m.expires <= now_ms(self.clock.time())
+
+    def _not_due(self, m: Message) -> bool:
+        """Whether ``m``'s delivery time is still to come by the clock now."""
+        return m.due is not None and m.due > now_ms(self.clock.time())
+
+    def _waiting(self, name: str | None) -> int:
+        """Messages the queue (or subscription ``name``) may still hold unacknowledged
+        after a drain: those whose delivery time is to come (stored, or in doubt)."""
+        return sum(
+            m.state in ("stored", "doubt")
+            and self._not_due(m)
+            # (Not routed to it as far as we know may still be: a subscription in doubt.)
+            and (m.acked != "yes" if name is None else m.routes.get(name) != "yes")
+            for m in self.messages
+        )
+
+    def _waiting_anywhere(self) -> int:
+        """Messages some subscription may still hold after drains (see ``_waiting``)."""
+        return sum(m.state in ("stored", "doubt") and self._not_due(m) for m in self.messages)
 
     def _acked(self, m: Message, name: str | None) -> str:
         """What the queue (``name`` None) or a subscription acknowledged of ``m``:
@@ -637,7 +671,7 @@ class Simulation(AddressOps):
                 drained = await self._drain(name, ack)
                 self._count_damage(self.core)
                 self._check_outstanding(name, drained)
-            if all_acked and self.core.log.depth:
+            if all_acked and self.core.log.depth > self._waiting_anywhere():
                 raise Violation(f"every subscription drained, yet depth is {self.core.log.depth}")
         if self.damage_allowed and not (self.flipped or self.holes):
             raise Violation(f"{self.damage_allowed} messages counted damaged, no bit flipped")
@@ -652,6 +686,7 @@ class Simulation(AddressOps):
             and (not m.acked if name is None else m.routes.get(name) == "")
             and i not in drained
             and not self._expired(m)  # expired: never delivered again
+            and not self._not_due(m)  # its time is to come
         ]
         # Only rot may take a stored message (an unsynced hole never held one).
         if len(outstanding) > (self.damage_allowed if self.flipped else 0):
@@ -695,8 +730,8 @@ class Simulation(AddressOps):
         # Expired ones it met are dropped by the dead-letter mover, a task.
         await self._bounded(self.core.dead_letters_settled(name), "dropping expired messages")
         depth = self.core.log.depth if name is None else self.core.subscription_depths()[name]
-        if ack and depth:
-            raise Violation(f"drained, yet depth is {depth}")
+        if ack and depth > self._waiting(name):
+            raise Violation(f"drained, yet depth is {depth} ({self._waiting(name)} not due)")
         return got
 
 
@@ -705,6 +740,10 @@ async def _inline(func, /, *args, **kwargs):
 
 
 async def _forever() -> None:
+    await asyncio.Event().wait()
+
+
+async def _forever_method(self) -> None:
     await asyncio.Event().wait()
 
 
