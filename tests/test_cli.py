@@ -550,6 +550,20 @@ def test_sends_with_a_ttl_expire_to_the_expiry_queue_and_status_says_so(ns, caps
     assert [json.loads(x)["body"] for x in out.splitlines()] == ["kept"]
 
 
+def test_send_with_a_delay_is_consumed_once_its_time_came(ns, capsys):
+    ok(capsys, ns, "create-queue", "later")
+    ok(capsys, ns, "send", "later", "far", "--delay", "3600")
+    out = ok(capsys, ns, "consume", "later", "-n", "1", "--json", "--timeout", "0.1")
+    assert out == ""  # not before its time
+    assert status_json(capsys, ns)["queues"]["later"]["scheduled"] == 1
+    ok(capsys, ns, "send", "later", "soon", "--delay", "0.3")
+    out = ok(capsys, ns, "consume", "later", "-n", "1", "--json", "--timeout", str(PROMPT))
+    assert [json.loads(x)["body"] for x in out.splitlines()] == ["soon"]
+    both = ("--delay", "1", "--deliver-at", "2030-01-01")
+    code, _out, err = run(capsys, ns, "send", "later", "x", *both)
+    assert code != 0 and "not both" in err
+
+
 def test_dead_letter_queue_order():
     stats = {
         "b": {"dead_letter_queue": "b.DLQ"},

@@ -132,7 +132,7 @@ def subscription_sources(addresses: dict[str, dict]) -> dict[str, dict]:
 #: Columns of the queue and address tables of ``raymq status`` (after the name).
 STATS_COLUMNS = (
     "depth", "in flight", "head cache", "read cache", "transient", "disk", "files",
-    "consumers", "budget", "policy", "blocked", "dead-lettered", "expired",
+    "consumers", "budget", "policy", "blocked", "scheduled", "dead-lettered", "expired",
 )  # fmt: skip
 
 
@@ -164,6 +164,7 @@ def _stats_cells(s: dict) -> list[str]:
         "-" if s["memory_budget"] < 0 else _human(s["memory_budget"]),
         policy,
         str(s["blocked_producers"]) if s["blocked_producers"] else "",
+        f"{s['scheduled']:,}" if s.get("scheduled") else "",
         _dead_lettered(s),
         _expired(s),
     ]
@@ -179,6 +180,7 @@ def _subscription_cells(s: dict) -> list[str]:
         "", "", "", "",
         str(s["consumers"]),
         "", "", "",
+        f"{s['scheduled']:,}" if s.get("scheduled") else "",
         _dead_lettered(s),
         _expired(s),
     ]  # fmt: skip
@@ -203,7 +205,8 @@ def _expired(s: dict) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 @click.pass_context
 def status(ctx: click.Context, as_json: bool) -> None:
-    """Queues (depth, caches, disk, consumers, budget, policy, dead letters, expired);
+    """Queues (depth, caches, disk, consumers, budget, policy, scheduled, dead letters,
+    expired);
     addresses, each with its subscriptions and their lag; the MemoryGovernor and where
     each node's Prometheus metrics are.
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import itertools
 import json
 import sys
@@ -98,6 +99,16 @@ def _send_error(q, exc: RayMQError, batch: list[bytes], props_bytes: int, sent: 
     help="Seconds each message lives: never delivered after (default: the queue's"
     " default_ttl_s, else for ever).",
 )
+@click.option(
+    "--delay",
+    type=click.FloatRange(min=0),
+    help="Seconds from now before the messages may be delivered.",
+)
+@click.option(
+    "--deliver-at",
+    type=click.DateTime(),
+    help="When the messages may be delivered (local time, e.g. 2030-01-31T09:00:00).",
+)
 @click.pass_context
 def send(
     ctx: click.Context,
@@ -110,12 +121,17 @@ def send(
     batch_size: int,
     timeout: float | None,
     ttl: float | None,
+    delay: float | None,
+    deliver_at: datetime.datetime | None,
 ) -> None:
     """Send messages to QUEUE (a queue or an address): BODIES, the lines of --stdin, or
     --count generated ones."""
     from raymq.client import Address, Subscription
 
     properties = dict(_parse_property(p) for p in props) or None
+    if delay is not None and deliver_at is not None:
+        raise click.UsageError("give --delay or --deliver-at, not both")
+    times = {"ttl": ttl, "delay": delay, "deliver_at": deliver_at}
     if not bodies and not from_stdin and not count:
         raise click.UsageError("nothing to send: give BODIES, --stdin or --count")
     q = find_target(common.connect(ctx), queue)
@@ -140,7 +156,7 @@ def send(
         for batch in batches(stream, batch_size):
             wanted += len(batch)
             try:
-                sent += len(q.send_batch(batch, properties, timeout=timeout, ttl=ttl))
+                sent += len(q.send_batch(batch, properties, timeout=timeout, **times))
             except RayMQError as exc:
                 raise click.ClickException(_send_error(q, exc, batch, props_bytes, sent)) from None
             if advance is not None:
