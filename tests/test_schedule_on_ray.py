@@ -11,6 +11,7 @@ import time
 
 from raymq.client.calls import _call
 from raymq.core.schedule import SCHEDULED_PROPERTY
+from tests.readme_blocks import run_readme_block
 
 #: Bound on what the queue does in the background (seconds): a wedge fails.
 DEADLINE_SECONDS = 120.0
@@ -75,3 +76,11 @@ def test_scheduled_messages_survive_a_sigkill_of_the_queue(broker):
     assert len({m.offset for m in got}) == 105
     wait_for(lambda: q.stats()["scheduled"] == 5000, "the far ones found again")
     assert q.stats()["depth"] == 5000
+
+
+def test_the_readme_scheduled_block_runs_as_typed(broker, monkeypatch):
+    scope = run_readme_block("python scheduled", broker, monkeypatch)
+    # (A machine slower than the delay may give both at once.)
+    assert b"right away" in [m.body for m in scope["now"]]
+    assert sorted(m.body for m in [*scope["now"], *scope["later"]]) == [b"call back", b"right away"]
+    assert broker.get_queue("reminders").stats()["depth"] == 0
