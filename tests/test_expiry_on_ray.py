@@ -9,6 +9,8 @@ import os
 import signal
 import time
 
+import pyarrow as pa
+
 from raymq.client.calls import _call
 from raymq.core.dead_letter import DEAD_LETTER_REASON, ORIGINAL_QUEUE
 from raymq.core.expiry import EXPIRATION_PROPERTY
@@ -96,3 +98,20 @@ def test_the_readme_expiry_block_runs_as_typed(broker, monkeypatch):
     wait_for(lambda: quotes.stats()["messages_expired"] == 1, "expired")
     [moved] = list(broker.get_queue("quotes.expired").browse())
     assert moved.body == b"EURUSD 1.0841"
+
+
+def test_rows_a_consumer_finds_expired_go_back_to_the_queue_as_expired(broker):
+    """The consumer's own check (what expired between the queue and the application),
+    driven directly: rows it holds, found expired, are handed back by its call."""
+    q = broker.create_queue("late", expiry_queue="late.expired")
+    q.send_batch([b"m"] * 20, ttl=0.5)
+    with q.consumer(prefetch=100) as c:
+        parts = []
+        while sum(p.num_rows for p in parts) < 20:
+            parts.append(c.receive_batch(20, timeout=30))
+        batch = pa.concat_batches(parts)
+        wait_past(time.time() * 1000 + 500)  # past every one's expiry (sent before)
+        assert c._without_expired(batch) is None
+        assert c.messages_expired == 20
+    wait_for(lambda: q.stats()["messages_expired"] == 20, "expired")
+    assert broker.get_queue("late.expired").stats()["depth"] == 20
