@@ -113,7 +113,7 @@ def test_a_recovery_that_fails_with_a_bug_lets_the_directory_go(tmp_path, monkey
 
     open_log(tmp_path / "q").close()
 
-    def broken(self, defer):
+    def broken(self, defer, **settings):
         raise ValueError("a bug in recovery")
 
     monkeypatch.setattr(log_module.Loader, "recover", broken)
