@@ -35,6 +35,22 @@ def machine_cpu_seconds() -> float:
     return busy / os.sysconf("SC_CLK_TCK")
 
 
+def fill(q, messages: int, size: int, batch: int = 1000, properties=None, **send) -> float:
+    """Store ``messages`` bodies of ``size`` bytes in ``q``, ``batch`` a send (each with
+    ``properties`` and ``send_batch``'s keyword arguments ``send``), showing progress;
+    returns the seconds it took."""
+    from rich.progress import Progress
+
+    body = b"x" * size
+    t0 = time.perf_counter()
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task(f"filling {q.name}", total=messages)
+        for _ in range(messages // batch):
+            q.send_batch([body] * batch, properties, **send)
+            progress.advance(task, batch)
+    return time.perf_counter() - t0
+
+
 def timed(fn: Callable[[], int]) -> tuple[float, float]:
     """Run ``fn`` (which returns a message count); returns (seconds, messages per second)."""
     t0 = time.perf_counter()

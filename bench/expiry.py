@@ -15,9 +15,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from rich.progress import Progress
-
-from bench.common import console, print_table, rss_of, start_broker, stop_broker
+from bench.common import console, fill, print_table, rss_of, start_broker, stop_broker
 from raymq.client.calls import _call
 from raymq.core.expiry import EXPIRATION_PROPERTY
 
@@ -27,23 +25,10 @@ BATCH = 1000
 POLL_SECONDS = 0.1
 
 
-def fill(q, messages: int, size: int, expires_ms: int | None) -> float:
-    """Store ``messages`` of ``size`` bytes (each expiring at ``expires_ms``); seconds."""
-    body = b"x" * size
-    props = None if expires_ms is None else {EXPIRATION_PROPERTY: expires_ms}
-    t0 = time.perf_counter()
-    with Progress(console=console, transient=True) as progress:
-        task = progress.add_task(f"filling {q.name}", total=messages)
-        for _ in range(messages // BATCH):
-            q.send_batch([body] * BATCH, props)
-            progress.advance(task, BATCH)
-    return time.perf_counter() - t0
-
-
 def fill_rate(q, size: int) -> float:
     """Messages per second this machine stores (a short warm-up fill of a scratch queue)."""
     n = 20 * BATCH
-    return n / fill(q, n, size, None)
+    return n / fill(q, n, size, BATCH)
 
 
 def watch(q, until) -> tuple[float, int]:
@@ -62,7 +47,7 @@ def expire_case(broker, name: str, messages: int, size: int, rate: float, expiry
     q = broker.create_queue(name, expiry_queue=expiry_queue, message_expiry_scan_period_s=0.2)
     # Everything expires once stored: the fill's expected time, doubled, and 5 s.
     expires_ms = int((time.time() + 2 * messages / rate + 5) * 1000)
-    fill_s = fill(q, messages, size, expires_ms)
+    fill_s = fill(q, messages, size, BATCH, {EXPIRATION_PROPERTY: expires_ms})
     files = q.stats()["segment_files"]
     idle_rss = rss_of([_call(q._actor.pid)])
     late = time.time() * 1000 > expires_ms
@@ -88,7 +73,7 @@ def expire_case(broker, name: str, messages: int, size: int, rate: float, expiry
 def consume_case(broker, name: str, messages: int, size: int):
     """The baseline: the same backlog received and acknowledged by one tuned consumer."""
     q = broker.create_queue(name)
-    fill(q, messages, size, None)
+    fill(q, messages, size, BATCH)
     files = q.stats()["segment_files"]
     pid = _call(q._actor.pid)
     idle_rss = rss_of([pid])

@@ -14,28 +14,17 @@ from __future__ import annotations
 import argparse
 import time
 
-from rich.progress import Progress
-
-from bench.common import console, print_table, rss_of, start_broker, stop_broker
+from bench.common import console, fill, print_table, rss_of, start_broker, stop_broker
 from raymq.client.calls import _call
 
 BATCH = 1000
 BEHIND = 1000
 
 
-def fill(q, messages: int, size: int, delay: float | None) -> None:
-    body = b"x" * size
-    with Progress(console=console, transient=True) as progress:
-        task = progress.add_task(f"filling {q.name}", total=messages)
-        for _ in range(messages // BATCH):
-            q.send_batch([body] * BATCH, delay=delay)
-            progress.advance(task, BATCH)
-
-
 def case(broker, name: str, messages: int, size: int, delay: float | None) -> dict:
     """Fill, then time a new consumer until it has the plain messages behind."""
     q = broker.create_queue(name)
-    fill(q, messages, size, delay)
+    fill(q, messages, size, BATCH, delay=delay)
     q.send_batch([b"behind"] * BEHIND)
     pid = _call(q._actor.pid)
     idle = rss_of([pid])

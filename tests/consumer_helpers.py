@@ -1,5 +1,6 @@
-"""Helpers for tests of consumers on a real Ray: receiving an exact count, and a new
-consumer whose TargetList the queue does not watch yet."""
+"""Helpers for tests of consumers on a real Ray: receiving an exact count, waiting for
+what a queue does in the background, and a new consumer whose TargetList the queue does
+not watch yet."""
 
 from __future__ import annotations
 
@@ -11,6 +12,18 @@ from raymq.placement.nodes import current_node_id
 
 #: Bound on waiting for a TargetList to load, in real seconds: only a wedge takes this long.
 LOAD_SECONDS = 30.0
+#: Bound on what a queue does in the background (moves, expiry, a restart), in real
+#: seconds: a wedge fails, not a timing.
+BACKGROUND_SECONDS = 120.0
+
+
+def wait_for(condition, what: str) -> None:
+    """Poll ``condition()`` until it holds (a figure the queue reports, changed by its
+    background tasks); fails after ``BACKGROUND_SECONDS``."""
+    deadline = time.monotonic() + BACKGROUND_SECONDS
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not after {BACKGROUND_SECONDS} s"
+        time.sleep(0.05)
 
 
 def receive_all(consumer, n: int) -> list:

@@ -11,16 +11,10 @@ import pytest
 
 from raymq.client.calls import _call
 from raymq.core.dead_letter import DEAD_LETTER_REASON, ORIGINAL_OFFSET, ORIGINAL_QUEUE
+from tests.consumer_helpers import wait_for
 
 #: Bound on a background move after a restart (seconds): a wedge fails, not a timing.
 DEADLINE_SECONDS = 120.0
-
-
-def wait_for(condition, what: str) -> None:
-    deadline = time.monotonic() + DEADLINE_SECONDS
-    while not condition():
-        assert time.monotonic() < deadline, f"{what}: not after {DEADLINE_SECONDS} s"
-        time.sleep(0.05)
 
 
 def browse_all(q) -> list:

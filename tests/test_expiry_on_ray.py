@@ -14,17 +14,8 @@ import pyarrow as pa
 from raymq.client.calls import _call
 from raymq.core.dead_letter import DEAD_LETTER_REASON, ORIGINAL_QUEUE
 from raymq.core.expiry import EXPIRATION_PROPERTY
+from tests.consumer_helpers import wait_for
 from tests.readme_blocks import run_readme_block
-
-#: Bound on what the queue's tasks do in the background (seconds): a wedge fails.
-DEADLINE_SECONDS = 120.0
-
-
-def wait_for(condition, what: str) -> None:
-    deadline = time.monotonic() + DEADLINE_SECONDS
-    while not condition():
-        assert time.monotonic() < deadline, f"{what}: not after {DEADLINE_SECONDS} s"
-        time.sleep(0.05)
 
 
 def wait_past(expires_ms: int) -> None:

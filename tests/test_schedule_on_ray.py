@@ -11,17 +11,11 @@ import time
 
 from raymq.client.calls import _call
 from raymq.core.schedule import SCHEDULED_PROPERTY
+from tests.consumer_helpers import wait_for
 from tests.readme_blocks import run_readme_block
 
 #: Bound on what the queue does in the background (seconds): a wedge fails.
 DEADLINE_SECONDS = 120.0
-
-
-def wait_for(condition, what: str) -> None:
-    deadline = time.monotonic() + DEADLINE_SECONDS
-    while not condition():
-        assert time.monotonic() < deadline, f"{what}: not after {DEADLINE_SECONDS} s"
-        time.sleep(0.05)
 
 
 def receive_until(consumer, n: int) -> list:

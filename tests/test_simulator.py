@@ -94,20 +94,28 @@ def test_the_fixed_address_seeds_create_delete_crash_and_restart():
     assert totals["injected_errors"] > 0
 
 
+#: Address seeds that opened with damage a read found (a seed's trajectory follows the
+#: file calls the queue makes, so each change to those may move the scenario to another
+#: seed: 1478, then 367, 1231, 1175; these three have it now).
+DAMAGE_OPENING_SEEDS = [1231, 1478, 1679]
+
+
 def test_damage_a_read_finds_while_an_address_opens_is_counted():
     """After a crash, the address applies a filter again while it opens; the properties
     read finds a flipped bit and quarantines the record. That is counted in
     ``damaged_messages`` but not in the recovery report, and the simulator took the
     log's count after opening as already known: those messages were never allowed for,
-    and their loss (a true one, counted by the queue) was reported as a violation. Seed
-    367 opens so (it was seed 1478 before the scrub read neighbouring records together:
-    a seed's trajectory follows the file calls it makes; 1231 since expiry reads
-    properties at delivery; 1175 since delivery times)."""
-    try:
-        summary = _run(1175)
-    except Violation as exc:
-        pytest.fail(f"{exc}\nreproduce: {repro_command(1175, 300)}")
-    assert summary["address"] == 1 and summary["damage_found_opening"] > 0  # the scenario
+    and their loss (a true one, counted by the queue) was reported as a violation. The
+    seeds hold every invariant, and at least one of them opens so."""
+    found = 0
+    for seed in DAMAGE_OPENING_SEEDS:
+        try:
+            summary = _run(seed)
+        except Violation as exc:
+            pytest.fail(f"{exc}\nreproduce: {repro_command(seed, 300)}")
+        assert summary["address"] == 1
+        found += summary["damage_found_opening"]
+    assert found > 0  # the scenario
 
 
 def _first_violation(seeds: list[int]) -> str:

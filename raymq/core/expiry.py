@@ -73,7 +73,9 @@ def expiration_in(blob: bytes) -> int | None:
         # the delivery reads the whole record, checked, and quarantines it.
         return None
     value = props.get(EXPIRATION_PROPERTY) if isinstance(props, dict) else None
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
+        return None  # not a time (rot, or a producer's own value): none
+    return value
 
 
 def expired_in_groups(groups: PropertyGroups, now: int) -> np.ndarray | None:

@@ -65,7 +65,9 @@ def scheduled_in(blob: bytes) -> int | None:
     except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
         return None  # read without its CRC, damaged: the checked read quarantines it
     value = props.get(SCHEDULED_PROPERTY) if isinstance(props, dict) else None
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
+        return None  # not a time (rot, or a producer's own value): none
+    return value
 
 
 def due_times(batches: list[MessageBatch], offsets: np.ndarray) -> np.ndarray | None:

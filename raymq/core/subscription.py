@@ -145,8 +145,8 @@ class Subscription:
         self._closed_consumers: dict[str, None] = {}
         self.closed = False
         self._mover: asyncio.Task | None = None
-        #: The background expiry pass's state (``raymq.core.expiry``); restarted with
-        #: messages, any of them may carry an expiry until a pass has looked.
+        #: The background pass's state (``raymq.core.expiry``): restarted with messages,
+        #: any of them may carry an expiry or a delivery time until a pass has looked.
         self.expiry = TimesScan(may_have_times=bool(log.depth))
         self.messages_expired = 0
         self._dead_letters_moved: asyncio.Event | None = None
@@ -276,9 +276,9 @@ class Subscription:
             if len(offsets):
                 try:
                     if self.expiry.may_have_times:
-                        offsets, counts = self._without_expired(consumer_id, offsets, counts)
+                        offsets, counts = self._deliverable_now(consumer_id, offsets, counts)
                         if not len(offsets):
-                            continue  # all expired: take again
+                            continue  # all expired or not due: take again
                     delivery = self._deliver(offsets, counts)
                 except BaseException:
                     # Unread, so not delivered: nobody may hold them (uncounted).
@@ -432,14 +432,14 @@ class Subscription:
             offsets, counts = self.area.take(consumer_id, max_messages - n)
             if len(offsets) and self.expiry.may_have_times:
                 try:
-                    offsets, counts = self._without_expired(consumer_id, offsets, counts)
+                    offsets, counts = self._deliverable_now(consumer_id, offsets, counts)
                 except BaseException:  # none leased after all: nobody may hold them
                     everything = np.concatenate([*taken, offsets])
                     self.area.release(consumer_id, everything, count_delivery=False)
                     self.wake()
                     raise
                 if not len(offsets):
-                    continue  # all expired: take again
+                    continue  # all expired or not due: take again
             if len(offsets):
                 taken.append(offsets)
                 n += len(offsets)
@@ -637,16 +637,18 @@ class Subscription:
         same = [self._destination(r) == dest for r in reasons]
         offsets = offsets[np.array(same, dtype=np.bool_)]
         reasons = [r for r, k in zip(reasons, same, strict=True) if k]
+        # Read (checked) even to drop: an expiry read from properties without their CRC
+        # may be rot, and a damaged record is counted as damage, not as expired.
+        runs = np.split(offsets, np.flatnonzero(np.diff(offsets) != 1) + 1)
+        stored = [b for run in runs for b in self.log.read(int(run[0]), int(run[-1]) + 1)]
+        self.host.forget_damaged()  # a damaged one is no longer a dead letter to move
+        waiting = self.area.dead_letters
+        readable = np.array([o in waiting for o in offsets.tolist()], dtype=np.bool_)
+        offsets = offsets[readable]
+        reasons = [r for r, ok in zip(reasons, readable.tolist(), strict=True) if ok]
+        if not len(offsets):
+            return
         if dest is not None:
-            runs = np.split(offsets, np.flatnonzero(np.diff(offsets) != 1) + 1)
-            stored = [b for run in runs for b in self.log.read(int(run[0]), int(run[-1]) + 1)]
-            self.host.forget_damaged()  # a damaged one is no longer a dead letter to move
-            waiting = self.area.dead_letters
-            readable = np.array([o in waiting for o in offsets.tolist()], dtype=np.bool_)
-            offsets = offsets[readable]
-            reasons = [r for r, ok in zip(reasons, readable.tolist(), strict=True) if ok]
-            if not len(offsets):
-                return
             batch = dead_letter_batch(stored, offsets, reasons, self.name)
             await self.host.dead_letter_sink(dest, batch)
         await self.ack(DEAD_LETTER_HOLDER, offsets)
@@ -658,7 +660,7 @@ class Subscription:
 
     # -- expiry and delivery times (raymq.core.expiry, raymq.core.schedule) ------------
 
-    def _without_expired(
+    def _deliverable_now(
         self, consumer_id: str, offsets: np.ndarray, counts: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
         """Of offsets just taken by ``consumer_id``, those to deliver now (and their
@@ -729,8 +731,8 @@ class Subscription:
     async def expiry_pass(self) -> int:
         """Walk the unacknowledged messages once, a step at a time (their stored
         properties only), taking the expired ones nobody holds out of delivery for the
-        mover; returns how many. At most two move batches wait at a time, so a paged
-        backlog never comes into memory at once."""
+        mover (returns how many) and setting aside those not due yet. At most two move
+        batches wait at a time, so a paged backlog never comes into memory at once."""
         scan = self.expiry
         scan.start_pass()
         found = 0
