@@ -74,6 +74,8 @@ MATERIALIZE_GAP = 64
 CLOSED_CONSUMERS_REMEMBERED = 100_000
 #: Longest wait between two attempts to move dead letters that failed (seconds).
 DEAD_LETTER_RETRY_MAX_SECONDS = 5.0
+#: The first wait after a failed move (seconds), doubled up to the longest.
+DEAD_LETTER_RETRY_FIRST_SECONDS = 0.1
 
 
 @dataclass
@@ -603,7 +605,7 @@ class Subscription:
         durably, then ack here durably (a crash in between leaves a copy in both,
         never in neither); expired ones without an expiry queue are acked only. A
         failure is logged, counted and retried with backoff."""
-        backoff = 0.1
+        backoff = DEAD_LETTER_RETRY_FIRST_SECONDS
         while True:
             if not len(self._movable(1)[0]):
                 self._dead_letter_kick.clear()
@@ -612,7 +614,7 @@ class Subscription:
             self._moving = True
             try:
                 await self._move_dead_letter_batch()
-                backoff = 0.1
+                backoff = DEAD_LETTER_RETRY_FIRST_SECONDS
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the DLQ unavailable or full: try again later
