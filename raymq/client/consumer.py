@@ -17,6 +17,7 @@ import pyarrow as pa
 import ray
 
 from raymq.batch import (
+    DELIVERY_SCHEMA,
     EMPTY_DELIVERY,
     offsets_of,
     warm_arrow_conversions,
@@ -70,6 +71,8 @@ _log = logging.getLogger("raymq.client")
 #: few receive()s' worth, and a deep queue's first message does not wait for a
 #: prefetch's worth to be read into this process (messages).
 CHANNEL_TAKE_MESSAGES = 128
+#: The delivery batches' properties column, by index (a lookup by name costs more).
+PROPERTIES_COLUMN = DELIVERY_SCHEMA.get_field_index("properties")
 #: (seconds); past it the TargetList is killed, and the queue, watching it, delivers
 #: again what it held.
 CLOSE_TIMEOUT_SECONDS = 60.0
@@ -390,7 +393,7 @@ class Consumer(AsyncReceives):
         (None if nothing is left): the queue takes those back for its expiry queue."""
         if batch is None:
             return None
-        expired = expired_rows(batch.column("properties"), now_ms(time.time()))
+        expired = expired_rows(batch.column(PROPERTIES_COLUMN), now_ms(time.time()))
         if expired is None:
             return batch
         offsets = offsets_of(batch)[expired]

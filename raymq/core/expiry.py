@@ -21,6 +21,7 @@ expiry pays one byte search per published chunk.
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Sequence
 
 import msgpack
@@ -111,13 +112,14 @@ def expired_rows(properties: pa.Array, now: int) -> np.ndarray | None:
     byte search of the column's data)."""
     n = len(properties)
     _validity, offsets, data = properties.buffers()
-    if data is None or not n:
-        return None
+    if data is None or not data.size or not n:
+        return None  # (no message has properties: the common case, ~1 µs)
     # Only this array's bytes: a slice's buffers are its parent's (a consumer's buffer
     # handed out a message at a time would search the whole parent each time).
-    width = 8 if pa.types.is_large_binary(properties.type) else 4
-    ends = np.frombuffer(offsets, np.int32 if width == 4 else np.int64)
-    start, end = int(ends[properties.offset]), int(ends[properties.offset + n])
+    fmt = "<q" if pa.types.is_large_binary(properties.type) else "<i"
+    width = struct.calcsize(fmt)
+    (start,) = struct.unpack_from(fmt, offsets, properties.offset * width)
+    (end,) = struct.unpack_from(fmt, offsets, (properties.offset + n) * width)
     if end <= start or EXPIRATION_KEY_BYTES not in data.slice(start, end - start).to_pybytes():
         return None
     expired = np.array(
