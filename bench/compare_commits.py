@@ -128,6 +128,21 @@ def worker(cases: list[str], parts: list[str], messages: int, single: int) -> di
                         q.send(BODY)
 
                 run("single produce", lambda one=one: in_threads(8, single, one))
+                with q.consumer(prefetch=1000) as c:
+                    spares.wait_warm(timeout=30)
+
+                    def consume_one(c=c, n=single):
+                        got = 0
+                        while got < n:
+                            m = c.receive(1, timeout=10)
+                            if not m:
+                                raise RuntimeError(f"stalled after {got}")
+                            c.ack(m)
+                            got += len(m)
+                        c.flush()
+                        return got
+
+                    run("single consume", consume_one)
             broker.delete_queue(name)
     finally:
         broker.shutdown()
