@@ -71,6 +71,24 @@ def decode_properties(data: bytes | memoryview) -> dict[str, Any]:
     return msgpack.unpackb(data, raw=False) if len(data) else {}
 
 
+def time_property(blob: bytes, name: str, key_bytes: bytes) -> int | None:
+    """Property ``name`` (whose msgpack encoding is ``key_bytes``) of one message's
+    encoded properties as a time, ms since the epoch: an int from 0 to 2**63 - 1, else
+    None. Decoded only if the key's bytes are there. Properties read without their
+    record's CRC may be rot: ones that do not decode, or hold no such int, give None
+    (the checked read of the record quarantines it)."""
+    if key_bytes not in blob:
+        return None
+    try:
+        props = msgpack.unpackb(blob, raw=False)
+    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
+        return None
+    value = props.get(name) if isinstance(props, dict) else None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
+        return None
+    return value
+
+
 #: The property a producer's message id travels in (Artemis's name): durable with the
 #: message under its record's CRC (``raymq.core.duplicate_ids``).
 DUPLICATE_ID_PROPERTY = "_AMQ_DUPL_ID"

@@ -30,7 +30,7 @@ import pyarrow as pa
 
 from raymq.batch import MessageBatch, PropertyGroups
 from raymq.core.schedule import SCHEDULED_KEY_BYTES
-from raymq.properties import decode_properties
+from raymq.properties import time_property
 
 #: The property holding a message's expiry, ms since the epoch (stable: applications
 #: and selectors may read it).
@@ -65,18 +65,7 @@ def carries_times(blob: bytes) -> bool:
 
 def expiration_in(blob: bytes) -> int | None:
     """The expiry (ms since the epoch) in one message's encoded properties, or None."""
-    if EXPIRATION_KEY_BYTES not in blob:
-        return None
-    try:
-        props = decode_properties(blob)
-    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
-        # Properties read without their record's CRC may be damaged: not expired here;
-        # the delivery reads the whole record, checked, and quarantines it.
-        return None
-    value = props.get(EXPIRATION_PROPERTY) if isinstance(props, dict) else None
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
-        return None  # not a time (rot, or a producer's own value): none
-    return value
+    return time_property(blob, EXPIRATION_PROPERTY, EXPIRATION_KEY_BYTES)
 
 
 def expired_in_groups(groups: PropertyGroups, now: int) -> np.ndarray | None:

@@ -22,7 +22,7 @@ import numpy as np
 
 from raymq.batch import MessageBatch
 from raymq.errors import InvalidSetting
-from raymq.properties import decode_properties
+from raymq.properties import time_property
 
 #: The property holding a message's delivery time, ms since the epoch (stable).
 SCHEDULED_PROPERTY = "RayMQScheduledDelivery"
@@ -58,16 +58,7 @@ def delivery_time(deliver_at: object, delay: object, now: float, where: str) -> 
 
 def scheduled_in(blob: bytes) -> int | None:
     """The delivery time (ms since the epoch) in one message's encoded properties."""
-    if SCHEDULED_KEY_BYTES not in blob:
-        return None
-    try:
-        props = decode_properties(blob)
-    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
-        return None  # read without its CRC, damaged: the checked read quarantines it
-    value = props.get(SCHEDULED_PROPERTY) if isinstance(props, dict) else None
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
-        return None  # not a time (rot, or a producer's own value): none
-    return value
+    return time_property(blob, SCHEDULED_PROPERTY, SCHEDULED_KEY_BYTES)
 
 
 def due_times(batches: list[MessageBatch], offsets: np.ndarray) -> np.ndarray | None:
