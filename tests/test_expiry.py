@@ -199,7 +199,7 @@ def test_expiry_holds_across_a_restart(tmp_path, clock):
         core = _core(tmp_path)
         core.start()
         try:
-            assert core._own.expiry.may_have_times  # not known until a pass looks
+            assert core._own.times.may_have_times  # not known until a pass looks
             core.register_consumer("c", 10)
             got = await core.fetch("c", 10, 0.0, 10)
             await _settled(core, 2)
@@ -219,7 +219,7 @@ def test_a_queue_without_expiring_messages_stops_checking_after_one_pass(tmp_pat
         core.start()
         try:
             await core.send_batch(_batch([b"a", b"b"]))
-            return core._own.expiry.may_have_times
+            return core._own.times.may_have_times
         finally:
             await core.close()
 
@@ -227,7 +227,7 @@ def test_a_queue_without_expiring_messages_stops_checking_after_one_pass(tmp_pat
         core = _core(tmp_path)
         core.start()
         try:
-            scan = core._own.expiry
+            scan = core._own.times
             before = scan.may_have_times
             await core.expiry_pass()
             after_pass = scan.may_have_times

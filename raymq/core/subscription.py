@@ -149,7 +149,7 @@ class Subscription:
         self._mover: asyncio.Task | None = None
         #: The background pass's state (``raymq.core.expiry``): restarted with messages,
         #: any of them may carry an expiry or a delivery time until a pass has looked.
-        self.expiry = TimesScan(may_have_times=bool(log.depth))
+        self.times = TimesScan(may_have_times=bool(log.depth))
         self.messages_expired = 0
         self._dead_letters_moved: asyncio.Event | None = None
         self._moving = False  # a batch of dead letters is on its way (see below)
@@ -177,7 +177,7 @@ class Subscription:
             rejected = ~self.area._mask(self.filter, chunk, groups)
             if rejected.any():
                 self.log.ack(np.flatnonzero(rejected) + chunk.first_offset)
-        self.expiry.arrived(groups)
+        self.times.arrived(groups)
         self.area.arrived(chunk, groups)
 
     def route_again(self, start: int) -> int:
@@ -277,7 +277,7 @@ class Subscription:
             offsets, counts = self.area.take(consumer_id, max_messages)
             if len(offsets):
                 try:
-                    if self.expiry.may_have_times:
+                    if self.times.may_have_times:
                         offsets, counts = self._deliverable_now(consumer_id, offsets, counts)
                         if not len(offsets):
                             continue  # all expired or not due: take again
@@ -432,7 +432,7 @@ class Subscription:
             if self.area.scheduled:
                 self.release_scheduled()
             offsets, counts = self.area.take(consumer_id, max_messages - n)
-            if len(offsets) and self.expiry.may_have_times:
+            if len(offsets) and self.times.may_have_times:
                 try:
                     offsets, counts = self._deliverable_now(consumer_id, offsets, counts)
                 except BaseException:  # none leased after all: nobody may hold them
@@ -726,7 +726,7 @@ class Subscription:
         may carry an expiry or a delivery time."""
         while True:
             # At once after a restart with messages: their delivery times are found so.
-            if self.expiry.may_have_times:
+            if self.times.may_have_times:
                 await self.expiry_pass()
             await asyncio.sleep(self.host.config.message_expiry_scan_period_s)
 
@@ -735,7 +735,7 @@ class Subscription:
         properties only), taking the expired ones nobody holds out of delivery for the
         mover (returns how many) and setting aside those not due yet. At most two move
         batches wait at a time, so a paged backlog never comes into memory at once."""
-        scan = self.expiry
+        scan = self.times
         scan.start_pass()
         found = 0
         while not self.closed:
