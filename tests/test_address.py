@@ -137,7 +137,7 @@ def test_every_subscription_is_delivered_references_to_one_shared_copy(tmp_path)
 
 
 def test_a_delivery_beyond_the_head_cache_is_shared_as_far_as_it_reaches(tmp_path, monkeypatch):
-    monkeypatch.setattr("raymq.core.queue.SHARED_MIN_ROWS", 1)  # 16 KiB pages: small chunks
+    monkeypatch.setattr("raymq.core.queue_memory.SHARED_MIN_ROWS", 1)  # 16 KiB pages: small chunks
 
     async def main():
         core = open_address(tmp_path, head_cache_bytes=80 * 1024)  # ~300 of the messages
