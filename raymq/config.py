@@ -112,6 +112,24 @@ def check_ttl(ttl: object, where: str, setting: str = "ttl") -> None:
         raise InvalidSetting(f"{setting}={ttl!r} for {where} must be finite and > 0 seconds")
 
 
+#: The highest ``max_priority`` a queue may have (RabbitMQ's limit).
+MAX_PRIORITY = 255
+
+
+def check_priority(priority: object, where: str, setting: str = "priority") -> None:
+    """Raise ``InvalidSetting`` naming ``where`` unless ``priority`` is None or an int
+    from 0 to ``MAX_PRIORITY`` (``setting`` names the argument)."""
+    if priority is None:
+        return
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise InvalidSetting(f"{setting}={priority!r} for {where} must be an int")
+    low = 1 if setting == "max_priority" else 0
+    if not low <= priority <= MAX_PRIORITY:
+        raise InvalidSetting(
+            f"{setting}={priority!r} for {where} must be from {low} to {MAX_PRIORITY}"
+        )
+
+
 @dataclass(frozen=True)
 class QueueConfig:
     """Settings of one queue; equal settings make ``create_queue`` idempotent."""
@@ -158,6 +176,9 @@ class QueueConfig:
     #: Seconds between background passes that find expired messages nobody asks for
     #: (Artemis's message-expiry-scan-period), so that they free their files.
     message_expiry_scan_period_s: float = 30.0
+    #: Highest message priority (1 to 255, RabbitMQ's x-max-priority): higher ones are
+    #: delivered first (``raymq.core.priority``); None: in order, priorities ignored.
+    max_priority: int | None = None
 
     def __post_init__(self) -> None:
         validate_queue_name(self.name)
@@ -191,6 +212,7 @@ class QueueConfig:
         if self.dead_letter_address == self.name:
             raise InvalidSetting(f"queue {self.name!r} cannot be its own dead_letter_queue")
         self._check_expiry()
+        check_priority(self.max_priority, f"queue {self.name!r}", "max_priority")
         self._check_replicas()
 
     def _check_expiry(self) -> None:

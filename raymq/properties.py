@@ -71,10 +71,10 @@ def decode_properties(data: bytes | memoryview) -> dict[str, Any]:
     return msgpack.unpackb(data, raw=False) if len(data) else {}
 
 
-def time_property(blob: bytes, name: str, key_bytes: bytes) -> int | None:
+def count_property(blob: bytes, name: str, key_bytes: bytes) -> int | None:
     """Property ``name`` (whose msgpack encoding is ``key_bytes``) of one message's
-    encoded properties as a time, ms since the epoch: an int from 0 to 2**63 - 1, else
-    None. Decoded only if the key's bytes are there. Properties read without their
+    encoded properties as an int from 0 to 2**63 - 1 (a time in ms since the epoch, a
+    priority), else None. Decoded only if the key's bytes are there. Properties read without their
     record's CRC may be rot: ones that do not decode, or hold no such int, give None
     (the checked read of the record quarantines it)."""
     if key_bytes not in blob:

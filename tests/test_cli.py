@@ -564,6 +564,18 @@ def test_send_with_a_delay_is_consumed_once_its_time_came(ns, capsys):
     assert code != 0 and "not both" in err
 
 
+def test_send_with_a_priority_is_consumed_first_on_a_queue_with_max_priority(ns, capsys):
+    ok(capsys, ns, "create-queue", "ranked", "--max-priority", "5")
+    ok(capsys, ns, "send", "ranked", "low-1", "low-2")
+    ok(capsys, ns, "send", "ranked", "urgent", "--priority", "5")
+    s = status_json(capsys, ns)["queues"]["ranked"]
+    assert (s["max_priority"], s["prioritized"]) == (5, 1)
+    out = ok(capsys, ns, "consume", "ranked", "-n", "3", "--json", "--timeout", str(PROMPT))
+    assert [json.loads(x)["body"] for x in out.splitlines()] == ["urgent", "low-1", "low-2"]
+    code, _out, err = run(capsys, ns, "send", "ranked", "x", "--priority", "256")
+    assert code != 0 and "256" in err
+
+
 def test_dead_letter_queue_order():
     stats = {
         "b": {"dead_letter_queue": "b.DLQ"},
@@ -590,6 +602,7 @@ def test_create_queue_passes_dead_letter_settings_only_when_given(monkeypatch, c
     ok(capsys, "any", "create-queue", "b", "--max-delivery-attempts", "3")
     assert "max_delivery_attempts" not in made[0] and "dead_letter_queue" not in made[0]
     assert "default_ttl_s" not in made[0] and "expiry_queue" not in made[0]
+    assert "max_priority" not in made[0]
     assert made[1]["max_delivery_attempts"] == 3 and "dead_letter_queue" not in made[1]
 
 

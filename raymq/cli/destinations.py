@@ -129,6 +129,12 @@ _node_id_option = click.option("--node-id", help="Node for the queue's files (de
     show_default=True,
     help="Seconds between passes that find expired messages nobody asks for.",
 )
+@click.option(
+    "--max-priority",
+    type=click.IntRange(1, 255),
+    help="Deliver messages sent with a higher --priority first, up to this one"
+    " (default: in order, priorities ignored).",
+)
 @click.pass_context
 def create_queue(ctx: click.Context, name: str, **settings: Any) -> None:
     """Create a queue (or confirm it exists with these settings)."""
@@ -138,6 +144,7 @@ def create_queue(ctx: click.Context, name: str, **settings: Any) -> None:
         "min_insync_replicas",
         "default_ttl_s",
         "expiry_queue",
+        "max_priority",
     )
     for optional in optional_settings:
         if settings[optional] is None:  # passed only when given (older clients lack them)

@@ -109,6 +109,12 @@ def _send_error(q, exc: RayMQError, batch: list[bytes], props_bytes: int, sent: 
     type=click.DateTime(),
     help="When the messages may be delivered (local time, e.g. 2030-01-31T09:00:00).",
 )
+@click.option(
+    "--priority",
+    type=click.IntRange(0, 255),
+    help="The messages' priority: delivered first on a queue with a higher max_priority"
+    " (ignored by a queue without one).",
+)
 @click.pass_context
 def send(
     ctx: click.Context,
@@ -123,6 +129,7 @@ def send(
     ttl: float | None,
     delay: float | None,
     deliver_at: datetime.datetime | None,
+    priority: int | None,
 ) -> None:
     """Send messages to QUEUE (a queue or an address): BODIES, the lines of --stdin, or
     --count generated ones."""
@@ -132,6 +139,8 @@ def send(
     if delay is not None and deliver_at is not None:
         raise click.UsageError("give --delay or --deliver-at, not both")
     times = {"ttl": ttl, "delay": delay, "deliver_at": deliver_at}
+    if priority is not None:  # passed only when given (an older broker's handle)
+        times["priority"] = priority
     if not bodies and not from_stdin and not count:
         raise click.UsageError("nothing to send: give BODIES, --stdin or --count")
     q = find_target(common.connect(ctx), queue)

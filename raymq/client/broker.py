@@ -130,6 +130,7 @@ class Broker:
         default_ttl_s: float | None = None,
         expiry_queue: str | None = None,
         message_expiry_scan_period_s: float = 30.0,
+        max_priority: int | None = None,
     ) -> Queue:
         """Create a queue, or return it if it exists with equal settings.
 
@@ -146,7 +147,9 @@ class Broker:
         without a ``ttl`` lives ``default_ttl_s`` seconds (None: for ever); an expired
         message is never delivered: it goes to ``expiry_queue`` (created when first
         needed), or is dropped without one; a pass every
-        ``message_expiry_scan_period_s`` seconds finds those nobody asks for. Raises
+        ``message_expiry_scan_period_s`` seconds finds those nobody asks for. With
+        ``max_priority`` (1 to 255), messages sent with a higher ``priority`` are
+        delivered first (README, "Priorities"). Raises
         ``QueueExists`` for different settings,
         ``InvalidQueueName``, ``InvalidSetting`` or ``TypeError`` for bad arguments,
         ``BrokerUnavailable`` if there are fewer alive nodes than replicas (nothing is
@@ -169,6 +172,7 @@ class Broker:
             default_ttl_s=default_ttl_s,
             expiry_queue=expiry_queue,
             message_expiry_scan_period_s=message_expiry_scan_period_s,
+            max_priority=max_priority,
         )
         handle = _call(self._actor.create_queue, cfg, node_id)
         return Queue(self, name, handle)
@@ -190,14 +194,16 @@ class Broker:
         node_id: str | None = None,
         default_ttl_s: float | None = None,
         expiry_queue: str | None = None,
+        max_priority: int | None = None,
     ) -> Address:
         """Create an address (Artemis's multicast address), or return it if it exists
         with equal settings: a message sent to it is stored once and delivered to each
         of its subscriptions (``Address.create_subscription``).
 
         ``max_size_bytes`` and ``address_full_policy`` apply to what any subscription
-        still needs; ``default_ttl_s`` and ``expiry_queue`` as ``create_queue``'s (a
-        message expires for every subscription alike). Raises as ``create_queue`` does
+        still needs; ``default_ttl_s``, ``expiry_queue`` and ``max_priority`` as
+        ``create_queue``'s (a message expires for every subscription alike, and each
+        subscription delivers by priority). Raises as ``create_queue`` does
         (``QueueExists`` when a queue or an address of that name exists with other
         settings).
         """
@@ -211,6 +217,7 @@ class Broker:
             address=True,
             default_ttl_s=default_ttl_s,
             expiry_queue=expiry_queue,
+            max_priority=max_priority,
         )
         return Address(self, name, _call(self._actor.create_queue, cfg, node_id))
 

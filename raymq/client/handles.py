@@ -31,7 +31,7 @@ from raymq.client.calls import _FAULTS, _call, _reason, _unwrap
 from raymq.client.consumer import Consumer
 from raymq.client.messages import Message, _check_count, _messages
 from raymq.client.producer import MAX_BATCH_BYTES, Producer, ProducerStats
-from raymq.config import BrokerConfig, check_ttl
+from raymq.config import BrokerConfig, check_priority, check_ttl
 from raymq.core.duplicate_ids import (
     DUPLICATE_ID_PROPERTY,
     check_message_id,
@@ -40,6 +40,7 @@ from raymq.core.duplicate_ids import (
 )
 from raymq.core.expiry import EXPIRATION_PROPERTY, expiration_ms
 from raymq.core.link import Fault, LinkFault, QueueLink
+from raymq.core.priority import PRIORITY_PROPERTY
 from raymq.core.schedule import SCHEDULED_PROPERTY, delivery_time
 from raymq.errors import (
     BrokerUnavailable,
@@ -176,6 +177,7 @@ class Queue:
         ttl: float | None = None,
         deliver_at: float | datetime.datetime | None = None,
         delay: float | None = None,
+        priority: int | None = None,
     ) -> Any:
         """Send one message; returns its offset once it is durable (``wait=False``: a
         ``SendFuture`` of it at once).
@@ -215,8 +217,13 @@ class Queue:
         (seconds from now): the message is not delivered before then (its
         ``RayMQScheduledDelivery`` property, ms since the epoch; README, "Scheduled
         delivery").
+
+        ``priority`` (0 to 255): on a queue created with ``max_priority``, higher
+        priorities are delivered first (its ``RayMQPriority`` property; one above the
+        queue's ``max_priority`` counts as it; a queue without ignores it: README,
+        "Priorities").
         """
-        properties = self._with_times(properties, ttl, deliver_at, delay)
+        properties = self._with_times(properties, ttl, deliver_at, delay, priority)
         if message_id is not None:
             return self._send_with_id(body, properties, message_id, timeout)
         body, props = self._encode_one(body, properties)
@@ -225,27 +232,35 @@ class Queue:
             return producer.send(body, props, timeout)
         return producer.send(body, props, timeout, waited=True).result()
 
-    def _times(self, ttl: object, deliver_at: object, delay: object) -> dict[str, int]:
-        """The time properties of a message sent now with ``ttl`` seconds to live and a
-        delivery time (``deliver_at`` or ``delay``); ``InvalidSetting`` if bad."""
+    def _times(
+        self, ttl: object, deliver_at: object, delay: object, priority: object = None
+    ) -> dict[str, int]:
+        """The lifetime properties of a message sent now with ``ttl`` seconds to live, a
+        delivery time (``deliver_at`` or ``delay``) and a ``priority``;
+        ``InvalidSetting`` if bad."""
         where = f"a message for queue {self.name!r}"
         check_ttl(ttl, where)
+        check_priority(priority, where)
         now = time.time()
         times = {} if ttl is None else {EXPIRATION_PROPERTY: expiration_ms(ttl, now)}
         at = delivery_time(deliver_at, delay, now, where)
         if at is not None:
             times[SCHEDULED_PROPERTY] = at
+        if priority:
+            times[PRIORITY_PROPERTY] = priority
         return times
 
-    def _with_times(self, properties, ttl, deliver_at, delay) -> Any:
-        """``properties`` with a message's time properties (as they are if none)."""
-        times = self._times(ttl, deliver_at, delay)
+    def _with_times(self, properties, ttl, deliver_at, delay, priority) -> Any:
+        """``properties`` with a message's lifetime properties (as they are if none)."""
+        times = self._times(ttl, deliver_at, delay, priority)
         return {**(properties or {}), **times} if times else properties
 
-    def _pack(self, bodies, properties, ttl=None, deliver_at=None, delay=None) -> MessageBatch:
+    def _pack(
+        self, bodies, properties, ttl=None, deliver_at=None, delay=None, priority=None
+    ) -> MessageBatch:
         """The messages checked and encoded as one batch, each with ``ttl`` seconds to
-        live and a delivery time if given."""
-        times = self._times(ttl, deliver_at, delay)
+        live, a delivery time and a priority if given."""
+        times = self._times(ttl, deliver_at, delay, priority)
         batch = self._pack_checked(bodies, properties)
         for name, value in times.items():
             batch = batch.with_property(name, value, keep_existing=False)
@@ -275,6 +290,7 @@ class Queue:
         ttl: float | None = None,
         deliver_at: float | datetime.datetime | None = None,
         delay: float | None = None,
+        priority: int | None = None,
     ) -> list[int]:
         """Send many messages in one write and one fsync; returns their offsets.
 
@@ -285,10 +301,10 @@ class Queue:
         none, BLOCK waits up to ``timeout`` seconds for room for all of them.
         ``message_ids``: one producer id (or None) per message, as ``send``'s
         ``message_id``: a message already stored under its id is not stored again (its
-        offset is the first one's); the call goes by Ray. ``ttl``, ``deliver_at`` and
-        ``delay`` apply to every message, as ``send``'s.
+        offset is the first one's); the call goes by Ray. ``ttl``, ``deliver_at``,
+        ``delay`` and ``priority`` apply to every message, as ``send``'s.
         """
-        times = (ttl, deliver_at, delay)
+        times = (ttl, deliver_at, delay, priority)
         if message_ids is not None:
             return self._send_batch_ids(bodies, properties, message_ids, timeout, times)
         batch = self._pack(bodies, properties, *times)
@@ -338,7 +354,7 @@ class Queue:
         properties,
         message_ids: Sequence[str | None],
         timeout: float | None,
-        times: tuple = (None, None, None),
+        times: tuple = (None, None, None, None),
     ) -> list[int]:
         """``send_batch`` with producer ids: each stamped into its message's
         ``_AMQ_DUPL_ID`` property, the batch sent by a Ray call (a resend after a
@@ -361,14 +377,17 @@ class Queue:
         ttl: float | None = None,
         deliver_at: float | datetime.datetime | None = None,
         delay: float | None = None,
+        priority: int | None = None,
     ) -> int | None:
         """``send`` for asyncio code: over the send channel (concurrent tasks' sends
         share the queue's group commits), awaiting the answer without blocking the event
         loop; through a Ray call when the queue has no channel or it broke. Behind this
         handle's unanswered ``send``s it joins them instead (from a worker thread): a
-        handle's messages are stored in the order sent. ``ttl``, ``deliver_at`` and
-        ``delay`` as ``send``'s."""
-        body, props = self._encode_one(body, self._with_times(properties, ttl, deliver_at, delay))
+        handle's messages are stored in the order sent. ``ttl``, ``deliver_at``,
+        ``delay`` and ``priority`` as ``send``'s."""
+        body, props = self._encode_one(
+            body, self._with_times(properties, ttl, deliver_at, delay, priority)
+        )
         producer = self._producer
         if producer is not None and producer.busy():
             return await asyncio.to_thread(
@@ -396,12 +415,13 @@ class Queue:
         ttl: float | None = None,
         deliver_at: float | datetime.datetime | None = None,
         delay: float | None = None,
+        priority: int | None = None,
     ) -> list[int]:
         """``send_batch`` for asyncio code: over the send channel as ``send_batch``,
         awaiting without blocking the event loop; else through a Ray call. This handle's
         unanswered ``send``s are waited for first (in a worker thread): the order.
-        ``ttl``, ``deliver_at`` and ``delay`` as ``send_batch``'s."""
-        batch = self._pack(bodies, properties, ttl, deliver_at, delay)
+        ``ttl``, ``deliver_at``, ``delay`` and ``priority`` as ``send_batch``'s."""
+        batch = self._pack(bodies, properties, ttl, deliver_at, delay, priority)
         producer = self._producer
         if producer is not None and producer.busy():
             await asyncio.to_thread(producer.drain)

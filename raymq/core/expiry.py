@@ -30,7 +30,7 @@ import pyarrow as pa
 
 from raymq.batch import MessageBatch, PropertyGroups
 from raymq.core.schedule import SCHEDULED_KEY_BYTES
-from raymq.properties import time_property
+from raymq.properties import count_property
 
 #: The property holding a message's expiry, ms since the epoch (stable: applications
 #: and selectors may read it).
@@ -65,7 +65,7 @@ def carries_times(blob: bytes) -> bool:
 
 def expiration_in(blob: bytes) -> int | None:
     """The expiry (ms since the epoch) in one message's encoded properties, or None."""
-    return time_property(blob, EXPIRATION_PROPERTY, EXPIRATION_KEY_BYTES)
+    return count_property(blob, EXPIRATION_PROPERTY, EXPIRATION_KEY_BYTES)
 
 
 def expired_in_groups(groups: PropertyGroups, now: int) -> np.ndarray | None:

@@ -104,6 +104,40 @@ class OffsetSet:
             i += 1
         return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
 
+    def first_common(self, other: OffsetSet, n: int) -> np.ndarray:
+        """The ``n`` smallest offsets in both this set and ``other``, ascending (a
+        bitwise and of the chunks they share)."""
+        out: list[np.ndarray] = []
+        need = n
+        for cid in self._ids:
+            theirs = other._chunks.get(cid)
+            if theirs is None:
+                continue
+            both = np.bitwise_and(self._chunks[cid], theirs)
+            if not both.any():
+                continue
+            out.append((np.flatnonzero(np.unpackbits(both)) + (cid << _SHIFT))[:need])
+            need -= len(out[-1])
+            if need <= 0:
+                break
+        return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+
+    def contains(self, offsets: np.ndarray) -> np.ndarray:
+        """Which of ``offsets`` (int64, any order) are in the set (a bool mask)."""
+        offsets = np.asarray(offsets, dtype=np.int64)
+        mask = np.zeros(len(offsets), dtype=np.bool_)
+        if not self._count or not len(offsets):
+            return mask
+        cids = offsets >> _SHIFT
+        for cid in np.unique(cids).tolist():
+            bits = self._chunks.get(cid)
+            if bits is None:
+                continue
+            at = cids == cid
+            low = offsets[at] & (CHUNK - 1)
+            mask[at] = (bits[low >> 3] & (0x80 >> (low & 7))) != 0
+        return mask
+
     def __contains__(self, offset: int) -> bool:
         bits = self._chunks.get(offset >> _SHIFT)
         if bits is None:

@@ -704,6 +704,7 @@ class QueueCore(QueueMemory):
             duplicate_ids=len(self.duplicate_ids),
             delayed_messages=sum(len(s.area.delayed) for s in subs),
             expiry_queue=self.config.expiry_queue or "",
+            max_priority=self.config.max_priority or 0,
         )
 
     # -- an address's subscriptions come and go ----------------------------------------

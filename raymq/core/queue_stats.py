@@ -117,6 +117,10 @@ class QueueStats:
     #: Messages set aside until their delivery time (``send(deliver_at=)``) that the
     #: queue has found: after a restart, those its pass or its consumers met so far.
     scheduled: int = 0
+    #: The queue's ``max_priority`` (0: none), and its unacknowledged messages of a
+    #: priority above 0 that it has found (``raymq.core.priority``).
+    max_priority: int = 0
+    prioritized: int = 0
 
     def to_dict(self) -> dict:
         """The snapshot as a plain dict."""
@@ -153,6 +157,7 @@ def subscription_fields(subs: Sequence[Subscription]) -> dict:
         "dead_letter_failures": sum(s.dead_letter_failures for s in subs),
         "messages_expired": sum(s.messages_expired for s in subs),
         "scheduled": sum(s.area.scheduled.count for s in subs),
+        "prioritized": sum(s.area.priorities.count for s in subs if s.area.priorities),
     }
 
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from raymq.batch import MessageBatch
 from raymq.errors import InvalidSetting
-from raymq.properties import time_property
+from raymq.properties import count_property
 
 #: The property holding a message's delivery time, ms since the epoch (stable).
 SCHEDULED_PROPERTY = "RayMQScheduledDelivery"
@@ -58,7 +58,7 @@ def delivery_time(deliver_at: object, delay: object, now: float, where: str) -> 
 
 def scheduled_in(blob: bytes) -> int | None:
     """The delivery time (ms since the epoch) in one message's encoded properties."""
-    return time_property(blob, SCHEDULED_PROPERTY, SCHEDULED_KEY_BYTES)
+    return count_property(blob, SCHEDULED_PROPERTY, SCHEDULED_KEY_BYTES)
 
 
 def due_times(batches: list[MessageBatch], offsets: np.ndarray) -> np.ndarray | None:

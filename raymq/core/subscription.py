@@ -133,7 +133,7 @@ class Subscription:
         self.sid = sid
         self.filter = None if filter is None else Selector(filter)
         self.dead_letter_address = dead_letter_address
-        self.area = TargetArea(log, name, max_delivery_attempts)
+        self.area = TargetArea(log, name, max_delivery_attempts, host.config.max_priority)
         self.head_cache_hits = 0  # reads the host's HeadQueueCache served
         self.head_cache_misses = 0  # reads that went to the log (pages)
         self.counters = {"out": 0, "acked": 0, "bytes_out": 0}
@@ -733,7 +733,8 @@ class Subscription:
     async def expiry_pass(self) -> int:
         """Walk the unacknowledged messages once, a step at a time (their stored
         properties only), taking the expired ones nobody holds out of delivery for the
-        mover (returns how many) and setting aside those not due yet. At most two move
+        mover (returns how many), setting aside those not due yet and indexing
+        priorities (after a restart: ``raymq.core.priority``). At most two move
         batches wait at a time, so a paged backlog never comes into memory at once."""
         scan = self.times
         scan.start_pass()
@@ -746,6 +747,7 @@ class Subscription:
             batches = self.log.properties(int(got[0]), scan.position)
             self.host.forget_damaged()
             scan.met(batches)
+            self.area.found_priorities(got, batches)
             now = now_ms(self.host.now())
             expired_mask = expired_offsets(batches, got, now)
             dues = due_times(batches, got)

@@ -33,6 +33,7 @@ import numpy as np
 from raymq.batch import MessageBatch, PropertyGroups, stored_property_groups
 from raymq.core.dead_letter import REASON_EXPIRED, REASON_MAX_DELIVERY_ATTEMPTS
 from raymq.core.offset_set import OffsetSet
+from raymq.core.priority import PriorityIndex, priorities_in_groups, priorities_of
 from raymq.core.schedule import ScheduleIndex
 from raymq.errors import InvalidAck, StorageError
 from raymq.selector import HEADER_DELIVERY_COUNT, HEADER_OFFSET, HEADER_TIMESTAMP, Selector
@@ -98,7 +99,15 @@ def selector_headers(batch: MessageBatch, delivery_counts: np.ndarray) -> dict[s
 class TargetArea:
     """Delivery bookkeeping of one queue over its SegmentLog."""
 
-    def __init__(self, log: SegmentLog, queue: str, max_delivery_attempts: int | None = None):
+    def __init__(
+        self,
+        log: SegmentLog,
+        queue: str,
+        max_delivery_attempts: int | None = None,
+        max_priority: int | None = None,
+    ):
+        """``max_priority``: deliver higher priorities first (``raymq.core.priority``);
+        None: in order."""
         self.log = log
         self.queue = queue
         self.max_delivery_attempts = max_delivery_attempts
@@ -120,6 +129,8 @@ class TargetArea:
         #: Messages not due yet (``send(deliver_at=)``), set aside as runs: no consumer
         #: takes them until ``release_scheduled`` (``raymq.core.schedule``).
         self.scheduled = ScheduleIndex()
+        #: The offsets of each priority above 0 (None: the queue has no priorities).
+        self.priorities = None if max_priority is None else PriorityIndex(max_priority)
         self.consumers: dict[str, ConsumerTarget] = {}
         self.redelivered_total = 0
         #: Offsets below this existed before this process: an earlier process of the
@@ -158,6 +169,7 @@ class TargetArea:
             if selector is not None:
                 target.candidates = OffsetSet()
                 target.scan_pos, target.scan_end = self.head(), self.log.next_offset
+                self._match_priorities(target)
             self.consumers[consumer_id] = target
         target.prefetch = prefetch
         if watch is not None:
@@ -182,7 +194,8 @@ class TargetArea:
             + len(self._previous)
             + len(self.dead_letters)
         )
-        return bitmaps + 100 * per_message + self.scheduled.nbytes
+        ranked = 0 if self.priorities is None else self.priorities.nbytes
+        return bitmaps + 100 * per_message + self.scheduled.nbytes + ranked
 
     # -- matching --------------------------------------------------------------------
 
@@ -226,7 +239,14 @@ class TargetArea:
         return np.array([prev.get(o, 0) for o in offsets.tolist()], dtype=np.int32)
 
     def arrived(self, batch: MessageBatch, groups: PropertyGroups) -> None:
-        """Match a newly published batch against every selector consumer."""
+        """Index a newly published batch's priorities, match it against every selector
+        consumer."""
+        if self.priorities is not None:
+            levels = priorities_in_groups(groups, self.priorities.max_priority)
+            if levels is not None:
+                self.priorities.add(
+                    np.arange(batch.first_offset, batch.end_offset, dtype=np.int64), levels
+                )
         by_text: dict[str, np.ndarray] = {}
         for target in self.selective:
             if batch.first_offset < target.scan_end:
@@ -309,7 +329,21 @@ class TargetArea:
             counts = np.ones(len(as_list), dtype=np.int32)
         return offsets, counts
 
+    def _usable(self, offsets: np.ndarray) -> np.ndarray:
+        """Which of ``offsets`` may be taken now: unacknowledged, held by nobody, not
+        set aside until a delivery time."""
+        holder = self._holder
+        ok = ~self.log.is_acked(offsets)
+        ok &= np.fromiter((o not in holder for o in offsets.tolist()), bool, len(offsets))
+        if self.scheduled:
+            ok &= ~self.scheduled.contains(offsets)
+        return ok
+
     def _take_shared(self, want: int) -> np.ndarray:
+        if self.priorities:  # one level a delivery, the highest first (see priority.py)
+            ranked = self.priorities.take(want, self._usable)
+            if len(ranked):
+                return ranked
         picked = self._pop_redeliverable(want)
         fresh: list[int] = []
         holder = self._holder
@@ -334,6 +368,11 @@ class TargetArea:
         return np.sort(np.array(picked + fresh, dtype=np.int64))
 
     def _take_candidates(self, target: ConsumerTarget, want: int) -> np.ndarray:
+        if self.priorities:  # as _take_shared, among the consumer's candidates
+            ranked = self.priorities.take(want, self._usable, among=target.candidates)
+            if len(ranked):
+                target.candidates.discard(ranked)
+                return ranked
         picked: list[np.ndarray] = []
         chosen: set[int] = set()
         n = 0
@@ -476,6 +515,8 @@ class TargetArea:
             for o in listed:
                 self.dead_letters.pop(o, None)
         fresh = self.log.ack(offsets)
+        if self.priorities:
+            self.priorities.forget(offsets)
         if target is not None:
             target.acked += fresh
         return fresh
@@ -521,7 +562,7 @@ class TargetArea:
         else:
             target.given_back += len(chosen)
         if again:
-            self._offer_to_selectors(np.array(again, dtype=np.int64))
+            self._offer_again(np.array(again, dtype=np.int64))
         return len(chosen)
 
     def _hold_delayed(self, offset: int, due: float) -> None:
@@ -556,7 +597,7 @@ class TargetArea:
                 again.append(o)
         if again:
             self.redelivered_total += len(again)
-            self._offer_to_selectors(np.array(sorted(again), dtype=np.int64))
+            self._offer_again(np.array(sorted(again), dtype=np.int64))
         return len(again)
 
     @staticmethod
@@ -610,7 +651,7 @@ class TargetArea:
         for o in again:
             heapq.heappush(self._redeliver, o)
         if again:
-            self._offer_to_selectors(np.array(again, dtype=np.int64))
+            self._offer_again(np.array(again, dtype=np.int64))
         return len(again)
 
     def hold_expired(self, offsets: np.ndarray) -> int:
@@ -628,14 +669,42 @@ class TargetArea:
         self._highest_taken = max(self._highest_taken, chosen[-1])
         return len(chosen)
 
+    def found_priorities(self, offsets: np.ndarray, batches: list[MessageBatch]) -> None:
+        """A background pass read ``batches`` holding sorted unacknowledged ``offsets``
+        (after a restart): index their priorities, those nobody holds as waiting."""
+        if self.priorities is None:
+            return
+        levels = priorities_of(batches, offsets, self.priorities.max_priority)
+        if levels is None:
+            return
+        ranked = levels > 0
+        offsets, levels = offsets[ranked], levels[ranked]
+        free = np.fromiter((o not in self._holder for o in offsets.tolist()), bool, len(offsets))
+        self.priorities.add(offsets, levels, free)
+
+    def _match_priorities(self, target: ConsumerTarget) -> None:
+        """A new selector consumer's scan meets stored messages in order: the waiting
+        ones of a priority above 0 (up to a scan step's worth) are matched at once, so
+        that they come first for it too."""
+        if not self.priorities:
+            return
+        waiting = self.priorities.all_waiting(SCAN_STEP_MESSAGES)
+        if len(waiting):
+            waiting = waiting[~self.log.is_acked(waiting)]
+        if len(waiting):
+            target.candidates.add(waiting[self.select(target.selector, waiting)])
+
     def next_dead_letters(self, limit: int) -> tuple[np.ndarray, list[str]]:
         """Up to ``limit`` messages waiting for the dead-letter queue: sorted offsets
         and each one's reason. They stay waiting until ``ack(DEAD_LETTER_HOLDER, ...)``."""
         chosen = sorted(self.dead_letters)[:limit]
         return np.array(chosen, dtype=np.int64), [self.dead_letters[o] for o in chosen]
 
-    def _offer_to_selectors(self, offsets: np.ndarray) -> None:
-        """Put released offsets back into the candidates of every selector that matches."""
+    def _offer_again(self, offsets: np.ndarray) -> None:
+        """Released offsets (sorted): back to waiting at their priority, and into the
+        candidates of every selector that matches."""
+        if self.priorities:
+            self.priorities.released(offsets)
         targets = self.selective
         if not targets:
             return
@@ -675,6 +744,8 @@ class TargetArea:
             self.delayed.pop(o, None)
         for t in self.selective:
             t.candidates.discard(offsets)
+        if self.priorities:
+            self.priorities.forget(offsets)
 
     def unregister(self, consumer_id: str, not_received: np.ndarray | None = None) -> int:
         """Remove a consumer, releasing what it holds; returns how many were released."""
@@ -693,9 +764,11 @@ class TargetArea:
         head = self.head()
         for t in self.selective:
             t.candidates.discard_below(head)
+        if self.priorities:
+            self.priorities.forget_below(head)
         if self._unoffered:
             pending = np.unique(np.concatenate(self._unoffered))
             self._unoffered = []
             pending = pending[~self.log.is_acked(pending)]
             if len(pending):
-                self._offer_to_selectors(pending)
+                self._offer_again(pending)
