@@ -210,7 +210,8 @@ def test_a_high_priority_message_behind_a_paged_backlog_is_delivered_first(tmp_p
         core = _core(tmp_path, max_priority=9, page_size_bytes=64 * 1024, max_size_bytes=64 * 1024)
         try:
             for i in range(0, n, 1000):
-                await core.send_batch(_batch([b"%07d" % j + b"." * 200 for j in range(i, i + 1000)]))
+                bodies = [b"%07d" % j + b"." * 200 for j in range(i, i + 1000)]
+                await core.send_batch(_batch(bodies))
             await core.send_batch(_batch([b"jump"], priority=9))
             core.register_consumer("c", 10_000)
             first = await core.fetch("c", 100, 0.0, 10_000)
