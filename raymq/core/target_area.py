@@ -681,6 +681,15 @@ class TargetArea:
         offsets, levels = offsets[ranked], levels[ranked]
         free = np.fromiter((o not in self._holder for o in offsets.tolist()), bool, len(offsets))
         self.priorities.add(offsets, levels, free)
+        # A selector consumer whose scan has not reached them yet: matched now, from
+        # the batches in hand (what it took or saw acked already is skipped at a take).
+        holding = [
+            b for b in batches if np.any((offsets >= b.first_offset) & (offsets < b.end_offset))
+        ]
+        for target in self.selective:
+            for b in holding:
+                matched = self._match(target, b, b.property_groups())
+                target.candidates.add(matched[np.isin(matched, offsets)])
 
     def _match_priorities(self, target: ConsumerTarget) -> None:
         """A new selector consumer's scan meets stored messages in order: the waiting
@@ -691,8 +700,13 @@ class TargetArea:
         waiting = self.priorities.all_waiting(SCAN_STEP_MESSAGES)
         if len(waiting):
             waiting = waiting[~self.log.is_acked(waiting)]
-        if len(waiting):
+        if not len(waiting):
+            return
+        try:
             target.candidates.add(waiting[self.select(target.selector, waiting)])
+        except StorageError as exc:  # its scan meets them in order; housekeeping retries
+            self._unoffered.append(waiting)
+            log.warning("queue %r: matching waiting priorities: %s", self.queue, exc)
 
     def next_dead_letters(self, limit: int) -> tuple[np.ndarray, list[str]]:
         """Up to ``limit`` messages waiting for the dead-letter queue: sorted offsets

@@ -110,6 +110,8 @@ class AddressOps:
             state="creating",
         )
         self._note(f"  {sub.name} filter={sub.filter!r} start={sub.start}")
+        # What it starts with has its priorities found by the next pass.
+        self.indexed_from = max(self.indexed_from, self.core.log.next_offset)
         # What an "earliest" one starts with: what the address stores now.
         before = self._earliest_routes(sub) if sub.start == "earliest" else {}
         self.subs[sub.name] = sub

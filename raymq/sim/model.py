@@ -18,6 +18,11 @@ ADDRESS_SALT = 0x2EAC0
 #: Mixed into a seed for the generator of its messages' expiries: drawn apart, so that a
 #: seed's other draws are what they were before expiry came.
 TTL_SALT = 0x77E1
+#: Mixed into a seed for the generator of its queue's ``max_priority`` and its messages'
+#: priorities (drawn apart, as expiries are).
+PRIORITY_SALT = 0x9A1
+#: A queue's ``max_priority`` as a seed draws it (None: no priorities).
+MAX_PRIORITIES = (None, None, 1, 3, 9)
 #: Times to live a message may be sent with (seconds; a step is 10 ms of the clock).
 TTLS = (0.05, 0.3, 1.0, 5.0)
 #: Delays a message may be scheduled with (seconds from its send).
@@ -59,6 +64,8 @@ class Message:
     expires: int | None = None
     #: Its ``RayMQScheduledDelivery`` (ms since the epoch), if any.
     due: int | None = None
+    #: Its ``RayMQPriority`` as sent (0: none; may be above the queue's max_priority).
+    priority: int = 0
 
 
 @dataclass
@@ -153,7 +160,9 @@ __all__ = [
     "COLORS",
     "DELAYS",
     "FILTERS",
+    "MAX_PRIORITIES",
     "MAX_SUBSCRIPTIONS",
+    "PRIORITY_SALT",
     "QUEUE",
     "TTLS",
     "TTL_SALT",

@@ -56,6 +56,7 @@ from raymq.core import admission, group_commit
 from raymq.core import queue as queue_module
 from raymq.core import subscription as subscription_module
 from raymq.core.expiry import EXPIRATION_PROPERTY, expiration_ms, now_ms
+from raymq.core.priority import PRIORITY_PROPERTY
 from raymq.core.queue import QueueCore
 from raymq.core.schedule import SCHEDULED_PROPERTY
 from raymq.core.subscription import Subscription
@@ -66,6 +67,8 @@ from raymq.sim.model import (
     COLORS,
     DELAYS,
     FILTERS,
+    MAX_PRIORITIES,
+    PRIORITY_SALT,
     QUEUE,
     TTL_SALT,
     TTLS,
@@ -78,6 +81,7 @@ from raymq.sim.model import (
     is_address_seed,
     offset_runs,
 )
+from raymq.sim.priorities import check_priority_order
 from raymq.storage.subscriptions import MANIFEST_NAME
 
 #: The queue core's modules that read the clock: the simulator's clock stands in for
@@ -95,6 +99,11 @@ class Simulation(AddressOps):
         self.steps = steps
         self.rng = random.Random(seed)
         self.ttl_rng = random.Random(seed ^ TTL_SALT)
+        self.prio_rng = random.Random(seed ^ PRIORITY_SALT)
+        self.max_priority: int | None = self.prio_rng.choice(MAX_PRIORITIES)
+        self.ranked: list[Message] = []  # messages sent with a priority above 0
+        #: Offsets from here on have their priorities indexed (see sim.priorities).
+        self.indexed_from = 0
         self.settings = Settings.draw(self.rng, seed)
         self.verbose = verbose
         self._own_root = root is None
@@ -179,6 +188,7 @@ class Simulation(AddressOps):
             "damaged": self.damage_allowed,
             "with_ttl": sum(m.expires is not None for m in self.messages),
             "scheduled": sum(m.due is not None for m in self.messages),
+            "prioritized": len(self.ranked) if self.max_priority else 0,
         }
 
     async def _run(self) -> None:
@@ -236,7 +246,11 @@ class Simulation(AddressOps):
             max_message_size=1 << 20,
         )
         config = QueueConfig(
-            QUEUE, page_size_bytes=s.page_size_bytes, page_max_cache_size=2, address=s.address
+            QUEUE,
+            page_size_bytes=s.page_size_bytes,
+            page_max_cache_size=2,
+            address=s.address,
+            max_priority=self.max_priority,
         )
         for attempt in range(1000):
             try:
@@ -276,6 +290,7 @@ class Simulation(AddressOps):
         core._tick_loop = core._scrub_loop = _forever
         core.start()
         self.core = core
+        self.indexed_from = core.log.next_offset  # until a pass has found them again
         self._check_offsets_not_reused()
         self.consumers.clear()
         if s.address:
@@ -348,7 +363,13 @@ class Simulation(AddressOps):
         if props is not None and self.ttl_rng.random() < 0.2:
             due = expiration_ms(self.ttl_rng.choice(DELAYS), self.clock.time())
             props[SCHEDULED_PROPERTY] = due
+        priority = 0
+        if props is not None and self.prio_rng.random() < 0.3:
+            priority = props[PRIORITY_PROPERTY] = self.prio_rng.randint(1, 11)
         m = Message(n, body, msgpack.packb(props) if props else b"", expires=expires, due=due)
+        m.priority = priority
+        if priority:
+            self.ranked.append(m)
         # Routed now: no subscription is created or deleted while a send is under way.
         for sub in self.subs.values():
             if FILTERS[sub.filter](props):
@@ -464,6 +485,8 @@ class Simulation(AddressOps):
                     raise Violation(f"offset {offset} held by {other.cid} given to {c.cid}")
             c.held.add(offset)
             self.counts["served"] += 1
+        if not after_crash and not self.flipped:  # (rot may read as another priority)
+            check_priority_order(self, c, offsets)
         target = self._area(c.subscription).consumers.get(c.cid)
         if not after_crash and target is not None and len(target.held) > c.prefetch:
             raise Violation(f"{c.cid} holds {len(target.held)} > prefetch {c.prefetch}")
@@ -578,6 +601,7 @@ class Simulation(AddressOps):
         if self.ttl_rng.random() < 0.5:
             with contextlib.suppress(StorageError):
                 await self._bounded(core.expiry_pass(), "an expiry pass")
+                self.indexed_from = 0  # a whole pass found every stored priority
 
     async def _op_faults(self) -> None:
         disk = self.disk
