@@ -17,7 +17,9 @@ import numpy as np
 import pytest
 
 from raymq.core import subscription as subscription_module
+from raymq.core.priority import PriorityIndex
 from raymq.core.queue import QueueCore
+from raymq.core.target_area import TargetArea
 from raymq.sim.disk import SimDisk
 from raymq.sim.run import Settings, Violation, is_address_seed, repro_command, run_seed
 
@@ -153,6 +155,17 @@ def test_the_simulator_finds_a_queue_that_expires_messages_early(monkeypatch):
     early = lambda batches, offsets, now: checked(batches, offsets, now + 200)  # noqa: E731
     monkeypatch.setattr(subscription_module, "expired_offsets", early)
     assert "never delivered again" in _first_violation(FIXED_SEEDS)
+
+
+def test_the_simulator_finds_a_queue_that_ignores_priorities(monkeypatch):
+    nothing = lambda self, want, usable, among=None: np.zeros(0, dtype=np.int64)  # noqa: E731
+    monkeypatch.setattr(PriorityIndex, "take", nothing)
+    assert "mixed priorities" in _first_violation(FIXED_SEEDS)
+
+
+def test_the_simulator_finds_a_queue_that_forgets_priorities_over_a_restart(monkeypatch):
+    monkeypatch.setattr(TargetArea, "found_priorities", lambda self, offsets, batches: None)
+    assert "priorit" in _first_violation(FIXED_SEEDS)  # mixed, or a higher one waited
 
 
 def test_the_simulator_finds_earliest_subscriptions_that_start_at_the_latest(monkeypatch):

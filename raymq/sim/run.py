@@ -364,7 +364,8 @@ class Simulation(AddressOps):
             due = expiration_ms(self.ttl_rng.choice(DELAYS), self.clock.time())
             props[SCHEDULED_PROPERTY] = due
         priority = 0
-        if props is not None and self.prio_rng.random() < 0.3:
+        # (Only for a queue with priorities: a seed without draws what it drew before.)
+        if props is not None and self.max_priority and self.prio_rng.random() < 0.3:
             priority = props[PRIORITY_PROPERTY] = self.prio_rng.randint(1, 11)
         m = Message(n, body, msgpack.packb(props) if props else b"", expires=expires, due=due)
         m.priority = priority
