@@ -9,6 +9,8 @@ Scenarios, each on the cluster as the previous one left it (nodes added back):
 
 - ``leader``: the leader's node is removed (not gracefully) while four producer threads
   send, two single messages, two batches; every acknowledged message is then consumed.
+- ``lifetimes``: a queue with expiring, scheduled and prioritized messages loses its
+  leader's node: the new leader finds them again from its replicated files (issue 30).
 - ``follower``: a follower's node is removed while a producer sends: sends go on.
 - ``two``: two of three replica nodes are removed: sends fail with NotEnoughReplicas
   until a new follower has caught up, then resume.
@@ -285,6 +287,47 @@ class Scenario:
                 out["errors"][what] = f"{type(exc).__module__}.{type(exc).__name__}: {exc}"[:400]
         return out
 
+    def lifetimes(self) -> dict:
+        """Expiry, delivery times and priorities over a failover: sent before the
+        leader's node is lost, the new leader sets the far ones aside, drops the expired
+        ones, delivers the due one not before its time and the urgent ones first."""
+        self.top_up()
+        q = self.broker.create_queue(
+            "timed",
+            replicas=2,
+            node_id=sorted(self.workers())[0],
+            max_priority=9,
+            message_expiry_scan_period_s=0.5,
+        )
+        q.send_batch([b"plain-%d" % i for i in range(20)])
+        q.send_batch([b"far-%d" % i for i in range(5)], delay=3600)
+        due_at = time.time() + 8
+        q.send(b"due", deliver_at=due_at)
+        q.send_batch([b"short-%d" % i for i in range(5)], ttl=2.0)
+        q.send_batch([b"urgent-%d" % i for i in range(5)], priority=9)
+        leader = self.broker.queue_nodes()["timed"]
+        self.remove(leader, [self.leader_pid(q)])
+        wait_for("a new leader", lambda: self.broker.queue_nodes()["timed"] != leader)
+        # The new leader's pass finds them again (at once after its start).
+        wait_for("priorities found", lambda: q.stats()["prioritized"] == 5)
+        wait_for("expired dropped", lambda: q.stats()["messages_expired"] == 5)
+        wait_for("far ones set aside", lambda: q.stats()["scheduled"] >= 5)
+        received: list[tuple[bytes, float]] = []
+        with q.consumer(prefetch=100) as c:
+            deadline = time.monotonic() + DEADLINE_SECONDS
+            while len(received) < 26 and time.monotonic() < deadline:
+                got = c.receive(max_messages=100, timeout=1)
+                received += [(m.body, time.time()) for m in got]
+                c.ack(got)
+        due = [t for body, t in received if body == b"due"]
+        return {
+            "leader_before": leader,
+            "leader_after": self.broker.queue_nodes()["timed"],
+            "order": [body.decode() for body, _ in received],
+            "due_early_seconds": due_at - due[0] if due else None,
+            "stats": {k: q.stats()[k] for k in ("depth", "scheduled", "messages_expired")},
+        }
+
     def follower_loss(self) -> dict:
         self.top_up()
         q = self.create("follower")
@@ -511,6 +554,7 @@ def readme(s: Scenario) -> dict:
 SCENARIOS = {
     "readme": readme,
     "leader": Scenario.leader_loss,
+    "lifetimes": Scenario.lifetimes,
     "follower": Scenario.follower_loss,
     "two": Scenario.two_of_three,
     "paused": Scenario.paused_leader,

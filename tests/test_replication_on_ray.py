@@ -100,6 +100,19 @@ def test_after_a_failover_a_new_follower_restores_the_replica_count(observed):
     assert observed["leader"]["leader_before"] not in {r["node_id"] for r in replicas}
 
 
+def test_expiry_schedules_and_priorities_survive_a_failover(observed):
+    """Issue 30: found again by the new leader from its replicated files."""
+    r = observed["lifetimes"]
+    assert r["leader_after"] != r["leader_before"]
+    order = r["order"]
+    assert order[:5] == [f"urgent-{i}" for i in range(5)]  # first, in order
+    assert sorted(order) == sorted(
+        [f"urgent-{i}" for i in range(5)] + [f"plain-{i}" for i in range(20)] + ["due"]
+    )  # nothing expired, nothing far, everything else once
+    assert r["due_early_seconds"] is not None and r["due_early_seconds"] <= 0
+    assert r["stats"] == {"depth": 5, "scheduled": 5, "messages_expired": 5}
+
+
 def test_sends_go_on_when_a_followers_node_is_lost(observed):
     r = observed["follower"]
     assert r["lost"] == 0 and r["never_sent"] == 0
