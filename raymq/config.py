@@ -179,6 +179,13 @@ class QueueConfig:
     #: Highest message priority (1 to 255, RabbitMQ's x-max-priority): higher ones are
     #: delivered first (``raymq.core.priority``); None: in order, priorities ignored.
     max_priority: int | None = None
+    #: An address's retention (Kafka's retention.ms and retention.bytes): messages
+    #: every subscription acknowledged stay on disk, for new subscriptions and seeks,
+    #: until their segment file is older than ``retention_s`` seconds and the address
+    #: keeps ``retention_bytes`` of newer files (None: no such limit; both None: no
+    #: retention, a segment goes once acknowledged). See ``raymq.storage.retention``.
+    retention_s: float | None = None
+    retention_bytes: int | None = None
 
     def __post_init__(self) -> None:
         validate_queue_name(self.name)
@@ -213,6 +220,7 @@ class QueueConfig:
             raise InvalidSetting(f"queue {self.name!r} cannot be its own dead_letter_queue")
         self._check_expiry()
         check_priority(self.max_priority, f"queue {self.name!r}", "max_priority")
+        self._check_retention()
         self._check_replicas()
 
     def _check_expiry(self) -> None:
@@ -226,6 +234,30 @@ class QueueConfig:
         if period <= 0:
             raise InvalidSetting(
                 f"message_expiry_scan_period_s={period!r} for queue {self.name!r} must be > 0"
+            )
+
+    @property
+    def retains(self) -> bool:
+        """True if acknowledged messages are kept (``retention_s``/``retention_bytes``)."""
+        return self.retention_s is not None or self.retention_bytes is not None
+
+    def _check_retention(self) -> None:
+        if self.retention_s is not None:
+            check_ttl(self.retention_s, f"address {self.name!r}", "retention_s")
+        if self.retention_bytes is not None:
+            check_int("retention_bytes", self.retention_bytes, minimum=0)
+        if not self.retains:
+            return
+        if not self.address:
+            raise InvalidSetting(
+                f"retention_s/retention_bytes for queue {self.name!r}: retention is an"
+                " address's (create_address), for its subscriptions to replay"
+            )
+        if not self.durable or self.address_full_policy != "PAGE":
+            raise InvalidSetting(
+                f"address {self.name!r}: retention needs durable=True and"
+                f" address_full_policy='PAGE' (not {self.address_full_policy!r}): retained"
+                " messages stay on disk"
             )
 
     def _check_replicas(self) -> None:

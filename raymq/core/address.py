@@ -39,7 +39,6 @@ def check_settings(
     config: QueueConfig,
     name: str,
     filter: str | None,
-    start: str,
     max_delivery_attempts: int | None,
     dead_letter_queue: str | None,
 ) -> None:
@@ -49,11 +48,6 @@ def check_settings(
     if not config.address:
         raise InvalidSetting(f"{address!r} is a queue, not an address: no subscriptions")
     validate_queue_name(name)
-    if start not in ("earliest", "latest"):
-        raise InvalidSetting(
-            f"start={start!r} for subscription {name!r} of address {address!r}"
-            " is not 'earliest' or 'latest'"
-        )
     if filter is not None:
         Selector(filter)  # SelectorError if malformed
     if max_delivery_attempts is not None:
@@ -64,19 +58,18 @@ def check_settings(
 def new_spec(
     name: str,
     filter: str | None,
-    start: str,
     max_delivery_attempts: int | None,
     dead_letter_queue: str | None,
     next_id: int,
-    next_offset: int,
+    start_offset: int,
 ) -> SubscriptionSpec:
     """A new subscription's definition (settings checked by ``check_settings``), with
-    id ``next_id``; it starts at ``next_offset`` ("latest") or 0 ("earliest")."""
+    id ``next_id``, starting at ``start_offset`` (``retention.replay_offset``)."""
     return SubscriptionSpec(
         name=name,
         id=next_id,
         filter=filter,
-        start_offset=0 if start == "earliest" else next_offset,
+        start_offset=start_offset,
         max_delivery_attempts=max_delivery_attempts,
         dead_letter_queue=dead_letter_queue,
     )

@@ -66,6 +66,8 @@ class GroupCommit:
         self.internal_errors = 0
         self.dirty_since_checkpoint = False
         self.last_checkpoint = time.monotonic()
+        #: Callers of ``checkpoint``: answered by the next commit's checkpoint.
+        self.checkpoint_waiters: list[asyncio.Future] = []
 
     def start(self) -> None:
         """Ready the writer's wake-up, on the running event loop."""
@@ -97,6 +99,14 @@ class GroupCommit:
         """Return once the acks applied so far are durable (the next group commit)."""
         fut = asyncio.get_running_loop().create_future()
         self.ack_waiters.append(fut)  # resolved by the commit that takes them all
+        self.kick.set()
+        await fut
+
+    async def checkpoint(self) -> None:
+        """Return once a checkpoint holding everything applied so far is durable (a
+        subscription's seek: an ack record can only add); ``StorageError`` if it failed."""
+        fut = asyncio.get_running_loop().create_future()
+        self.checkpoint_waiters.append(fut)
         self.kick.set()
         await fut
 
@@ -136,7 +146,26 @@ class GroupCommit:
 
     async def _commit_here(self, pending: list, waiters: list[asyncio.Future]) -> None:
         """Write, replicate, publish (or cut back) and answer one group commit."""
-        checkpoint = self._checkpoint_due()
+        asked, self.checkpoint_waiters = self.checkpoint_waiters, []
+        written = False
+        try:
+            written = await self._commit_with(pending, waiters, asked)
+        finally:
+            for fut in asked:
+                if fut.done():
+                    continue
+                if written:
+                    fut.set_result(None)
+                else:
+                    fut.set_exception(
+                        StorageError(f"queue {self.host.name!r}: the checkpoint was not written")
+                    )
+
+    async def _commit_with(
+        self, pending: list, waiters: list[asyncio.Future], asked: list[asyncio.Future]
+    ) -> bool:
+        """``_commit_here``'s work; True if it wrote a checkpoint."""
+        checkpoint = self._checkpoint_due() or (bool(asked) and self.host.config.durable)
         if self.replicated is not None:
             # A commit was cut back after followers took it: a new epoch first.
             refused = await self.replicated.renew_epoch()
@@ -145,13 +174,17 @@ class GroupCommit:
                 return
         written = await self._write(pending, waiters, checkpoint)
         if written is None:  # refused, or a bug: every caller has its answer
-            return
+            return False
         prepared, replicating = written
         stored, unreplicated, fenced = await self._publish(prepared, replicating)
         await self._answer_senders(pending, prepared, stored, unreplicated)
         self._note_checkpoint(prepared, bool(pending) and stored, bool(waiters))
         _answer_ack_waiters(waiters, prepared, fenced)
         self.host.commit_done(stored and bool(prepared.items))
+        if prepared.checkpoint_error is not None:
+            for fut in asked:
+                fut.set_exception(prepared.checkpoint_error)
+        return prepared.checkpoint_written or not self.host.config.durable
 
     def _checkpoint_due(self) -> bool:
         """True if this commit writes a checkpoint (durable, changed, and none for

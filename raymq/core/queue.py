@@ -20,7 +20,6 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import replace
 
 import numpy as np
 import pyarrow as pa
@@ -29,17 +28,13 @@ from raymq.batch import MessageBatch
 from raymq.config import BrokerConfig, QueueConfig, check_delay
 from raymq.core.address import (
     address_subscription,
-    check_settings,
-    existing_subscription,
-    new_spec,
-    route_backlog,
-    save_manifest,
 )
 from raymq.core.admission import Admission, batch_cost, check_batch
 from raymq.core.duplicate_ids import DuplicateIDCache
 from raymq.core.expiry import expiration_ms, with_expiration
 from raymq.core.group_commit import GroupCommit
 from raymq.core.head_cache import HeadQueueCache
+from raymq.core.queue_address import AddressPart
 from raymq.core.queue_memory import QueueMemory
 from raymq.core.queue_stats import (
     QueueStats,
@@ -52,15 +47,10 @@ from raymq.core.replication import ReplicationLeader
 from raymq.core.scrub_pacer import ScrubPacer
 from raymq.core.subscription import Delivery, Subscription
 from raymq.core.supervisor import Supervisor
-from raymq.errors import (
-    SubscriptionNotFound,
-)
-from raymq.selector import Selector
+from raymq.errors import SubscriptionNotFound
 from raymq.storage import PreparedWrite, RecoveryReport, SegmentLog
 from raymq.storage.subscriptions import (
-    Manifest,
     SubscriptionAcks,
-    SubscriptionSpec,
     read_manifest,
 )
 
@@ -70,7 +60,7 @@ log = logging.getLogger("raymq.queue")
 DeadLetterSink = Callable[[str, MessageBatch], Awaitable[None]]
 
 
-class QueueCore(QueueMemory):
+class QueueCore(QueueMemory, AddressPart):
     """A queue: durable or in-memory log, group commit, dispatch and long polling."""
 
     def __init__(
@@ -127,6 +117,8 @@ class QueueCore(QueueMemory):
         self._started_at = time.monotonic()
         self.duplicate_ids = self._remembered_ids()
         self._delays_moved = asyncio.Event()
+        #: Messages whose segment the retention let go (an address that retains).
+        self.retention_deleted = 0
         self._delays_after_restart()
         #: Ids of sends being stored now: a duplicate arriving meanwhile awaits the
         #: first one's answer (its offset) instead of storing a second copy.
@@ -182,7 +174,7 @@ class QueueCore(QueueMemory):
         # A durable address's file was read by SegmentLog.open, before recovery changed
         # anything (a damaged one failed the open there): not read again.
         self._manifest = self.log.manifest or read_manifest(self.directory, cfg.name)
-        acks = self._subscription_acks = SubscriptionAcks(self.log)
+        acks = self._subscription_acks = SubscriptionAcks(self.log, retains=cfg.retains)
         self.log.attach_subscriptions(acks)
         recovered = self.log.recovered_subscriptions or {}
         specs = list(self._manifest.subscriptions.values())
@@ -385,7 +377,8 @@ class QueueCore(QueueMemory):
                     start = self._trim_head_cache(chunk.end_offset)
                 cache.append(chunk, start)
             if not subscriptions:  # an address with none: routed nowhere (as Artemis)
-                self.log.ack(np.arange(chunk.first_offset, chunk.end_offset, dtype=np.int64))
+                nowhere = np.arange(chunk.first_offset, chunk.end_offset, dtype=np.int64)
+                self._subscription_acks.release(nowhere)  # (kept if it retains)
 
     async def _tick_loop(self) -> None:
         """Housekeeping: checkpoint an idle queue, sample rates, trim and refill the
@@ -427,6 +420,8 @@ class QueueCore(QueueMemory):
         for sub in self.all_subscriptions():
             sub.housekeeping()
         self.forget_damaged()
+        if self.config.retains:
+            self._apply_retention()
         if self.config.durable:
             self._apply_memory_limits()  # consumers came or went: the cache's bound moves
             self._cache_housekeeping()
@@ -668,7 +663,11 @@ class QueueCore(QueueMemory):
         span = max(now - t0, 1e-6)
         subs = self.all_subscriptions()
         c, c0 = dict(self._counters), dict(c0)
-        name, depth, dead_letter_queue = self.name, self.log.depth, self.config.dead_letter_address
+        acks = self._subscription_acks
+        retained = 0 if acks is None else acks.retained_messages()
+        # An address's depth: what some subscription still needs (not what it retains).
+        name, depth = self.name, self.log.depth - retained
+        dead_letter_queue = self.config.dead_letter_address
         if subscription is not None:
             sub = self.subscription(subscription)
             subs = [sub]
@@ -705,89 +704,11 @@ class QueueCore(QueueMemory):
             delayed_messages=sum(len(s.area.delayed) for s in subs),
             expiry_queue=self.config.expiry_queue or "",
             max_priority=self.config.max_priority or 0,
+            retained=retained,
+            retention_deleted=self.retention_deleted,
         )
 
     # -- an address's subscriptions come and go ----------------------------------------
-
-    async def create_subscription(
-        self,
-        name: str,
-        *,
-        filter: str | None = None,
-        start: str = "latest",
-        max_delivery_attempts: int | None = None,
-        dead_letter_queue: str | None = None,
-    ) -> SubscriptionSpec:
-        """Bind a subscription to this address; returns its definition once durable.
-
-        ``filter``: a selector; only the messages it selects are routed to the
-        subscription. ``start``: ``"latest"`` (from the next message sent) or
-        ``"earliest"`` (from the oldest the address still stores). Idempotent with the
-        same settings; ``SubscriptionExists`` with others.
-        """
-        settings = (filter, start, max_delivery_attempts, dead_letter_queue)
-        check_settings(self.config, name, *settings)  # InvalidSetting first for a queue
-        spec = new_spec(name, *settings, self._manifest.next_id, self.log.next_offset)
-        existing = existing_subscription(self.name, self._manifest, spec)
-        if existing is not None:
-            return existing
-        # A filter over what is stored (start="earliest"): routed step by step, the
-        # actor serving everything else in between, in a set of its own that no ack
-        # record or checkpoint holds until the file lists the subscription.
-        initial, routed_to = None, spec.start_offset
-        if spec.filter is not None and spec.start_offset < self.log.next_offset:
-            initial = self._subscription_acks.starting_set(spec.start_offset)
-            selector = Selector(spec.filter)
-            routed_to = await route_backlog(self.log, self.name, initial, selector, routed_to)
-            existing = existing_subscription(self.name, self._manifest, spec)  # made meanwhile
-            if existing is not None:
-                return existing
-            spec = replace(spec, id=self._manifest.next_id)
-        manifest = Manifest({**self._manifest.subscriptions, name: spec}, spec.id + 1)
-        # Routed before it exists on disk (a read that fails leaves nothing behind), and
-        # with nothing awaited until it is in the file: nothing may publish in between.
-        self._subscription_acks.create(spec.id, spec.start_offset, initial)
-        sub = address_subscription(self, self.log, self._subscription_acks, spec)
-        try:
-            sub.route_again(routed_to)  # what was published during the steps, if any
-            save_manifest(self.directory, self.name, manifest)
-            self._manifest = manifest
-        except BaseException:
-            self._subscription_acks.remove(spec.id)
-            raise
-        self.subscriptions[name] = sub
-        if self.commits.started:
-            sub.start()
-        self._apply_memory_limits()
-        if self.config.durable:
-            await self.flush_acks()  # its starting set
-        log.info("address %r: subscription %r created (%s)", self.name, name, start)
-        return spec
-
-    async def delete_subscription(self, name: str) -> None:
-        """Unbind a subscription: its consumers are closed, and what every other
-        subscription has acknowledged is acknowledged in the address (segments go)."""
-        sub = self.subscription(name)
-        left = {n: s for n, s in self._manifest.subscriptions.items() if n != name}
-        manifest = Manifest(left, self._manifest.next_id)
-        save_manifest(self.directory, self.name, manifest)
-        self._manifest = manifest
-        del self.subscriptions[name]
-        sub.close()
-        self._subscription_acks.remove(sub.sid)
-        self._apply_memory_limits()
-        self.signal_freed()
-        if self.config.durable:
-            await self.flush_acks()
-        log.info("address %r: subscription %r deleted", self.name, name)
-
-    def list_subscriptions(self) -> list[SubscriptionSpec]:
-        """The address's subscriptions, in the order they were created."""
-        return list(self._manifest.subscriptions.values())
-
-    def subscription_depths(self) -> dict[str, int]:
-        """Each subscription's depth (its lag: messages it has not acknowledged)."""
-        return {name: sub.log.depth for name, sub in self.subscriptions.items()}
 
 
 __all__ = ["QueueCore", "QueueStats"]  # QueueStats: from queue_stats, for importers

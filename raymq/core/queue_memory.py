@@ -16,6 +16,7 @@ from raymq.core.budget import QueueUsage, head_cache_want, split_queue_bytes
 from raymq.core.head_cache import REFILL_STEP_BYTES, HeadQueueCache, SharedPart
 from raymq.errors import StorageError
 from raymq.storage import SegmentLog
+from raymq.storage.subscriptions import SubscriptionAcks
 
 log = logging.getLogger("raymq.queue")
 
@@ -38,6 +39,7 @@ class QueueMemory:
     _counters: dict[str, int]
     _active_counters: tuple[int, int, int]
     _peak_transient: int
+    _subscription_acks: SubscriptionAcks | None
 
     def _trim_head_cache(self, newest: int | None = None, keep: int | None = None) -> int:
         """Drop what the HeadQueueCache holds below its window (see
@@ -85,6 +87,8 @@ class QueueMemory:
     def _acked_everywhere(self, start: int, end: int) -> bool:
         """True if every offset of [start, end) is acknowledged in the log (by every
         subscription, or lost): no delivery will ask for them."""
+        if self._subscription_acks is not None:  # (retained ones are not acked in the log)
+            return self._subscription_acks.acked_by_all(start, end)
         return bool(self.log.is_acked(np.arange(start, end, dtype=np.int64)).all())
 
     def shared_delivery(self, start: int, end: int) -> list[SharedPart]:

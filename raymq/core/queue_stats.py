@@ -121,6 +121,11 @@ class QueueStats:
     #: priority above 0 that it has found (``raymq.core.priority``).
     max_priority: int = 0
     prioritized: int = 0
+    #: An address that retains (``retention_s``, ``retention_bytes``): messages every
+    #: subscription acknowledged that it keeps for replay, and those whose segment it
+    #: let go since it started (``raymq.storage.retention``).
+    retained: int = 0
+    retention_deleted: int = 0
 
     def to_dict(self) -> dict:
         """The snapshot as a plain dict."""

@@ -180,6 +180,14 @@ class Subscription:
         self.times.arrived(groups)
         self.area.arrived(chunk, groups)
 
+    def rewound(self, offset: int) -> None:
+        """The subscription sought ``offset`` (its acknowledged set was reset): deliver
+        from its new head, matching selectors again from ``offset``; what comes again
+        is checked for expiry and delivery times at delivery until a pass has looked."""
+        self.area.rewind(offset)
+        self.times.may_have_times = True
+        self.wake()
+
     def route_again(self, start: int) -> int:
         """Apply the filter to unacknowledged messages from ``start`` on (after a
         restart: routing decided after the last checkpoint may not be on disk);

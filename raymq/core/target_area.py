@@ -214,6 +214,18 @@ class TargetArea:
             headers = selector_headers(batch, counts + 1)
         return selector.match_groups(groups.distinct, groups.index, headers)
 
+    def rewind(self, offset: int) -> None:
+        """The acknowledged set was reset at ``offset`` (a seek): the shared cursor
+        starts again at the head, and every selector consumer's scan covers what lies
+        from ``offset`` on again."""
+        self.cursor = self.head()
+        end = self.log.next_offset
+        for t in self.selective:
+            if t.scanning:
+                t.scan_pos = min(t.scan_pos, offset)
+            else:
+                t.scan_pos, t.scan_end = offset, end
+
     def select(self, selector: Selector, offsets: np.ndarray) -> np.ndarray:
         """Mask of ``offsets`` (sorted, published) that ``selector`` selects."""
         return np.isin(offsets, self._selected_offsets(selector, offsets))

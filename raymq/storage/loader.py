@@ -46,7 +46,13 @@ from raymq.storage.format import (
     segment_name,
 )
 from raymq.storage.scanner import ScanResult, crash_explains_tail, scan
-from raymq.storage.segment import BadSegmentHeader, Segment, Segments, parse_segment_header
+from raymq.storage.segment import (
+    BadSegmentHeader,
+    Segment,
+    Segments,
+    parse_segment_header,
+    record_time,
+)
 
 #: Above this many offsets, a lost range is counted whole (not checked against acks).
 _EXACT_COUNT_MAX = 50_000_000
@@ -450,6 +456,7 @@ class Loader:
             seg.set_acked(flags.astype(np.bool_), 0)
         elif saved is not None:
             restore_segment(seg, saved)
+            seg.index_times(data)
             start, expected = saved["size"], seg.end_offset
         result = scan(data, start, salt=seg.salt, expected=expected)
         stale = saved is not None and not short and result.records
@@ -466,7 +473,7 @@ class Loader:
                 # Offsets no record holds, left by damage an earlier recovery cut off
                 # (then new records were appended): never served, counted again.
                 self._lost.append((seg, prev, first))
-            seg.add_record(first, count, pos)
+            seg.add_record(first, count, pos, record_time(data, pos))
             prev = first + count
         if short:
             end = max(f.base + saved["count"], result.end_offset)

@@ -12,7 +12,7 @@ import contextlib
 import os
 import struct
 from array import array
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 
 import numpy as np
 
@@ -79,6 +79,13 @@ def parse_segment_header(data: bytes, base_offset: int, path: str) -> tuple[int 
     )
 
 
+def record_time(data, pos: int) -> int:
+    """The first timestamp (µs since the epoch) of the record at ``pos`` of a file's
+    bytes ``data``: the first 8 bytes of its payload."""
+    at = pos + RECORD_HEADER.size
+    return int.from_bytes(data[at : at + 8], "little", signed=True)
+
+
 class Segment:
     """One page file of a queue and its in-memory index and ack bitmap.
 
@@ -106,6 +113,9 @@ class Segment:
         self.version = version
         self.firsts = array("q")
         self.positions = array("q")
+        #: Each record's time (its first message's timestamp, µs since the epoch): the
+        #: segment's time index (Kafka's .timeindex, kept in memory; see FORMAT.md).
+        self.times = array("q")
         self.batches: list[MessageBatch | None] = []  # in memory (transient) only
         self.count = 0  # messages published
         self.header_size = SEGMENT_HEADER.size if version >= 2 else SEGMENT_HEADER_V1.size
@@ -177,11 +187,15 @@ class Segment:
         """One past the last published offset in this segment."""
         return self.base_offset + self.count
 
-    def add_record(self, first: int, count: int, position: int) -> None:
-        """Index a published record. Offsets skipped before it (records lost to damage,
-        found by recovery) stay unacknowledged until ``mark_lost``."""
+    def add_record(self, first: int, count: int, position: int, time_us: int = 0) -> None:
+        """Index a published record (``time_us``: its first timestamp, µs since the
+        epoch). Offsets skipped before it (records lost to damage, found by recovery)
+        stay unacknowledged until ``mark_lost``."""
         self.firsts.append(first)
         self.positions.append(position)
+        # Never earlier than the record before: a clock stepped back (or bytes read
+        # without their CRC) cannot make the index unsorted.
+        self.times.append(max(time_us, self.times[-1]) if self.times else time_us)
         self.count = first + count - self.base_offset
         self._grow(self.count)
 
@@ -216,6 +230,7 @@ class Segment:
             self._acked.nbytes
             + self.firsts.itemsize * len(self.firsts)
             + self.positions.itemsize * len(self.positions)
+            + self.times.itemsize * len(self.times)
             + summary
         )
 
@@ -244,6 +259,25 @@ class Segment:
     def fully_acked(self) -> bool:
         """True when every published message is acked (or lost)."""
         return self.count > 0 and self.acked_n == self.count
+
+    @property
+    def newest_time(self) -> int:
+        """The time of its newest record (µs since the epoch; 0: no record)."""
+        return self.times[-1] if self.times else 0
+
+    def offset_at(self, time_us: int) -> int | None:
+        """The first offset of the first record of time ``time_us`` (µs since the epoch)
+        or later; None if every record is older."""
+        k = bisect_left(self.times, time_us)
+        return self.firsts[k] if k < len(self.firsts) else None
+
+    def index_times(self, data) -> None:
+        """Rebuild the time index from the file's bytes ``data`` (after a checkpoint
+        restored the positions): each record's first timestamp, read without its CRC."""
+        self.times = array("q")
+        for pos in self.positions:
+            t = record_time(data, pos) if pos >= 0 else 0
+            self.times.append(max(t, self.times[-1]) if self.times else t)
 
     def record_index(self, offset: int) -> int:
         """Index of the record holding ``offset``."""

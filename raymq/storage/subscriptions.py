@@ -105,8 +105,14 @@ class SubscriptionAcks:
     group commit (``SegmentLog.attach_subscriptions``).
     """
 
-    def __init__(self, log) -> None:
+    def __init__(self, log, *, retains: bool = False) -> None:
+        """``retains``: the address keeps what every subscription acknowledged (its
+        retention, ``raymq.storage.retention``): such offsets are ``released``, not
+        acknowledged in the log, until the retention lets their segment go."""
         self.log = log
+        self.retains = retains
+        #: Offsets every subscription acknowledged that the log still keeps (retention).
+        self.released = AckRanges()
         self.acked: dict[int, AckRanges] = {}
         self._pending: dict[int, list[np.ndarray]] = {}  # offsets, per subscription id
         self._retry: dict[int, list[np.ndarray]] = {}  # ranges whose write failed
@@ -166,6 +172,17 @@ class SubscriptionAcks:
         if ranges is None:
             self._retry.setdefault(sid, []).append(acked.ranges().reshape(-1, 2))
 
+    def seek(self, sid: int, offset: int) -> None:
+        """Subscription ``sid`` from ``offset`` on: acknowledged below it (and what the
+        log acknowledged), not from it on, retained messages included (those are no
+        longer released). Its acks not yet written are dropped: the caller makes the new
+        set durable with a checkpoint (an ack record can only add)."""
+        self.acked[sid] = self.starting_set(offset)
+        self._pending.pop(sid, None)
+        self._retry.pop(sid, None)
+        if self.retains:
+            self.released = AckRanges.from_ranges(self.released.ranges(0, offset))
+
     def starting_set(self, start_offset: int) -> AckRanges:
         """What a subscription created now from ``start_offset`` starts with
         acknowledged: everything below it, and what the log holds acknowledged or never
@@ -208,7 +225,7 @@ class SubscriptionAcks:
             for acked in self.acked.values():
                 chunk = chunk[acked.contains(chunk)]
             if len(chunk):
-                fresh += self.log.ack(chunk)
+                fresh += self.release(chunk)
 
     # -- acknowledging ------------------------------------------------------------------
 
@@ -228,8 +245,32 @@ class SubscriptionAcks:
             if other != sid and len(common):
                 common = common[acked.contains(common)]
         if len(common):
-            self.log.ack(common)
+            self.release(common)
         return fresh
+
+    def release(self, offsets: np.ndarray) -> int:
+        """Every subscription acknowledged ``offsets`` (log-unacknowledged): the log
+        acknowledges them, or with retention they are released and kept. Returns how
+        many the log acknowledged."""
+        if not self.retains:
+            return self.log.ack(offsets)
+        self.released.add(offsets)
+        return 0
+
+    def acked_by_all(self, start: int, end: int) -> bool:
+        """True if every offset of [start, end) is acknowledged by every subscription
+        (or in the log): no delivery will ask for them."""
+        offsets = np.arange(start, end, dtype=np.int64)
+        done = self.log.is_acked(offsets)
+        if self.retains:
+            done |= self.released.contains(offsets)
+        return bool(done.all())
+
+    def retained_messages(self) -> int:
+        """Messages every subscription acknowledged that the retention keeps."""
+        if not self.retains:
+            return 0
+        return sum(self.released.count_in(s.base_offset, s.end_offset) for s in self.log.segments)
 
     def ack_everywhere(self, offsets: np.ndarray) -> None:
         """Acknowledge ``offsets`` for every subscription (messages lost to damage, or

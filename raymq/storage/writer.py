@@ -537,7 +537,8 @@ class Writer:
 
     def _publish_records(self, prepared: PreparedWrite) -> None:
         for seg, pos, _bufs, chunk, size in prepared.items:
-            seg.add_record(chunk.first_offset, len(chunk), pos)
+            ts = chunk.timestamps
+            seg.add_record(chunk.first_offset, len(chunk), pos, int(ts[0]) if ts is not None else 0)
             if seg.fd is None:
                 seg.batches.append(chunk)
                 seg.memory_bytes += chunk.nbytes
