@@ -52,6 +52,7 @@ from raymq.core.subscription import LEASE_PREFETCH, Delivery
 from raymq.core.target_list import FetchAnswer
 from raymq.errors import BrokerUnavailable, NotLeader
 from raymq.storage.mirror import read_epochs, write_epochs
+from raymq.storage.retention import Position
 from raymq.storage.subscriptions import SubscriptionSpec
 from raymq.wire.fetch import FetchServer
 from raymq.wire.send import SendServer
@@ -658,7 +659,7 @@ class QueueActor:
         self,
         name: str,
         filter: str | None = None,
-        start: str = "latest",
+        start: Position = "latest",
         max_delivery_attempts: int | None = None,
         dead_letter_queue: str | None = None,
     ) -> SubscriptionSpec:
@@ -671,6 +672,12 @@ class QueueActor:
             max_delivery_attempts=max_delivery_attempts,
             dead_letter_queue=dead_letter_queue,
         )
+
+    async def seek(self, name: str, position: Position) -> int:
+        """Move a subscription to ``position`` (see ``QueueCore.seek``); the offset it
+        starts at now, once durable."""
+        await self._ensure_started()
+        return await self.core.seek(name, position)
 
     async def delete_subscription(self, name: str) -> None:
         """Unbind a subscription; its consumers are closed."""

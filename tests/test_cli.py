@@ -576,6 +576,23 @@ def test_send_with_a_priority_is_consumed_first_on_a_queue_with_max_priority(ns,
     assert code != 0 and "256" in err
 
 
+def test_an_address_with_retention_replays_after_a_seek_and_from_an_offset(ns, capsys):
+    ok(capsys, ns, "create-address", "log", "--retention-s", "3600")
+    ok(capsys, ns, "subscribe", "log", "reader")
+    ok(capsys, ns, "send", "log", "a", "b", "c")
+    read = ("consume", "log/reader", "-n", "3", "--json", "--timeout", str(PROMPT))
+    assert [json.loads(x)["body"] for x in ok(capsys, ns, *read).splitlines()] == ["a", "b", "c"]
+    assert "from offset 1" in ok(capsys, ns, "seek", "log", "reader", "1")
+    read = ("consume", "log/reader", "-n", "2", "--json", "--timeout", str(PROMPT))
+    assert [json.loads(x)["body"] for x in ok(capsys, ns, *read).splitlines()] == ["b", "c"]
+    ok(capsys, ns, "subscribe", "log", "late", "--start", "2")
+    read = ("consume", "log/late", "-n", "1", "--json", "--timeout", str(PROMPT))
+    assert [json.loads(x)["body"] for x in ok(capsys, ns, *read).splitlines()] == ["c"]
+    assert status_json(capsys, ns)["addresses"]["log"]["retained"] == 3
+    code, _out, err = run(capsys, ns, "seek", "log", "reader", "soon")
+    assert code != 0 and "'soon'" in err
+
+
 def test_dead_letter_queue_order():
     stats = {
         "b": {"dead_letter_queue": "b.DLQ"},

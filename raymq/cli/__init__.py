@@ -39,6 +39,7 @@ from raymq.cli.destinations import (
     create_queue,
     delete_address,
     kept_dead_letter_queues,
+    seek,
     subscribe,
     unsubscribe,
 )
@@ -159,6 +160,7 @@ for _command in (
     create_queue,
     create_address,
     subscribe,
+    seek,
     delete_address,
     unsubscribe,
     send,

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import datetime
 import sys
 from collections.abc import Iterable
 from typing import Any
@@ -157,6 +158,17 @@ def create_queue(ctx: click.Context, name: str, **settings: Any) -> None:
 @click.argument("name")
 @_storage_options
 @_node_id_option
+@click.option(
+    "--retention-s",
+    type=click.FloatRange(min=0, min_open=True),
+    help="Keep what every subscription acknowledged this many seconds, for replay"
+    " (raymq seek; subscribe --start earliest).",
+)
+@click.option(
+    "--retention-bytes",
+    type=click.IntRange(min=0),
+    help="Keep at least this many bytes of acknowledged messages, for replay.",
+)
 @click.pass_context
 def create_address(ctx: click.Context, name: str, **settings: Any) -> None:
     """Create an address (or confirm it exists with these settings): each message sent
@@ -164,6 +176,9 @@ def create_address(ctx: click.Context, name: str, **settings: Any) -> None:
     to it when it is sent; with no subscription, nobody gets it. max_size_bytes and the
     policy count what some subscription still needs.
     """
+    for optional in ("retention_s", "retention_bytes"):
+        if settings[optional] is None:  # passed only when given (older clients lack them)
+            del settings[optional]
     a = common.connect(ctx).create_address(name, **settings)
     _say(f"address {a.name!r} ready")
 
@@ -178,11 +193,10 @@ def create_address(ctx: click.Context, name: str, **settings: Any) -> None:
 )
 @click.option(
     "--start",
-    type=click.Choice(["latest", "earliest"]),
     default="latest",
     show_default=True,
     help="latest: from the next message sent; earliest: from the oldest message the"
-    " address still stores.",
+    " address still stores; an offset; or a time (e.g. 2030-01-31T09:00:00, local).",
 )
 @_max_delivery_attempts_option
 @click.option(
@@ -210,11 +224,42 @@ def subscribe(
     sub = a.create_subscription(
         subscription,
         selector=selector,
-        start=start,
+        start=parse_position(start),
         max_delivery_attempts=max_delivery_attempts,
         dead_letter_queue=dead_letter_queue,
     )
     _say(f"subscription {sub.name!r} ready")
+
+
+def parse_position(text: str) -> str | int | datetime.datetime:
+    """A position as typed: ``latest``, ``earliest``, an offset, or an ISO time (local
+    unless it names its zone); ``click.BadParameter`` otherwise."""
+    if text in ("latest", "earliest"):
+        return text
+    if text.isdigit():
+        return int(text)
+    try:
+        return datetime.datetime.fromisoformat(text)
+    except ValueError:
+        raise click.BadParameter(
+            f"{text!r} is not latest, earliest, an offset or a time (2030-01-31T09:00:00)"
+        ) from None
+
+
+@click.command()
+@click.argument("address")
+@click.argument("subscription")
+@click.argument("position")
+@click.pass_context
+def seek(ctx: click.Context, address: str, subscription: str, position: str) -> None:
+    """Move SUBSCRIPTION of ADDRESS to POSITION: an offset, a time (e.g.
+    2030-01-31T09:00:00, local), earliest or latest. What it acknowledged from there
+    on is delivered again, as far as the address still stores it (its retention).
+    """
+    at = parse_position(position)
+    sub = find_address(common.connect(ctx), address).subscription(subscription)
+    offset = sub.seek(at)
+    _say(f"subscription {sub.name!r} delivers from offset {offset}")
 
 
 _yes_option = click.option(

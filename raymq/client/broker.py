@@ -195,6 +195,8 @@ class Broker:
         default_ttl_s: float | None = None,
         expiry_queue: str | None = None,
         max_priority: int | None = None,
+        retention_s: float | None = None,
+        retention_bytes: int | None = None,
     ) -> Address:
         """Create an address (Artemis's multicast address), or return it if it exists
         with equal settings: a message sent to it is stored once and delivered to each
@@ -203,7 +205,11 @@ class Broker:
         ``max_size_bytes`` and ``address_full_policy`` apply to what any subscription
         still needs; ``default_ttl_s``, ``expiry_queue`` and ``max_priority`` as
         ``create_queue``'s (a message expires for every subscription alike, and each
-        subscription delivers by priority). Raises as ``create_queue`` does
+        subscription delivers by priority). ``retention_s`` and ``retention_bytes``
+        keep what every subscription acknowledged, for new subscriptions and
+        ``Subscription.seek``, until its segment file is older than ``retention_s``
+        seconds and ``retention_bytes`` of newer files remain (README, "Retention and
+        replay"; durable, PAGE only). Raises as ``create_queue`` does
         (``QueueExists`` when a queue or an address of that name exists with other
         settings).
         """
@@ -218,6 +224,8 @@ class Broker:
             default_ttl_s=default_ttl_s,
             expiry_queue=expiry_queue,
             max_priority=max_priority,
+            retention_s=retention_s,
+            retention_bytes=retention_bytes,
         )
         return Address(self, name, _call(self._actor.create_queue, cfg, node_id))
 

@@ -639,7 +639,7 @@ class Address(Queue):
         name: str,
         *,
         selector: str | None = None,
-        start: str = "latest",
+        start: str | int | datetime.datetime = "latest",
         max_delivery_attempts: int | None = None,
         dead_letter_queue: str | None = None,
     ) -> Subscription:
@@ -647,8 +647,10 @@ class Address(Queue):
         queue of its own over the address's one stored copy.
 
         ``selector`` is a filter applied when a message is routed to it (a consumer's
-        selector applies on top); ``start`` is ``"latest"`` (from the next message sent)
-        or ``"earliest"`` (from the oldest message the address still stores). Dead
+        selector applies on top); ``start`` is ``"latest"`` (from the next message sent),
+        ``"earliest"`` (from the oldest message the address still stores: with its
+        retention, acknowledged ones too), an offset, or a ``datetime`` (the first
+        message stored then or later; README, "Retention and replay"). Dead
         letters go to ``dead_letter_queue`` (default ``f"{address}.{name}.DLQ"``).
         Raises ``SubscriptionExists``, ``SelectorError``, ``InvalidQueueName`` or
         ``InvalidSetting``.
@@ -727,3 +729,14 @@ class Subscription(Queue):
         self._refuse_send()
 
     send_batch_async = send_async
+
+    def seek(self, position: str | int | datetime.datetime) -> int:
+        """Deliver from ``position`` on: an offset, a ``datetime`` (the first message
+        stored then or later, found by the segments' time index), ``"earliest"`` or
+        ``"latest"``. What it acknowledged from there on comes again, as far as the
+        address still stores it (its retention keeps acknowledged messages); what lies
+        before counts as acknowledged. Its consumers keep what they hold (ack it as
+        usual). Returns the offset it starts at now, once that is durable; raises
+        ``InvalidSetting`` for a bad position."""
+        self._flush_acks()  # acks of this process first: they would undo a seek back
+        return self._invoke("seek", self.subscription_name, position)
