@@ -248,3 +248,22 @@ def test_retention_and_seek_settings_are_checked(tmp_path):
             await core.close()
 
     run(scenario())
+
+
+def test_retention_keeps_what_a_new_earliest_subscription_has_yet_to_read(tmp_path, clock):
+    async def scenario():
+        core = open_address(tmp_path, retention_s=MINUTE)
+        try:
+            await core.create_subscription("first")
+            await send(core, 300)
+            await drain(core, "first")
+            await core.create_subscription("late", start="earliest")
+            clock.now += 10 * MINUTE  # past the retention: only "late" holds them now
+            await send(core, 1, start=300)
+            await _settle(core)
+            return core.stats().retention_deleted, await drain(core, "late", consumer="l")
+        finally:
+            await core.close()
+
+    deleted, late = run(scenario())
+    assert deleted == 0 and late == list(range(301))

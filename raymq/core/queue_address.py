@@ -5,6 +5,7 @@ seeks, and its retention (``raymq.storage.retention``). A part of ``QueueCore``
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import replace
 
@@ -19,7 +20,7 @@ from raymq.core.address import (
 )
 from raymq.core.group_commit import GroupCommit
 from raymq.core.subscription import Subscription
-from raymq.errors import InvalidSetting
+from raymq.errors import InvalidSetting, SubscriptionNotFound
 from raymq.selector import Selector
 from raymq.storage import SegmentLog
 from raymq.storage.retention import Position, expired_segments, replay_offset
@@ -64,20 +65,59 @@ class AddressPart:
         acknowledged from there on is delivered again (as far as the address still
         stores it: retained, or not yet acknowledged by every subscription), what lies
         before is acknowledged. What its consumers hold stays theirs to ack. Returns
-        the offset it now starts at, once that is durable (a checkpoint)."""
+        the offset it now starts at, once that is durable (a checkpoint); a seek that
+        cannot be made durable is undone and raises ``StorageError``. Its acks wait
+        meanwhile, and apply to the outcome."""
         if not self.config.address:
             raise InvalidSetting(f"{self.name!r} is a queue: only an address's subscriptions seek")
         sub = self.subscription(subscription)
         at = replay_offset(self.log, position, f"subscription {sub.name!r}", "position")
-        self._subscription_acks.seek(sub.sid, at)
-        sub.route_again(at)  # its filter's decisions were acks, dropped with the rest
-        sub.rewound(at)
-        self._subscription_acks.settle()  # a seek forward may complete what the others did
-        if self.config.durable:
-            await self.commits.checkpoint()
+        while sub.seeking is not None:  # one seek at a time
+            await sub.seeking.wait()
+        sub.seeking = asyncio.Event()
+        try:
+            await self._seek(sub, at)
+        finally:
+            sub.seeking.set()
+            sub.seeking = None
         self.signal_freed()
         log.info("address %r: subscription %r sought offset %d", self.name, sub.name, at)
         return at
+
+    async def _seek(self, sub: Subscription, at: int) -> None:
+        acks = self._subscription_acks
+        # Its filter's decisions were acks: made again first, in a set of its own (a
+        # read that fails changes nothing), a step at a time as a new subscription's.
+        initial, published = acks.starting_set(at), self.log.next_offset
+        if sub.filter is not None:
+            await route_backlog(self.log, self.name, initial, sub.filter, at)
+            if self.subscriptions.get(sub.subscription_name) is not sub:
+                raise SubscriptionNotFound(f"{sub.name!r} was deleted during its seek")
+            # What was published meanwhile was routed (and maybe acked) as usual.
+            initial.add_ranges(acks.acked[sub.sid].ranges(published))
+        spec = self._manifest.subscriptions[sub.subscription_name]
+        if at < spec.start_offset:  # recovery acknowledges what lies below it: lowered
+            moved = replace(spec, start_offset=at)
+            subs = {**self._manifest.subscriptions, spec.name: moved}
+            manifest = Manifest(subs, self._manifest.next_id)
+            save_manifest(self.directory, self.name, manifest)  # first: a failure changes nothing
+            self._manifest = manifest
+        before, released, installed = acks.acked[sub.sid], acks.released, self.log.next_offset
+        acks.seek(sub.sid, at, initial)
+        sub.rewound(at)
+        acks.settle()  # a seek forward may complete what the others did
+        if not self.config.durable:
+            return
+        try:
+            await self.commits.checkpoint()
+        except BaseException:
+            # Not durable: undone (a restart would find the old set), what was
+            # published meanwhile kept as it was routed.
+            before.add_ranges(acks.acked[sub.sid].ranges(installed))
+            acks.acked[sub.sid], acks.released = before, released
+            acks.settle()
+            sub.rewound(at)
+            raise
 
     async def create_subscription(
         self,

@@ -155,6 +155,9 @@ class Subscription:
         self._moving = False  # a batch of dead letters is on its way (see below)
         #: Set when messages are set aside until a delivery time (see _schedule_loop).
         self._schedule_kick: asyncio.Event | None = None
+        #: While a seek is under way (``AddressPart.seek``): set once it is durable or
+        #: undone; acks wait for it, so that none is lost with an undone seek.
+        self.seeking: asyncio.Event | None = None
 
     def start(self) -> None:
         """Create the events and start the dead-letter mover (on the running loop)."""
@@ -476,7 +479,10 @@ class Subscription:
         return batch
 
     async def ack(self, consumer_id: str, offsets: np.ndarray) -> int:
-        """Acknowledge offsets; returns once the acks are durable (for a durable queue)."""
+        """Acknowledge offsets; returns once the acks are durable (for a durable queue).
+        During a seek it waits for the seek's outcome, and applies to that."""
+        while self.seeking is not None:
+            await self.seeking.wait()
         offsets = self._checked(consumer_id, offsets)
         fresh = self.area.ack(consumer_id, offsets)
         self._count("acked", fresh)
@@ -490,6 +496,8 @@ class Subscription:
     async def ack_acceptable(self, consumer_id: str, offsets: np.ndarray) -> tuple[int, str]:
         """``ack`` of the offsets ``consumer_id`` may ack, leaving the others alone;
         returns (how many were newly acked, the refusal of the others: "" if none)."""
+        while self.seeking is not None:
+            await self.seeking.wait()
         offsets = self._offsets(offsets)
         refused = self.area.refused(consumer_id, offsets)
         if len(refused):

@@ -38,6 +38,22 @@ class AddressOps:
         """Add ``what`` to the run's trace (``Simulation._note``)."""
         raise NotImplementedError
 
+    async def _drain_subscriptions(self) -> None:
+        """The end of a run: each subscription drained, some drains acknowledging what
+        they get, some leaving it for the next ones (an "earliest" subscription starts
+        with it); then what the address still needs, and what its retention keeps."""
+        all_acked = True
+        for name in self._subscriptions_in_memory():
+            ack = self.rng.random() < 0.6
+            all_acked = all_acked and ack
+            drained = await self._drain(name, ack)
+            self._count_damage(self.core)
+            self._check_outstanding(name, drained)
+        depth = self.core.stats().depth  # (retained messages are not in it)
+        if all_acked and depth > self._waiting_anywhere():
+            raise Violation(f"every subscription drained, yet depth is {depth}")
+        self._check_retention()
+
     def _settle_subscriptions(self) -> None:
         """After an open: the address lists exactly the subscriptions whose create
         returned and whose delete did not; those in doubt are what it says."""
@@ -157,7 +173,7 @@ class AddressOps:
         out: dict[int, str] = {}
         for m in self.messages:
             routes = m.routes
-            if not routes:
+            if not routes and not self.retains:
                 continue
             must = may = False
             for name, in_memory in holders:
@@ -166,6 +182,9 @@ class AddressOps:
                     must = True
                     break
                 may = may or route in ("", "doubt")
+            if self.retains and m.state in ("stored", "doubt"):  # what it kept, maybe
+                must = must or self._retained(m)
+                may = True
             if (must or may) and select(msgpack.unpackb(m.properties) if m.properties else None):
                 out[m.index] = "" if must else "doubt"
         return out

@@ -66,6 +66,8 @@ class Message:
     due: int | None = None
     #: Its ``RayMQPriority`` as sent (0: none; may be above the queue's max_priority).
     priority: int = 0
+    #: The simulator's clock when it was sent (seconds since the epoch).
+    sent_at: float = 0.0
 
 
 @dataclass

@@ -82,6 +82,7 @@ from raymq.sim.model import (
     offset_runs,
 )
 from raymq.sim.priorities import check_priority_order
+from raymq.sim.retention_ops import RETENTION_SALT, RETENTIONS, RetentionOps
 from raymq.storage.subscriptions import MANIFEST_NAME
 
 #: The queue core's modules that read the clock: the simulator's clock stands in for
@@ -91,7 +92,7 @@ CLOCKED_MODULES = (queue_module, group_commit, admission)
 CALL_BOUND = 20.0
 
 
-class Simulation(AddressOps):
+class Simulation(AddressOps, RetentionOps):
     """One run: ``Simulation(seed).run()`` returns a summary or raises ``Violation``."""
 
     def __init__(self, seed: int, steps: int = 300, root: str | None = None, verbose: bool = False):
@@ -105,6 +106,9 @@ class Simulation(AddressOps):
         #: Offsets from here on have their priorities indexed (see sim.priorities).
         self.indexed_from = 0
         self.settings = Settings.draw(self.rng, seed)
+        self.retention_rng = random.Random(seed ^ RETENTION_SALT)
+        drawn = self.retention_rng.choice(RETENTIONS) if self.settings.address else None
+        self.retention = drawn or (None, None)
         self.verbose = verbose
         self._own_root = root is None
         # In memory where there is a tmpfs: the disk's behaviour is simulated anyway.
@@ -140,6 +144,7 @@ class Simulation(AddressOps):
             "subscriptions_in_doubt": 0,  # a create or delete whose outcome an open told
             "damage_found_opening": 0,  # messages quarantined by opens, after recovery
             "expired": 0,  # messages the queue counted expired, all incarnations
+            "seeks": 0,  # seeks that returned
         }
 
     # -- running ------------------------------------------------------------------------
@@ -212,6 +217,8 @@ class Simulation(AddressOps):
         ]
         if self.settings.address:
             ops += [(self._op_create_subscription, 2), (self._op_delete_subscription, 1)]
+        if self.retains:  # (only then: a seed without draws what it drew before)
+            ops += [(self._op_seek, 2)]
         funcs, weights = zip(*ops, strict=True)
         for step in range(self.steps):
             self.step = step
@@ -251,6 +258,8 @@ class Simulation(AddressOps):
             page_max_cache_size=2,
             address=s.address,
             max_priority=self.max_priority,
+            retention_s=self.retention[0],
+            retention_bytes=self.retention[1],
         )
         for attempt in range(1000):
             try:
@@ -368,7 +377,7 @@ class Simulation(AddressOps):
         if props is not None and self.max_priority and self.prio_rng.random() < 0.3:
             priority = props[PRIORITY_PROPERTY] = self.prio_rng.randint(1, 11)
         m = Message(n, body, msgpack.packb(props) if props else b"", expires=expires, due=due)
-        m.priority = priority
+        m.priority, m.sent_at = priority, self.clock.time()
         if priority:
             self.ranked.append(m)
         # Routed now: no subscription is created or deleted while a send is under way.
@@ -695,15 +704,7 @@ class Simulation(AddressOps):
         else:
             # Some drains acknowledge what they get, some leave it for the next ones (an
             # "earliest" subscription starts with it).
-            all_acked = True
-            for name in self._subscriptions_in_memory():
-                ack = self.rng.random() < 0.6
-                all_acked = all_acked and ack
-                drained = await self._drain(name, ack)
-                self._count_damage(self.core)
-                self._check_outstanding(name, drained)
-            if all_acked and self.core.log.depth > self._waiting_anywhere():
-                raise Violation(f"every subscription drained, yet depth is {self.core.log.depth}")
+            await self._drain_subscriptions()
         if self.damage_allowed and not (self.flipped or self.holes):
             raise Violation(f"{self.damage_allowed} messages counted damaged, no bit flipped")
 

@@ -172,16 +172,20 @@ class SubscriptionAcks:
         if ranges is None:
             self._retry.setdefault(sid, []).append(acked.ranges().reshape(-1, 2))
 
-    def seek(self, sid: int, offset: int) -> None:
+    def seek(self, sid: int, offset: int, initial: AckRanges | None = None) -> None:
         """Subscription ``sid`` from ``offset`` on: acknowledged below it (and what the
         log acknowledged), not from it on, retained messages included (those are no
-        longer released). Its acks not yet written are dropped: the caller makes the new
-        set durable with a checkpoint (an ack record can only add)."""
-        self.acked[sid] = self.starting_set(offset)
-        self._pending.pop(sid, None)
-        self._retry.pop(sid, None)
+        longer released); or ``initial`` (a ``starting_set(offset)`` its filter routed
+        since). The caller makes the new set durable with a checkpoint (an ack record
+        can only add; acks not yet written go to the ack log generation before it, which
+        the next recovery does not replay)."""
+        if initial is None:
+            initial = self.starting_set(offset)
+        else:
+            initial.add_ranges(self._log_acked_ranges())
+        self.acked[sid] = initial
         if self.retains:
-            self.released = AckRanges.from_ranges(self.released.ranges(0, offset))
+            self.released = intersection(self.released, initial)
 
     def starting_set(self, start_offset: int) -> AckRanges:
         """What a subscription created now from ``start_offset`` starts with
@@ -201,6 +205,8 @@ class SubscriptionAcks:
         else:
             initial.add_ranges(self._log_acked_ranges())
         self.acked[sid] = initial
+        if self.retains:  # released: what every one acknowledged, this one too
+            self.released = intersection(self.released, initial)
         # Logged even if empty: recovery tells a subscription whose starting set is on
         # disk from one created just before a crash (see QueueCore._open_subscriptions).
         self._retry.setdefault(sid, []).append(initial.ranges().reshape(-1, 2))
@@ -295,6 +301,22 @@ class SubscriptionAcks:
         """Offsets the log holds acknowledged, or that no live segment holds, below its
         next offset, as [start, end) ranges."""
         return np.concatenate(list(_log_acked_parts(self.log)) or [np.zeros((0, 2), np.int64)])
+
+
+def intersection(a: AckRanges, b: AckRanges) -> AckRanges:
+    """The offsets in both ``a`` and ``b`` (a walk over their intervals)."""
+    ra, rb = a.ranges(), b.ranges()
+    out: list[tuple[int, int]] = []
+    i = j = 0
+    while i < len(ra) and j < len(rb):
+        start, end = max(ra[i][0], rb[j][0]), min(ra[i][1], rb[j][1])
+        if start < end:
+            out.append((int(start), int(end)))
+        if ra[i][1] < rb[j][1]:
+            i += 1
+        else:
+            j += 1
+    return AckRanges.from_ranges(np.array(out, dtype=np.int64).reshape(-1, 2))
 
 
 def _log_acked_parts(log) -> Iterator[np.ndarray]:
