@@ -16,12 +16,14 @@ import types
 import numpy as np
 import pytest
 
+from raymq.core import queue_address
 from raymq.core import subscription as subscription_module
 from raymq.core.priority import PriorityIndex
 from raymq.core.queue import QueueCore
 from raymq.core.target_area import TargetArea
 from raymq.sim.disk import SimDisk
 from raymq.sim.run import Settings, Violation, is_address_seed, repro_command, run_seed
+from raymq.storage.subscriptions import SubscriptionAcks
 
 #: Chosen to cover every kind of run the seeds draw: crashes, rot, full disks, I/O
 #: errors, selectors, restarts (see ``Settings.draw``). They run a queue.
@@ -94,6 +96,7 @@ def test_the_fixed_address_seeds_create_delete_crash_and_restart():
     assert totals["crashes"] > 0 and totals["restarts"] > 0
     assert totals["flips"] > 0 and totals["damaged"] > 0
     assert totals["injected_errors"] > 0
+    assert totals["seeks"] > 0  # (14 and 26 retain: they seek)
 
 
 #: Address seeds that opened with damage a read found (a seed's trajectory follows the
@@ -166,6 +169,22 @@ def test_the_simulator_finds_a_queue_that_ignores_priorities(monkeypatch):
 def test_the_simulator_finds_a_queue_that_forgets_priorities_over_a_restart(monkeypatch):
     monkeypatch.setattr(TargetArea, "found_priorities", lambda self, offsets, batches: None)
     assert "priorit" in _first_violation(FIXED_SEEDS)  # mixed, or a higher one waited
+
+
+#: Address seeds that retain and seek (``raymq.sim.retention_ops``).
+RETAINING_SEEDS = [14, 26, 34, 36, 44]
+
+
+def test_the_simulator_finds_a_retention_that_deletes_inside_its_limit(monkeypatch):
+    every = lambda log, released, now_us, s, b: list(log.segments)[:-1]  # noqa: E731
+    monkeypatch.setattr(queue_address, "expired_segments", every)
+    found = _first_violation(RETAINING_SEEDS)
+    assert "within retention_s" in found or "never delivered again" in found, found
+
+
+def test_the_simulator_finds_a_seek_that_does_not_replay(monkeypatch):
+    monkeypatch.setattr(SubscriptionAcks, "seek", lambda self, sid, offset, initial=None: None)
+    assert "never delivered again" in _first_violation(RETAINING_SEEDS)
 
 
 def test_the_simulator_finds_earliest_subscriptions_that_start_at_the_latest(monkeypatch):
