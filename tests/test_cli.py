@@ -190,6 +190,8 @@ def test_ray_errors_are_one_line(monkeypatch, capsys):
         ["create-address", "a", "--max-delivery-attempts", "3"],  # a subscription's
         ["subscribe", "a"],
         ["subscribe", "a", "s", "--start", "middle"],
+        ["seek", "a", "s", "middle"],
+        ["send", "q", "x", "--priority", "256"],
         ["subscribe", "a", "s", "--max-delivery-attempts", "0"],
         ["unsubscribe", "a"],
         ["unsubscribe", "a/s"],  # two arguments, as subscribe takes

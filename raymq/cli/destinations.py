@@ -220,11 +220,12 @@ def subscribe(
     where = f"subscription {f'{address}/{subscription}'!r}"
     if selector is not None:
         _check_selector(selector, where)
+    position = parse_position(start)  # a usage error before connecting
     a = find_address(common.connect(ctx), address)
     sub = a.create_subscription(
         subscription,
         selector=selector,
-        start=parse_position(start),
+        start=position,
         max_delivery_attempts=max_delivery_attempts,
         dead_letter_queue=dead_letter_queue,
     )
