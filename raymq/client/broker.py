@@ -143,38 +143,17 @@ class Broker:
         node (README, "Failure model"). A message sent with a ``message_id`` the queue
         stored within ``dedup_window_s`` seconds is not stored again (at most
         ``id_cache_size`` ids remembered); a nacked message waits
-        ``redelivery_delay_s`` seconds before it is delivered again. A message sent
-        without a ``ttl`` lives ``default_ttl_s`` seconds (None: for ever); an expired
-        message is never delivered: it goes to ``expiry_queue`` (created when first
-        needed), or is dropped without one; a pass every
-        ``message_expiry_scan_period_s`` seconds finds those nobody asks for. With
-        ``max_priority`` (1 to 255), messages sent with a higher ``priority`` are
-        delivered first (README, "Priorities"). Raises
+        ``redelivery_delay_s`` seconds before it is delivered again. ``default_ttl_s``,
+        ``expiry_queue``, ``message_expiry_scan_period_s`` and ``max_priority``: README,
+        "Message expiry" and "Priorities". Raises
         ``QueueExists`` for different settings,
         ``InvalidQueueName``, ``InvalidSetting`` or ``TypeError`` for bad arguments,
         ``BrokerUnavailable`` if there are fewer alive nodes than replicas (nothing is
         created then).
         """
-        cfg = QueueConfig(
-            name,
-            durable,
-            max_size_bytes,
-            page_size_bytes,
-            address_full_policy,
-            page_max_cache_size,
-            max_delivery_attempts,
-            dead_letter_queue,
-            replicas=replicas,
-            min_insync_replicas=min_insync_replicas,
-            dedup_window_s=dedup_window_s,
-            id_cache_size=id_cache_size,
-            redelivery_delay_s=redelivery_delay_s,
-            default_ttl_s=default_ttl_s,
-            expiry_queue=expiry_queue,
-            message_expiry_scan_period_s=message_expiry_scan_period_s,
-            max_priority=max_priority,
-        )
-        handle = _call(self._actor.create_queue, cfg, node_id)
+        # Every keyword but node_id is a QueueConfig field of the same name.
+        settings = {k: v for k, v in locals().items() if k not in ("self", "name", "node_id")}
+        handle = _call(self._actor.create_queue, QueueConfig(name, **settings), node_id)
         return Queue(self, name, handle)
 
     def get_queue(self, name: str) -> Queue:

@@ -208,20 +208,13 @@ class Queue:
         messages are stored in the order sent, waiting or not. Bad input (type, size,
         properties) raises here, at once, in both modes.
 
-        ``ttl`` (seconds): the message expires then (its ``RayMQExpiration`` property,
-        ms since the epoch by this process's clock) and is never delivered after;
-        the queue moves it to its ``expiry_queue`` or drops it (README, "Message
-        expiry"). None: the queue's ``default_ttl_s``, if any.
-
-        ``deliver_at`` (seconds since the epoch, or a ``datetime``) or ``delay``
-        (seconds from now): the message is not delivered before then (its
-        ``RayMQScheduledDelivery`` property, ms since the epoch; README, "Scheduled
-        delivery").
-
-        ``priority`` (0 to 255): on a queue created with ``max_priority``, higher
-        priorities are delivered first (its ``RayMQPriority`` property; one above the
-        queue's ``max_priority`` counts as it; a queue without ignores it: README,
-        "Priorities").
+        A message's lifetime (README, "Message expiry", "Scheduled delivery",
+        "Priorities"): ``ttl`` seconds to live (None: the queue's ``default_ttl_s``),
+        never delivered after; ``deliver_at`` (epoch seconds or a ``datetime``) or
+        ``delay`` (seconds from now), never delivered before; ``priority`` (0 to 255),
+        delivered first by a queue with a higher ``max_priority``. They travel as its
+        ``RayMQExpiration``, ``RayMQScheduledDelivery`` (ms since the epoch, by this
+        process's clock) and ``RayMQPriority`` properties.
         """
         properties = self._with_times(properties, ttl, deliver_at, delay, priority)
         if message_id is not None:

@@ -32,12 +32,12 @@ from raymq.core.dead_letter import (
     MOVE_BATCH_MESSAGES,
     REASON_EXPIRED,
     REASON_REJECTED,
-    dead_letter_batch,
 )
+from raymq.core.dead_letter_mover import DeadLetterMover
 from raymq.core.expiry import SCAN_STEP_MESSAGES, TimesScan, expired_offsets, now_ms
 from raymq.core.head_cache import HeadQueueCache, SharedPart
 from raymq.core.schedule import due_times
-from raymq.core.target_area import DEAD_LETTER_HOLDER, TargetArea
+from raymq.core.target_area import TargetArea
 from raymq.errors import ConsumerClosed, InvalidAck
 from raymq.selector import Selector
 
@@ -72,10 +72,6 @@ MATERIALIZE_GAP = 64
 #: Closed consumer ids remembered so that a fetch arriving after the close cannot
 #: register the consumer again (ids).
 CLOSED_CONSUMERS_REMEMBERED = 100_000
-#: Longest wait between two attempts to move dead letters that failed (seconds).
-DEAD_LETTER_RETRY_MAX_SECONDS = 5.0
-#: The first wait after a failed move (seconds), doubled up to the longest.
-DEAD_LETTER_RETRY_FIRST_SECONDS = 0.1
 
 
 @dataclass
@@ -108,7 +104,7 @@ NOTHING = Delivery(np.zeros(0, dtype=np.int64), 0, batch=EMPTY_DELIVERY)
 LEASE_PREFETCH = 2**31 - 1
 
 
-class Subscription:
+class Subscription(DeadLetterMover):
     """Consumers, deliveries, acks and dead letters over one acknowledged set."""
 
     def __init__(
@@ -586,95 +582,6 @@ class Subscription:
         n = self.area.dead_letter(consumer_id, offsets, REASON_REJECTED)
         self._signal_dead_letters()
         return n
-
-    # -- dead letters ------------------------------------------------------------------
-
-    def _signal_dead_letters(self) -> None:
-        if self.area.dead_letters and self._dead_letter_kick is not None:
-            self._dead_letter_kick.set()
-
-    def _destination(self, reason: str) -> str | None:
-        """Where a dead letter of ``reason`` goes (None: dropped, acknowledged)."""
-        if reason == REASON_EXPIRED:
-            return self.host.config.expiry_queue
-        return self.dead_letter_address
-
-    def _movable(self, limit: int) -> tuple[np.ndarray, list[str]]:
-        """Up to ``limit`` waiting dead letters that can move now (sorted offsets, and
-        each one's reason): without a sink, only those dropped."""
-        offsets, reasons = self.area.next_dead_letters(limit)
-        if self.host.dead_letter_sink is None and len(offsets):
-            keep = [self._destination(r) is None for r in reasons]
-            offsets = offsets[np.array(keep, dtype=np.bool_)]
-            reasons = [r for r, k in zip(reasons, keep, strict=True) if k]
-        return offsets, reasons
-
-    async def dead_letters_settled(self) -> None:
-        """Return once every dead letter that can move now has moved (or was dropped)."""
-        while self._moving or len(self._movable(1)[0]):
-            self._dead_letters_moved.clear()
-            self._signal_dead_letters()
-            await self._dead_letters_moved.wait()
-
-    async def _move_dead_letters(self) -> None:
-        """Move waiting dead letters to their queue, a batch at a time: append there
-        durably, then ack here durably (a crash in between leaves a copy in both,
-        never in neither); expired ones without an expiry queue are acked only. A
-        failure is logged, counted and retried with backoff."""
-        backoff = DEAD_LETTER_RETRY_FIRST_SECONDS
-        while True:
-            if not len(self._movable(1)[0]):
-                self._dead_letter_kick.clear()
-                await self._dead_letter_kick.wait()
-                continue
-            self._moving = True
-            try:
-                await self._move_dead_letter_batch()
-                backoff = DEAD_LETTER_RETRY_FIRST_SECONDS
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # the DLQ unavailable or full: try again later
-                self.dead_letter_failures += 1
-                log.warning(
-                    "queue %r: moving %d dead letters failed (retry in %.1f s): %s",
-                    self.name,
-                    len(self.area.dead_letters),
-                    backoff,
-                    exc,
-                )
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, DEAD_LETTER_RETRY_MAX_SECONDS)
-            finally:
-                self._moving = False
-                self._dead_letters_moved.set()  # counted by now: dead_letters_settled
-
-    async def _move_dead_letter_batch(self) -> None:
-        """Move (or drop) one batch of dead letters, all with one destination."""
-        offsets, reasons = self._movable(MOVE_BATCH_MESSAGES)
-        dest = self._destination(reasons[0])
-        same = [self._destination(r) == dest for r in reasons]
-        offsets = offsets[np.array(same, dtype=np.bool_)]
-        reasons = [r for r, k in zip(reasons, same, strict=True) if k]
-        # Read (checked) even to drop: an expiry read from properties without their CRC
-        # may be rot, and a damaged record is counted as damage, not as expired.
-        runs = np.split(offsets, np.flatnonzero(np.diff(offsets) != 1) + 1)
-        stored = [b for run in runs for b in self.log.read(int(run[0]), int(run[-1]) + 1)]
-        self.host.forget_damaged()  # a damaged one is no longer a dead letter to move
-        waiting = self.area.dead_letters
-        readable = np.array([o in waiting for o in offsets.tolist()], dtype=np.bool_)
-        offsets = offsets[readable]
-        reasons = [r for r, ok in zip(reasons, readable.tolist(), strict=True) if ok]
-        if not len(offsets):
-            return
-        if dest is not None:
-            batch = dead_letter_batch(stored, offsets, reasons, self.name)
-            await self.host.dead_letter_sink(dest, batch)
-        await self.ack(DEAD_LETTER_HOLDER, offsets)
-        expired = sum(r == REASON_EXPIRED for r in reasons)
-        self.messages_expired += expired
-        self.dead_lettered += len(offsets) - expired
-        if dest is not None:
-            log.info("queue %r: %d messages moved to %r", self.name, len(offsets), dest)
 
     # -- expiry and delivery times (raymq.core.expiry, raymq.core.schedule) ------------
 

@@ -53,8 +53,8 @@ import numpy as np
 from raymq.batch import MessageBatch
 from raymq.config import BrokerConfig, QueueConfig
 from raymq.core import admission, group_commit
+from raymq.core import dead_letter_mover as mover_module
 from raymq.core import queue as queue_module
-from raymq.core import subscription as subscription_module
 from raymq.core.expiry import EXPIRATION_PROPERTY, expiration_ms, now_ms
 from raymq.core.priority import PRIORITY_PROPERTY
 from raymq.core.queue import QueueCore
@@ -163,8 +163,8 @@ class Simulation(AddressOps, RetentionOps):
         Subscription._expiry_loop = Subscription._schedule_loop = _forever_method
         # A failed dead-letter move (an injected I/O error) is retried at once, not
         # after a wall-clock wait (the run would stall, not replay differently).
-        retry = subscription_module.DEAD_LETTER_RETRY_FIRST_SECONDS
-        subscription_module.DEAD_LETTER_RETRY_FIRST_SECONDS = 0.0
+        retry = mover_module.DEAD_LETTER_RETRY_FIRST_SECONDS
+        mover_module.DEAD_LETTER_RETRY_FIRST_SECONDS = 0.0
         # The queue hands big writes and unlinks to threads; here they run inline, and
         # its clock is the simulator's (a step is 10 ms), so that a seed replays exactly.
         asyncio.to_thread = _inline
@@ -178,7 +178,7 @@ class Simulation(AddressOps, RetentionOps):
         finally:
             asyncio.to_thread = to_thread
             Subscription._expiry_loop, Subscription._schedule_loop = loops
-            subscription_module.DEAD_LETTER_RETRY_FIRST_SECONDS = retry
+            mover_module.DEAD_LETTER_RETRY_FIRST_SECONDS = retry
             for module, clock in zip(CLOCKED_MODULES, clocks, strict=True):
                 module.time = clock
             quiet.setLevel(level)
