@@ -515,8 +515,9 @@ class Simulation(AddressOps, RetentionOps):
         return sum(
             m.state in ("stored", "doubt")
             and self._not_due(m)
-            # (Not routed to it as far as we know may still be: a subscription in doubt.)
-            and (m.acked != "yes" if name is None else m.routes.get(name) != "yes")
+            # (Not routed to it as far as we know may still be: a subscription in doubt;
+            # acknowledged, it may be again after rot took a checkpoint and its acks.)
+            and (self._acked(m, name) != "yes" or bool(self.flipped))
             for m in self.messages
         )
 
