@@ -123,6 +123,19 @@ def test_damage_a_read_finds_while_an_address_opens_is_counted():
     assert found > 0  # the scenario
 
 
+def test_rot_that_makes_a_filter_reject_a_message_is_counted_as_damage():
+    """Seed 71911 (an address, a bit flipped in a record's properties): while it opened,
+    the address applied a filter again to properties read without their CRC; the rot
+    made the filter reject a message a subscription still needed, which was acknowledged
+    as routed away instead of counted as damage (one loss uncounted, on 1e384f2). The
+    rejected ones are read checked first now."""
+    try:
+        summary = _run(71911)
+    except Violation as exc:
+        pytest.fail(f"{exc}\nreproduce: {repro_command(71911, 300)}")
+    assert summary["damage_found_opening"] > 0  # the scenario
+
+
 def _first_violation(seeds: list[int]) -> str:
     for seed in seeds:
         try:

@@ -201,7 +201,17 @@ class Subscription(DeadLetterMover):
             pos = int(got[-1]) + 1
             rejected = got[~self.area.select(self.filter, got)]
             if len(rejected):
-                done += self.log.ack(rejected)
+                done += self.log.ack(self._intact(rejected))
+
+    def _intact(self, offsets: np.ndarray) -> np.ndarray:
+        """Of sorted ``offsets`` whose properties were read without their record's CRC,
+        those a checked read finds intact: a damaged record is quarantined and counted
+        as damage, not taken for a routing decision on rotten properties."""
+        runs = np.split(offsets, np.flatnonzero(np.diff(offsets) != 1) + 1)
+        for run in runs:
+            self.log.read(int(run[0]), int(run[-1]) + 1, cache=False)
+        self.host.forget_damaged()
+        return offsets[~self.log.is_acked(offsets)]
 
     def forget(self, damaged: np.ndarray) -> None:
         """Take offsets lost to damage out of delivery (nobody holds or waits for them)."""
