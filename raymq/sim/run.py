@@ -515,8 +515,7 @@ class Simulation(AddressOps, RetentionOps):
         return sum(
             m.state in ("stored", "doubt")
             and self._not_due(m)
-            # (Not routed to it as far as we know may still be: a subscription in doubt;
-            # acknowledged, it may be again after rot took a checkpoint and its acks.)
+            # (Unrouted may be: a subscription in doubt; acked too, if rot took acks.)
             and (self._acked(m, name) != "yes" or bool(self.flipped))
             for m in self.messages
         )
