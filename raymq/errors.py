@@ -61,6 +61,12 @@ class StorageError(RayMQError, OSError):
     """A segment or ack file could not be written; the queue refuses further writes."""
 
 
+class DurabilityUnknown(StorageError):
+    """A change was written but whether it outlives a crash is not known (the fsync of
+    its directory failed): a subscription's seek is then in effect now, and may be found
+    undone after a crash."""
+
+
 class ReadStalled(BrokerUnavailable):
     """No longer raised: reads of a whole queue lease it (``raymq.data.QueueReader``)
     instead of receiving until idle. Kept so that code catching it still imports."""

@@ -136,6 +136,18 @@ def test_rot_that_makes_a_filter_reject_a_message_is_counted_as_damage():
     assert summary["damage_found_opening"] > 0  # the scenario
 
 
+def test_a_seek_whose_checkpoint_may_not_be_durable_is_in_doubt_not_undone():
+    """Seed 73600: a seek's checkpoint was renamed into place but its directory fsync
+    failed; the seek was undone in memory and reported failed, yet the checkpoint held
+    it after the next restart (messages acknowledged by it were expected again). Such a
+    seek now stays in effect and raises ``DurabilityUnknown``."""
+    try:
+        summary = _run(73600)
+    except Violation as exc:
+        pytest.fail(f"{exc}\nreproduce: {repro_command(73600, 300)}")
+    assert summary["address"] == 1
+
+
 def _first_violation(seeds: list[int]) -> str:
     for seed in seeds:
         try:

@@ -21,7 +21,7 @@ from raymq.batch import MessageBatch
 from raymq.config import BrokerConfig, QueueConfig
 from raymq.core.replicated_commit import ReplicatedCommit
 from raymq.core.replication import ReplicationLeader, _Round
-from raymq.errors import NotLeader, StorageError
+from raymq.errors import DurabilityUnknown, NotLeader, StorageError
 from raymq.storage import PreparedWrite, SegmentLog
 
 log = logging.getLogger("raymq.queue")
@@ -182,8 +182,11 @@ class GroupCommit:
         _answer_ack_waiters(waiters, prepared, fenced)
         self.host.commit_done(stored and bool(prepared.items))
         if prepared.checkpoint_error is not None:
+            error = prepared.checkpoint_error
+            if prepared.checkpoint_unsynced:  # written: in effect, maybe not durable
+                error = DurabilityUnknown(f"{error} (the checkpoint may not outlive a crash)")
             for fut in asked:
-                fut.set_exception(prepared.checkpoint_error)
+                fut.set_exception(error)
         return prepared.checkpoint_written or not self.host.config.durable
 
     def _checkpoint_due(self) -> bool:

@@ -20,7 +20,7 @@ from raymq.core.address import (
 )
 from raymq.core.group_commit import GroupCommit
 from raymq.core.subscription import Subscription
-from raymq.errors import InvalidSetting, SubscriptionNotFound
+from raymq.errors import DurabilityUnknown, InvalidSetting, SubscriptionNotFound
 from raymq.selector import Selector
 from raymq.storage import SegmentLog
 from raymq.storage.retention import Position, expired_segments, replay_offset
@@ -66,8 +66,9 @@ class AddressPart:
         stores it: retained, or not yet acknowledged by every subscription), what lies
         before is acknowledged. What its consumers hold stays theirs to ack. Returns
         the offset it now starts at, once that is durable (a checkpoint); a seek that
-        cannot be made durable is undone and raises ``StorageError``. Its acks wait
-        meanwhile, and apply to the outcome."""
+        cannot be made durable is undone and raises ``StorageError``
+        (``DurabilityUnknown``: written, in effect, but a crash may undo it). Its acks
+        wait meanwhile, and apply to the outcome."""
         if not self.config.address:
             raise InvalidSetting(f"{self.name!r} is a queue: only an address's subscriptions seek")
         sub = self.subscription(subscription)
@@ -110,6 +111,8 @@ class AddressPart:
             return
         try:
             await self.commits.checkpoint()
+        except DurabilityUnknown:
+            raise  # written: in effect (a crash may find it undone)
         except BaseException:
             # Not durable: undone (a restart would find the old set), what was
             # published meanwhile kept as it was routed.

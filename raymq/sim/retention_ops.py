@@ -18,7 +18,7 @@ import msgpack
 import numpy as np
 
 from raymq.core.queue import QueueCore
-from raymq.errors import StorageError
+from raymq.errors import DurabilityUnknown, StorageError
 from raymq.sim.disk import SimDisk
 from raymq.sim.model import FILTERS, Message, SimClock, SimSubscription, Violation
 
@@ -62,9 +62,9 @@ class RetentionOps:
         self._note(f"  seek {name} to {position}")
         try:
             at = await self.core.seek(name, position)
-        except StorageError as exc:  # undone (a crash point may have come meanwhile)
+        except StorageError as exc:  # undone, or in effect but maybe not durable
             self._note(f"  seek raised {exc}")
-            if self.disk.image is not None:
+            if self.disk.image is not None or isinstance(exc, DurabilityUnknown):
                 self._seek_in_doubt(name)
             return
         if self.disk.image is not None:
@@ -88,8 +88,11 @@ class RetentionOps:
                 m.routes[name] = "" if self._certainly_stored(m, name) else "doubt"
 
     def _seek_in_doubt(self, name: str) -> None:
+        """A seek of unknown outcome: any message it selects may come again, or not."""
+        select = FILTERS[self.subs[name].filter]
         for m in self.messages:
-            if name in m.routes:
+            props = msgpack.unpackb(m.properties) if m.properties else None
+            if name in m.routes or (m.state in ("stored", "doubt") and select(props)):
                 m.routes[name] = "doubt"
 
     def _certainly_stored(self, m: Message, name: str) -> bool:
