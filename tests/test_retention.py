@@ -267,3 +267,20 @@ def test_retention_keeps_what_a_new_earliest_subscription_has_yet_to_read(tmp_pa
 
     deleted, late = run(scenario())
     assert deleted == 0 and late == list(range(301))
+
+
+def test_what_an_address_only_retains_is_not_sized_for_the_memory_governor(tmp_path, clock):
+    async def scenario():
+        core = open_address(tmp_path, retention_s=10 * MINUTE)
+        try:
+            await core.create_subscription("s")
+            await send(core, 500)
+            needed = core.usage().size_bytes
+            await drain(core, "s")
+            return needed, core.usage().size_bytes, core.stats()
+        finally:
+            await core.close()
+
+    needed, retained_only, stats = run(scenario())
+    assert needed > 500 * 200  # 500 bodies of ~200 bytes, all needed
+    assert retained_only == 0 and stats.retained == 500 and stats.bytes_on_disk > needed

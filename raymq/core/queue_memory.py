@@ -157,10 +157,13 @@ class QueueMemory:
         if not self.config.durable:
             transient = max(self._peak_transient, self.log.bytes_queued)
             self._peak_transient = self.log.bytes_queued
+        acks = self._subscription_acks
+        # What an address only retains (for replay) is not what it needs: not sized.
+        retained = 0 if acks is None else acks.retained_bytes()
         return QueueUsage(
             name=self.name,
             node_id=node_id,
-            size_bytes=self.log.bytes_queued,
+            size_bytes=max(0, self.log.bytes_queued - retained),
             memory_bytes=self.head_cache.bytes + self.log.bytes_in_memory,
             index_bytes=self._index_bytes(),
             active=active,

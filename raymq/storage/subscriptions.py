@@ -278,6 +278,18 @@ class SubscriptionAcks:
             return 0
         return sum(self.released.count_in(s.base_offset, s.end_offset) for s in self.log.segments)
 
+    def retained_bytes(self) -> int:
+        """Bytes of those messages (estimated per segment from its size and the share
+        of its messages retained, as ``SegmentLog.bytes_queued`` estimates)."""
+        if not self.retains:
+            return 0
+        total = 0
+        for s in self.log.segments:
+            if s.count and s.fd is not None:
+                kept = self.released.count_in(s.base_offset, s.end_offset)
+                total += (s.size - s.header_size) * kept // s.count
+        return total
+
     def ack_everywhere(self, offsets: np.ndarray) -> None:
         """Acknowledge ``offsets`` for every subscription (messages lost to damage, or
         routed to none): the log acknowledges them too."""
