@@ -664,7 +664,7 @@ class QueueCore(QueueMemory, AddressPart):
         subs = self.all_subscriptions()
         c, c0 = dict(self._counters), dict(c0)
         acks = self._subscription_acks
-        retained = 0 if acks is None else acks.retained_messages()
+        retained = 0 if acks is None else acks.retained()[0]
         # An address's depth: what some subscription still needs (not what it retains).
         name, depth = self.name, self.log.depth - retained
         dead_letter_queue = self.config.dead_letter_address

@@ -159,7 +159,7 @@ class QueueMemory:
             self._peak_transient = self.log.bytes_queued
         acks = self._subscription_acks
         # What an address only retains (for replay) is not what it needs: not sized.
-        retained = 0 if acks is None else acks.retained_bytes()
+        retained = 0 if acks is None else acks.retained()[1]
         return QueueUsage(
             name=self.name,
             node_id=node_id,

@@ -365,15 +365,11 @@ class TargetArea:
                 self.scan_step(target)
                 continue
             target.candidates.discard(examined)  # set-aside ones come back at their time
-            ok = examined[~self.log.is_acked(examined)]
-            if self.scheduled:
-                ok = ok[~self.scheduled.contains(ok)]
-            # Not held, and not picked already: a scan step may find again what this
-            # call took before it (they are held only once the call returns).
-            ok = np.array(
-                [o for o in ok.tolist() if o not in self._holder and o not in chosen],
-                dtype=np.int64,
-            )
+            ok = examined[self._usable(examined)]
+            # Not picked already: a scan step may find again what this call took before
+            # it (they are held only once the call returns).
+            if chosen:
+                ok = ok[np.fromiter((o not in chosen for o in ok.tolist()), bool, len(ok))]
             chosen.update(ok.tolist())
             picked.append(ok)
             n += len(ok)
@@ -387,15 +383,10 @@ class TargetArea:
             k = min(want - len(picked), len(self._redeliver))
             popped = [heapq.heappop(self._redeliver) for _ in range(k)]
             # An offset released twice (by two consumers in turn) is in the heap twice.
-            candidates = [o for o in dict.fromkeys(popped) if o not in self._holder]
-            if self.scheduled and candidates:
-                aside = self.scheduled.contains(np.array(candidates, dtype=np.int64))
-                candidates = [o for o, a in zip(candidates, aside.tolist(), strict=True) if not a]
+            candidates = np.array(list(dict.fromkeys(popped)), dtype=np.int64)
             if picked:
-                candidates = [o for o in candidates if o != picked[-1]]
-            if candidates:
-                acked = self.log.is_acked(np.array(candidates, dtype=np.int64))
-                picked.extend(o for o, a in zip(candidates, acked, strict=True) if not a)
+                candidates = candidates[candidates != picked[-1]]
+            picked.extend(candidates[self._usable(candidates)].tolist())
         return picked
 
     def deliverable_estimate(self, consumer_id: str) -> int:

@@ -272,23 +272,19 @@ class SubscriptionAcks:
             done |= self.released.contains(offsets)
         return bool(done.all())
 
-    def retained_messages(self) -> int:
-        """Messages every subscription acknowledged that the retention keeps."""
+    def retained(self) -> tuple[int, int]:
+        """Messages every subscription acknowledged that the retention keeps, and their
+        bytes (estimated per segment from its size and the share of its messages
+        retained, as ``SegmentLog.bytes_queued`` estimates)."""
+        messages = nbytes = 0
         if not self.retains:
-            return 0
-        return sum(self.released.count_in(s.base_offset, s.end_offset) for s in self.log.segments)
-
-    def retained_bytes(self) -> int:
-        """Bytes of those messages (estimated per segment from its size and the share
-        of its messages retained, as ``SegmentLog.bytes_queued`` estimates)."""
-        if not self.retains:
-            return 0
-        total = 0
+            return messages, nbytes
         for s in self.log.segments:
-            if s.count and s.fd is not None:
-                kept = self.released.count_in(s.base_offset, s.end_offset)
-                total += (s.size - s.header_size) * kept // s.count
-        return total
+            kept = self.released.count_in(s.base_offset, s.end_offset)
+            messages += kept
+            if kept and s.fd is not None:
+                nbytes += (s.size - s.header_size) * kept // s.count
+        return messages, nbytes
 
     def ack_everywhere(self, offsets: np.ndarray) -> None:
         """Acknowledge ``offsets`` for every subscription (messages lost to damage, or
