@@ -199,6 +199,10 @@ class BrokerActor:
         ``replica_id`` no longer leads the queue."""
         return self._replication.begin_epoch(name, replica_id)
 
+    async def in_sync_replicas(self, name: str) -> list[str]:
+        """The replica ids the controller holds in sync for queue ``name``."""
+        return self._replication.in_sync_replicas(name)
+
     async def update_in_sync(self, name: str, epoch: int, in_sync: list[str]) -> bool:
         """A leader's in-sync replicas; False (fenced) if ``epoch`` is not current."""
         return self._replication.update_in_sync(name, epoch, in_sync)

@@ -50,7 +50,7 @@ from raymq.core.queue import QueueCore, QueueStats
 from raymq.core.replication import ReplicationLeader
 from raymq.core.subscription import LEASE_PREFETCH, Delivery
 from raymq.core.target_list import FetchAnswer
-from raymq.errors import BrokerUnavailable, NotLeader
+from raymq.errors import BrokerUnavailable, NotLeader, StorageError
 from raymq.storage.mirror import read_epochs, write_epochs
 from raymq.storage.retention import Position
 from raymq.storage.subscriptions import SubscriptionSpec
@@ -161,12 +161,13 @@ class QueueActor:
         async with self._start_lock:  # every call waits for the start, epoch included
             if self._started:
                 return
-            if self.role is not None:
-                await self._begin_epoch()
+            leading = self.role is not None
+            if leading:
+                leading = await self._begin_epoch()
             self.core.start()
             self.core.supervise("consumer watch", self._watch_consumers)
             self._metrics_task = self.core.supervise("metrics", self._export_metrics)
-            if self.role is not None:
+            if leading:
                 self.core.replication.set_followers(self.role.links())
                 self.core.supervise("heartbeats", self.core.replication.heartbeat_loop)
             try:
@@ -175,12 +176,14 @@ class QueueActor:
                 log.warning("queue %r: no send channel: %s", self.core.name, exc)
             self._started = True
 
-    async def _begin_epoch(self) -> None:
+    async def _begin_epoch(self) -> bool:
         """Lead in an epoch of its own, every (re)start: the controller gives the next
         epoch and the current followers (a restart in place has old ones in its
-        arguments). Followers holding records this copy lost (its unsynced tail torn
-        by a crash) are then cut back by the epoch history; this copy's epoch starts
-        where its recovered log ends."""
+        arguments); this copy's epoch starts where its recovered log ends. Returns
+        False if an in-sync follower holds records this copy lost (a tail torn by a
+        crash, damage found by recovery): it then steps down, cutting nothing, for the
+        controller to fail over to that follower. (Without one, followers are cut back
+        to this copy's end: no two copies may serve different messages at an offset.)"""
         epoch, followers = await self._ask_controller(
             "begin_epoch", self.core.name, self.role.replica_id
         )
@@ -188,10 +191,18 @@ class QueueActor:
         rep = self.core.replication
         rep.epoch = epoch
         epochs = read_epochs(self.role.directory)
+        history = list(epochs)
         if not epochs or epochs[-1][0] < epoch:
             epochs.append((epoch, self.core.log.next_offset))
             write_epochs(self.role.directory, epochs)
         rep.epochs = epochs
+        in_sync = await self._ask_controller("in_sync_replicas", self.core.name)
+        lost_here = self.core.recovery.damaged > 0  # found by this recovery
+        holder = await rep.holder_of_lost_records(self.role.links(), in_sync, history, lost_here)
+        if holder is None:
+            return True
+        rep.step_down(holder)
+        return False
 
     async def _export_metrics(self) -> None:
         """Every ``metrics.EXPORT_PERIOD_SECONDS``, set this queue's metrics and its
@@ -748,6 +759,10 @@ class QueueActor:
         if self._hibernating:  # again (its broker died meanwhile): once it is closed
             await self._closing
             return True
+        if self._started and self.role is None and self.core.log.has_pending_acks:
+            # Acks and delivery counts a moment from the disk anyway: not a reason to stay.
+            with contextlib.suppress(StorageError):
+                await self.core.flush_acks()
         if self._busy():
             return False
         self._hibernating = True

@@ -19,7 +19,6 @@ Python worker in Spark, no pandas), materializes the DataFrame in Spark
 from __future__ import annotations
 
 import contextlib
-import glob
 import os
 import sys
 import time
@@ -36,6 +35,7 @@ from raymq.client import Broker, Queue
 from raymq.client.calls import _call
 from raymq.config import apply_ray_env_defaults
 from raymq.errors import InvalidSetting, RayMQError
+from raymq.jvm_leftovers import SessionJvms
 from raymq.queue_reader import QueueReader, leased_blocks
 
 if TYPE_CHECKING:
@@ -78,8 +78,8 @@ DEFAULT_SEND_ROWS = 10_000
 
 # Java's default temporary directory on Linux, whatever TMPDIR says; Ray's Java driver
 # hard-codes /tmp/ray/<epoch ms> for its native library.
-_JAVA_TMP = "/tmp"
-_started_at: float | None = None  # when init_spark started RayDP (seconds since the epoch)
+#: The JVMs of the running session and the /tmp files they use (None: no session).
+_session: SessionJvms | None = None
 
 
 # -- session ------------------------------------------------------------------------
@@ -116,12 +116,11 @@ def init_spark(
     """
     import raydp
 
-    global _started_at
+    global _session
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     if not ray.is_initialized():
         apply_ray_env_defaults()
         ray.init(log_to_driver=False, configure_logging=False)
-    started = time.time()
     try:
         spark = raydp.init_spark(
             app_name,
@@ -136,10 +135,9 @@ def init_spark(
                 "Spark on Ray is already running in this process; "
                 "call raymq.spark.stop_spark() first"
             ) from None
-        _remove_jvm_leftovers(started)
+        _clean_up(_session_jvms(), JVM_EXIT_SECONDS)
         raise
-    if _started_at is None:
-        _started_at = started
+    _session = _session_jvms()
     return spark
 
 
@@ -148,29 +146,50 @@ def stop_spark(cleanup: bool = True) -> None:
 
     Ending the driver JVM that PySpark started lets it remove its own temporary files
     (the next ``init_spark`` starts a fresh one). With ``cleanup``, waits up to
-    ``JVM_EXIT_SECONDS`` for the JVMs started since ``init_spark`` to exit, then removes
-    what killed JVMs leave in /tmp: Ray's Java native library (about 40 MB per JVM,
-    under /tmp/ray/<epoch ms>), lz4-java libraries and perf data files.
+    ``JVM_EXIT_SECONDS`` for this session's JVMs to exit, then removes what they leave
+    in /tmp (killed JVMs remove nothing): Ray's Java native library (about 40 MB per
+    JVM, under /tmp/ray/<epoch ms>), lz4-java libraries and perf data files. Only the
+    files this session's JVMs were seen to use go, never one a live process maps
+    (``raymq.jvm_leftovers``): other processes' Spark and Java workers keep theirs.
     """
     import raydp
     from pyspark import SparkContext
 
-    global _started_at
+    global _session
     gateway = SparkContext._gateway
+    session = _session
+    if cleanup and session is not None:
+        session.merge(_session_jvms())  # executors started since init_spark too
     try:
         raydp.stop_spark()
     finally:
         if gateway is not None:
             _end_gateway(gateway)
-        if cleanup and _started_at is not None:
-            _wait_for_jvms(_started_at, JVM_EXIT_SECONDS)
-            _remove_jvm_leftovers(_started_at)
-        _started_at = None
+        if cleanup and session is not None:
+            _clean_up(session, JVM_EXIT_SECONDS)
+        _session = None
 
 
 #: How long ``stop_spark`` waits for RayDP's JVMs to exit before cleaning (seconds);
 #: they take about 2 s after their actors are killed.
 JVM_EXIT_SECONDS = 10.0
+
+
+def _session_jvms() -> SessionJvms:
+    """The JVMs of this process's Spark session, and their /tmp files, as they run."""
+    from pyspark import SparkContext
+
+    proc = getattr(SparkContext._gateway, "proc", None)
+    return SessionJvms.find(getattr(proc, "pid", None))
+
+
+def _clean_up(session: SessionJvms, timeout: float) -> list[str]:
+    """Wait up to ``timeout`` seconds for ``session``'s JVMs to exit, then remove what
+    they left in /tmp; returns the paths removed."""
+    deadline = time.monotonic() + timeout
+    while session.alive() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return session.remove()
 
 
 def _end_gateway(gateway: Any) -> None:
@@ -187,90 +206,6 @@ def _end_gateway(gateway: Any) -> None:
             proc.wait(timeout=JVM_EXIT_SECONDS)
     SparkContext._gateway = None
     SparkContext._jvm = None
-
-
-def _jvm_pids(since: float) -> list[int]:
-    """Live JVMs of Spark on Ray started after ``since`` (their perf data files tell
-    when; their command lines mention Ray's or RayDP's jars)."""
-    pids = []
-    for perf in glob.glob(os.path.join(_JAVA_TMP, "hsperfdata_*", "[0-9]*")):
-        with contextlib.suppress(OSError, ValueError):
-            if os.path.getmtime(perf) < since - 1.0:
-                continue
-            pid = int(os.path.basename(perf))
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read()
-            if (b"raydp" in cmdline or b"ray/jars" in cmdline) and _alive(pid):
-                pids.append(pid)
-    return pids
-
-
-def _wait_for_jvms(since: float, timeout: float) -> None:
-    """Wait up to ``timeout`` seconds for the JVMs started after ``since`` to exit."""
-    deadline = time.monotonic() + timeout
-    pids = _jvm_pids(since)
-    while pids and time.monotonic() < deadline:
-        time.sleep(0.2)
-        pids = [p for p in pids if _alive(p)]
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (a zombie, killed but not yet reaped, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            # The state follows the command name, which is in parentheses.
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
-def _mapped_paths() -> set[str]:
-    """Files mapped by live processes (so a library in use is never removed)."""
-    paths: set[str] = set()
-    for maps in glob.glob("/proc/[0-9]*/maps"):
-        with contextlib.suppress(OSError), open(maps) as f:
-            for line in f:
-                if "/tmp/" in line:
-                    paths.add(line.rsplit(None, 1)[-1])
-    return paths
-
-
-def _remove_jvm_leftovers(since: float) -> list[str]:
-    """Remove what JVMs started after ``since`` (seconds since the epoch) left in /tmp;
-    returns the paths removed. Only files matching the patterns those JVMs write are
-    considered, and lz4 libraries still mapped by a live process are kept."""
-    import shutil
-
-    removed: list[str] = []
-    floor_ms = int((since - 1.0) * 1000)
-    # Ray's Java driver extracts libcore_worker_library_java.so to /tmp/ray/<epoch ms>.
-    for d in glob.glob(os.path.join(_JAVA_TMP, "ray", "[0-9]" * 13)):
-        name = os.path.basename(d)
-        if int(name) >= floor_ms and os.path.exists(
-            os.path.join(d, "libcore_worker_library_java.so")
-        ):
-            shutil.rmtree(d, ignore_errors=True)
-            removed.append(d)
-    in_use = None
-    for lib in glob.glob(os.path.join(_JAVA_TMP, "liblz4-java-*.so")):
-        with contextlib.suppress(OSError):
-            if os.path.getmtime(lib) < since - 1.0:
-                continue
-            in_use = _mapped_paths() if in_use is None else in_use
-            if lib in in_use:
-                continue
-            for path in (lib, lib + ".lck"):
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(path)
-                    removed.append(path)
-    # Killed JVMs (RayDP's executors) leave their perf data file behind.
-    for perf in glob.glob(os.path.join(_JAVA_TMP, "hsperfdata_*", "[0-9]*")):
-        with contextlib.suppress(OSError):
-            pid = int(os.path.basename(perf))
-            if os.path.getmtime(perf) >= since - 1.0 and not _alive(pid):
-                os.remove(perf)
-                removed.append(perf)
-    return removed
 
 
 # -- Spark DataFrame -> queue --------------------------------------------------------

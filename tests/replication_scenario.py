@@ -167,9 +167,10 @@ def check_bodies(acked: list[bytes], consumed: list[bytes]) -> dict:
 
 
 class Scenario:
-    def __init__(self, cluster: Cluster, broker):
+    def __init__(self, cluster: Cluster, broker, paging_dir: str = ""):
         self.cluster = cluster
         self.broker = broker
+        self.paging_dir = paging_dir
         self.head = ray.get_runtime_context().get_node_id()
 
     def workers(self) -> dict:
@@ -440,6 +441,39 @@ class Scenario:
             "count": len(consumed),
         }
 
+    def healed_leader(self) -> dict:
+        """Issue 31: a byte of the leader's copy rots, then its process dies and Ray
+        restarts it in place; recovery finds the damage, an in-sync follower holds the
+        records: the leader steps down, the follower takes over, nothing is lost."""
+        self.top_up()
+        q = self.create("healed", replicas=2)
+        sent = [f"h-{i}-".encode() + b"." * 200 for i in range(500)]
+        q.send_batch(sent)  # acknowledged: on both copies
+        rs = ray.get(self.broker._actor.replica_sets.remote())["healed"]
+        old_rid = rs["leader"]
+        directory = os.path.join(self.paging_dir, "healed", old_rid)
+        segment = sorted(f for f in os.listdir(directory) if f.endswith(".seg"))[0]
+        with open(os.path.join(directory, segment), "r+b") as f:
+            f.seek(300)  # inside the first record's bodies
+            byte = f.read(1)
+            f.seek(300)
+            f.write(bytes([byte[0] ^ 0x10]))
+        failovers = len(ray.get(self.broker._actor.failover_log.remote()))
+        os.kill(self.leader_pid(q), signal.SIGKILL)  # Ray restarts it in place
+        wait_for(
+            "a failover to the follower",
+            lambda: len(ray.get(self.broker._actor.failover_log.remote())) > failovers,
+        )
+        consumed = consume_all(q)
+        new_rid = ray.get(self.broker._actor.replica_sets.remote())["healed"]["leader"]
+        return {
+            "old_leader": old_rid,
+            "new_leader": new_rid,
+            "sent": len(sent),
+            "lost": len(set(sent) - set(consumed)),
+            "never_sent": len(set(consumed) - set(sent)),
+        }
+
     def paused_broker(self) -> dict:
         self.top_up()
         q = self.create("controller")
@@ -558,6 +592,7 @@ SCENARIOS = {
     "follower": Scenario.follower_loss,
     "two": Scenario.two_of_three,
     "paused": Scenario.paused_leader,
+    "healed": Scenario.healed_leader,
     "broker": Scenario.paused_broker,
 }
 
@@ -581,7 +616,7 @@ def main(paging_dir: str, temp_dir: str, names: list[str]) -> dict:
     out: dict = {}
     try:
         broker = raymq.connect(namespace="replication", paging_directory=paging_dir)
-        s = Scenario(cluster, broker)
+        s = Scenario(cluster, broker, paging_dir)
         for name in names:
             t = time.monotonic()
             out[name] = SCENARIOS[name](s)

@@ -124,3 +124,38 @@ def test_closing_right_after_a_nack_does_not_count_an_unseen_delivery(broker):
             assert (m2.offset, m2.delivery_count) == (m.offset, 2)
             again.ack(m2)
     assert q.stats()["messages_dead_lettered"] == 0
+
+
+def test_a_delivery_count_survives_a_sigkill_of_the_queue(broker):
+    """Nacked twice, then the queue's process SIGKILLed: the third delivery says 3, and
+    a fourth never comes (the message is in the DLQ). Before delivery counts were
+    durable, a restart started them again at 1."""
+    q = broker.create_queue("crashy", max_delivery_attempts=3)
+    q.send_batch([b"poison", b"ok"])
+    with q.consumer(prefetch=1) as c:
+        for n in (1, 2):
+            [m] = c.receive(1, timeout=60)
+            assert (m.body, m.delivery_count) == (b"poison", n)
+            c.nack(m)  # answered once the count is on disk
+    pid = _call(q._actor.pid)
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: _call(q._actor.pid) != pid, "restart")
+    counts = []
+    deadline = time.monotonic() + DEADLINE_SECONDS
+    with q.consumer(prefetch=10) as c:
+        while (got := c.receive(10, timeout=1)) or c.backlog():
+            for m in got:
+                if m.body == b"poison":
+                    counts.append(m.delivery_count)
+                    c.nack(m)
+                else:
+                    c.ack(m)
+            assert time.monotonic() < deadline, f"still receiving after {DEADLINE_SECONDS} s"
+    assert counts == [3]
+    wait_for(lambda: q.stats()["messages_dead_lettered"] == 1, "dead-lettered")
+    [letter] = browse_all(broker.get_queue("crashy.DLQ"))
+    assert (letter.body, letter.properties[DEAD_LETTER_REASON]) == (
+        b"poison",
+        "max_delivery_attempts",
+    )
+    assert q.stats()["depth"] == 0

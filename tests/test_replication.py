@@ -18,6 +18,7 @@ from raymq.core.queue import QueueCore
 from raymq.core.replication import Fenced, ReplicationFollower, ReplicationLeader
 from raymq.errors import InvalidSetting, NotEnoughReplicas, NotLeader
 from raymq.storage.mirror import Diverged, ReplicaFiles, end_of_epoch, write_epochs
+from tests.storage_helpers import flip
 
 PAGE = 16 * 1024  # small segments: several files, deletions show
 
@@ -421,8 +422,9 @@ def test_a_commit_refused_for_want_of_replicas_is_cut_back_on_followers_that_too
 
 def test_a_restarted_leader_cuts_back_followers_holding_its_lost_tail(tmp_path):
     """The leader's last commit reached the followers but not its own disk (a power
-    loss tore it): restarted in a new epoch, it cuts them back to its recovered end,
-    so no follower keeps records the leader gives other messages to."""
+    loss tore it), and no follower was in sync: restarted in a new epoch, it cuts them
+    back to its recovered end, so no follower keeps records the leader gives other
+    messages to. (With an in-sync one it steps down instead: the test below.)"""
 
     async def main():
         root = str(tmp_path)
@@ -640,3 +642,83 @@ def test_a_commit_cut_back_after_followers_took_it_starts_a_new_epoch(tmp_path):
         await copy.close()
 
     asyncio.run(main())
+
+
+def _restarted_leader(root: str, *, lose_tail: bool, rot: bool):
+    """A leader and two in-sync followers hold 100 acknowledged messages (offsets
+    90..99 the last commit); then the leader's copy lost that commit (``lose_tail``:
+    a power loss) or a byte of an early record rotted (``rot``). Returns the leader
+    restarted in place in epoch 2, before it leads, and the epochs before its own."""
+
+    async def first_life():
+        links = [follower(root, "r1"), follower(root, "r2")]
+        core, rep, _ = open_leader(root, links)
+        await until_in_sync(rep, 3)
+        await send(core, 0, 90)
+        shutil.copytree(os.path.join(root, "r0"), os.path.join(root, "image"))
+        await send(core, 5000, 10)
+        await core.close()
+        for link in links:
+            link.follower.files.close()
+
+    asyncio.run(first_life())
+    leader = os.path.join(root, "r0")
+    if lose_tail:
+        shutil.rmtree(leader)
+        os.rename(os.path.join(root, "image"), leader)
+    if rot:
+        seg = sorted(f for f in os.listdir(leader) if f.endswith(".seg"))[0]
+        flip(os.path.join(leader, seg), 200)  # inside the first record's body
+    history = [(1, 0)]
+    return leader, history
+
+
+@pytest.mark.parametrize("lost", ["tail", "damage"])
+def test_a_restarted_leader_that_lost_records_an_in_sync_follower_holds_steps_down(tmp_path, lost):
+    """Issue 31: the leader's copy lost acknowledged records (its tail torn by a power
+    loss, or damage found by recovery) that in-sync followers hold. Restarted in place
+    it cuts nothing and steps down (NotLeader), for the controller to fail over to the
+    most complete follower, which still serves every message."""
+    root = str(tmp_path)
+    leader, history = _restarted_leader(root, lose_tail=lost == "tail", rot=lost == "damage")
+
+    async def restarted():
+        epochs = [*history, (2, 0)]
+        rep = ReplicationLeader(
+            "rq",
+            leader,
+            replica_id="r0",
+            node_id="n0",
+            epoch=2,
+            quorum=2,
+            epochs=epochs,
+            report_in_sync=Controller(epoch=2).report,
+        )
+        core = QueueCore(
+            config(), BrokerConfig(paging_directory=root), directory=leader, replication=rep
+        )
+        rep.epochs = [*history, (2, core.log.next_offset)]
+        links = [follower(root, "r1", epoch=1), follower(root, "r2", epoch=1)]
+        lost_here = core.recovery.damaged > 0
+        # Not in sync: not trusted. In sync: the holder.
+        assert await rep.holder_of_lost_records(links, ["r0"], history, lost_here) is None
+        holder = await rep.holder_of_lost_records(links, ["r0", "r1", "r2"], history, lost_here)
+        assert holder == "r1"
+        rep.step_down(holder)
+        core.start()
+        with pytest.raises(NotLeader, match="steps down"):
+            await send(core, 7000, 1)
+        await core.close()
+        for link in links:
+            link.follower.files.close()
+        return rep.stepped_down
+
+    assert asyncio.run(restarted()) == 1
+
+    async def promoted():  # what the controller's failover opens: r1's copy
+        copy = reopen(root, "r1")
+        got = await drain_bodies(copy)
+        await copy.close()
+        return got
+
+    assert asyncio.run(promoted()) == bodies(0, 90) + bodies(5000, 10)

@@ -172,6 +172,13 @@ def test_raymq_status_shows_each_replica(observed):
         assert any(replica["node_id"][:12] in row for row in rows), table
 
 
+def test_a_leader_whose_copy_rotted_steps_down_for_the_follower_that_holds_it(observed):
+    r = observed["healed"]
+    # Before: restarted in place, it cut the follower back to what it still had.
+    assert r["new_leader"] != r["old_leader"], r
+    assert (r["lost"], r["never_sent"]) == (0, 0), r
+
+
 def test_a_leader_restarting_beside_a_paused_broker_gives_up_in_bounded_time(observed):
     r = observed["broker"]
     # Its start asks the controller for an epoch for at most CONTROLLER_SECONDS (10 s):

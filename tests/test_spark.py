@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import shutil
 import time
 
 import pyarrow as pa
@@ -71,9 +72,19 @@ def spark(ray_session):
     yield session
     ours = _java_library_dirs_of_our_jvms()
     assert ours, "no JVM of this session has Ray's Java library from /tmp/ray loaded"
-    raymq.spark.stop_spark()
-    # stop_spark removed Ray's Java library (40 MB per JVM) of each of our JVMs.
-    assert not [d for d in ours if os.path.exists(d)], ours
+    # Another process's Java library, extracted after our session started (what
+    # stop_spark removed until it knew its own JVMs' files).
+    other = f"/tmp/ray/{int(time.time() * 1000)}"
+    os.makedirs(other)
+    with open(os.path.join(other, "libcore_worker_library_java.so"), "wb") as f:
+        f.write(b"not ours")
+    try:
+        raymq.spark.stop_spark()
+        # stop_spark removed Ray's Java library (40 MB per JVM) of each of our JVMs.
+        assert not [d for d in ours if os.path.exists(d)], ours
+        assert os.path.exists(other), "stop_spark removed another process's library"
+    finally:
+        shutil.rmtree(other, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -308,31 +319,6 @@ def test_spark_configs_put_the_java_options_under_both_keys():
     assert raymq.spark.spark_configs()["spark.ui.showConsoleProgress"] == "false"
     twice = raymq.spark.spark_configs(merged)
     assert twice["spark.driver.extraJavaOptions"] == merged["spark.driver.extraJavaOptions"]
-
-
-def test_jvm_leftovers_are_removed_only_when_new_and_unused(tmp_path, monkeypatch):
-    monkeypatch.setattr(raymq.spark, "_JAVA_TMP", str(tmp_path))
-    since = time.time()
-    old_ms, new_ms = int((since - 3600) * 1000), int((since + 1) * 1000)
-    for ms in (old_ms, new_ms):
-        d = tmp_path / "ray" / str(ms)
-        d.mkdir(parents=True)
-        (d / "libcore_worker_library_java.so").write_bytes(b"x")
-    (tmp_path / "ray" / str(new_ms + 1)).mkdir()  # not Ray's library dir: kept
-    lz4 = tmp_path / "liblz4-java-123.so"
-    lz4.write_bytes(b"x")
-    (tmp_path / "liblz4-java-123.so.lck").write_bytes(b"")
-    perf = tmp_path / "hsperfdata_someone"
-    perf.mkdir()
-    (perf / "999999999").write_bytes(b"x")  # no such process
-    (perf / str(os.getpid())).write_bytes(b"x")  # alive: kept
-    removed = raymq.spark._remove_jvm_leftovers(since)
-    assert sorted(os.path.basename(p) for p in removed) == sorted(
-        [str(new_ms), "liblz4-java-123.so", "liblz4-java-123.so.lck", "999999999"]
-    )
-    assert (tmp_path / "ray" / str(old_ms)).exists()
-    assert (tmp_path / "ray" / str(new_ms + 1)).exists()
-    assert (perf / str(os.getpid())).exists()
 
 
 INT_EDGES = [0, 1, 127, 128, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**63 - 1]

@@ -23,7 +23,7 @@ from raymq.core.queue import QueueCore
 from raymq.errors import StorageError
 from raymq.storage import SegmentLog
 from raymq.storage.files import create_queue_directory
-from raymq.storage.format import RECORD_HEADER, SEGMENT_SUFFIX, segment_name
+from raymq.storage.format import ACK_PREFIX, RECORD_HEADER, SEGMENT_SUFFIX, segment_name
 from raymq.storage.subscriptions import (
     MANIFEST_NAME,
     Manifest,
@@ -476,6 +476,47 @@ def test_a_full_disk_on_a_real_tmpfs(tmp_path):
         log, report = open_log(directory)
         expected = {o: b for o, b in {**stored, **more}.items() if o >= offsets[len(offsets) // 2]}
         assert read_all(log) == expected
+        assert report.lost_messages == 0
+        log.close()
+
+
+def test_recovery_opens_on_a_full_disk_with_no_ack_log_it_can_append_to(tmp_path):
+    """The disk filled while the queue was down and its ack log's header is damaged
+    (so it cannot be appended to): recovery starts the new ack log in the room the old
+    one had reserved, acks reach the disk while it is full, sends resume once space
+    returns. (Recovery failed with ENOSPC before.)"""
+    with small_tmpfs(str(tmp_path / "disk")) as disk:
+        if disk is None:
+            pytest.skip("mounting a tmpfs is not permitted here")
+        directory = os.path.join(disk, "q")
+        log, _ = open_log(directory)
+        sent = commit(log, [f"m{i}".encode() * 100 for i in range(20)])
+        log.ack(np.arange(5))
+        commit(log)
+        log.close()
+        [ack_file] = [f for f in os.listdir(directory) if f.startswith(ACK_PREFIX)]
+        flip(os.path.join(directory, ack_file), 20)  # inside the header's CRC
+        filler = os.path.join(disk, "filler")
+        fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+        with pytest.raises(OSError) as full:
+            while True:
+                os.write(fd, b"\0" * 4096)
+        os.close(fd)
+        assert full.value.errno == errno.ENOSPC
+
+        log, report = open_log(directory)
+        assert sorted(read_all(log)) == sent[5:]
+        assert any("started on a full disk" in d for d in report.damage), report.damage
+        log.ack(np.arange(5, 10))
+        commit(log)  # acks reach the disk while it is full
+        with pytest.raises(StorageError):
+            commit(log, [b"no room" * 5000])
+        os.remove(filler)
+        [again] = commit(log, [b"again"])
+        assert again == 20
+        log.close()
+        log, report = open_log(directory)
+        assert sorted(read_all(log)) == [*sent[10:], 20]
         assert report.lost_messages == 0
         log.close()
 

@@ -594,12 +594,25 @@ class QueueCore(QueueMemory, AddressPart):
                     sub.wake()
 
     def _delays_after_restart(self) -> None:
-        """Messages still waiting out a nack's delay stay held until it ends; every
-        checkpoint carries the delays from now on (a queue's: an address's
-        subscriptions keep theirs in memory)."""
+        """Delivery counts are restored and messages still waiting out a nack's delay
+        stay held until it ends; every checkpoint carries both from now on (a queue's:
+        an address's subscriptions keep theirs in memory)."""
         if self._own is None:
             return
         area = self._own.area
+        if self.config.durable:
+            # Delivery counts too, so that a restart gives no message more deliveries
+            # than max_delivery_attempts (an address's subscriptions: in memory).
+            area.count_durably()
+            spent = area.restore_deliveries(self.log.recovered_deliveries)
+            if self.log.recovered_deliveries:
+                log.info(
+                    "queue %r: delivery counts of %d messages restored, %d of them "
+                    "delivered max_delivery_attempts times (to the dead-letter queue)",
+                    self.name,
+                    len(self.log.recovered_deliveries),
+                    spent,
+                )
         area.hold_delayed({o: due / 1e6 for o, due in self.log.recovered_delays.items()})
         self.log.checkpoint_delays(
             lambda: [(o, round(due * 1e6)) for o, due in sorted(area.delayed.items())]

@@ -220,6 +220,8 @@ class ReplicationLeader:
         self._epoch_from: int | None = None
         self._new_epoch = new_epoch
         self.catch_ups = 0  # followers brought in sync
+        #: Restarts in place that found records lost here held by a follower.
+        self.stepped_down = 0
 
     # -- wiring ----------------------------------------------------------------------
 
@@ -257,6 +259,51 @@ class ReplicationLeader:
             else:
                 self._followers[rid] = _Follower(link)
         self._start_catch_ups()
+
+    async def holder_of_lost_records(
+        self,
+        links: list[FollowerLink],
+        in_sync: list[str],
+        history: list[tuple[int, int]],
+        lost_here: bool,
+    ) -> str | None:
+        """After a restart in place: an in-sync follower (``in_sync``: the controller's
+        set of the epoch before) that holds records this copy lost, or None. Lost: past
+        this copy's last record (a tail torn by a crash) or, when ``lost_here``
+        (recovery lost messages to damage), anywhere. ``history``: the epochs before
+        this restart's (the new one would end every older epoch at this copy's lossy
+        end). A follower's records past where its epoch ends in that history diverged
+        and do not count. Followers that do not answer within
+        ``FOLLOWER_TIMEOUT_SECONDS`` do not count either."""
+        mine = self._records_end()
+        for link in links:
+            if link.replica_id not in in_sync:
+                continue
+            try:
+                state = await asyncio.wait_for(link.state(self.epoch), FOLLOWER_TIMEOUT_SECONDS)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # unreachable: its copy cannot help now
+                log.info("queue %r: replica %s not surveyed: %s", self.queue, link.replica_id, exc)
+                continue
+            shared_end = min(
+                state.end_offset, end_of_epoch(history, state.last_epoch, state.end_offset)
+            )
+            if shared_end > mine or (lost_here and shared_end > 0):
+                return link.replica_id
+        return None
+
+    def step_down(self, holder: str) -> NotLeader:
+        """Lead no more, cutting nothing: ``holder`` has records this copy lost, and
+        the controller's next failover makes the most complete in-sync follower the
+        leader (this copy then rejoins as a follower and is caught up from it)."""
+        self.fenced = NotLeader(
+            f"queue {self.queue!r}: replica {self.replica_id} lost records that replica"
+            f" {holder} holds: it steps down instead of cutting them from the followers"
+        )
+        log.warning("%s", self.fenced)
+        self.stepped_down += 1
+        return self.fenced
 
     def _start_catch_ups(self) -> None:
         if self.fenced is not None:

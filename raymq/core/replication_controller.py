@@ -273,6 +273,12 @@ class ReplicationController:
         self._save(name)
         return rs.epoch, self._follower_refs(name, rs)
 
+    def in_sync_replicas(self, name: str) -> list[str]:
+        """The replica ids last reported in sync for queue ``name`` (none if it is not
+        replicated): a leader restarted in place asks which followers to trust."""
+        entry = self.queues.get(name)
+        return [] if entry is None or entry.replicas is None else list(entry.replicas.in_sync)
+
     def update_in_sync(self, name: str, epoch: int, in_sync: list[str]) -> bool:
         """A leader's in-sync replicas; False (fenced) if ``epoch`` is not current."""
         entry = self.queues.get(name)

@@ -32,6 +32,7 @@ import numpy as np
 from raymq.batch import MessageBatch, PropertyGroups, stored_property_groups
 from raymq.core.consumer_target import ConsumerTarget
 from raymq.core.dead_letter import REASON_EXPIRED, REASON_MAX_DELIVERY_ATTEMPTS
+from raymq.core.delivery_counts import DeliveryCounts
 from raymq.core.offset_set import OffsetSet
 from raymq.core.priority import PriorityIndex, priorities_in_groups, priorities_of
 from raymq.core.schedule import ScheduleIndex
@@ -52,6 +53,11 @@ DEAD_LETTER_HOLDER = "\x00dead-letter"
 #: The holder of nacked messages waiting out a redelivery delay (``release``'s
 #: ``delay_until``): nobody takes them until ``release_due``.
 DELAYED_HOLDER = "\x00delayed"
+
+
+def _is_consumer(holder: str) -> bool:
+    """Whether ``holder`` is a consumer (a delivery under way), not a hold of the queue."""
+    return not holder.startswith("\x00")
 
 
 def selector_headers(batch: MessageBatch, delivery_counts: np.ndarray) -> dict[str, np.ndarray]:
@@ -85,7 +91,9 @@ class TargetArea:
         #: Released offsets whose properties could not be read to offer them to the
         #: selector consumers; offered again by ``housekeeping``.
         self._unoffered: list[np.ndarray] = []
-        self._previous: dict[int, int] = {}  # offset -> deliveries so far, when > 0
+        #: Deliveries so far of messages delivered and given back; the log records
+        #: them once ``count_durably`` was called (a durable queue's own area).
+        self.deliveries = DeliveryCounts()
         self._holder: dict[int, str] = {}
         #: The highest offset ever taken (-1: none): no offset above it is held.
         self._highest_taken = -1
@@ -160,7 +168,7 @@ class TargetArea:
         per_message = (
             2 * len(self._holder)
             + len(self._redeliver)
-            + len(self._previous)
+            + len(self.deliveries)
             + len(self.dead_letters)
         )
         ranked = 0 if self.priorities is None else self.priorities.nbytes
@@ -209,15 +217,34 @@ class TargetArea:
     @property
     def remembers_deliveries(self) -> bool:
         """True while a message not yet acknowledged has been delivered and given back:
-        its delivery count lives only in this process."""
-        return bool(self._previous)
+        its delivery count lives only in this process (not a durable queue's)."""
+        return bool(self.deliveries) and not self.deliveries.durable
 
     def previous_deliveries(self, offsets: np.ndarray) -> np.ndarray:
         """How many times each offset was delivered and given back (int32)."""
-        prev = self._previous
-        if not prev:
-            return np.zeros(len(offsets), dtype=np.int32)
-        return np.array([prev.get(o, 0) for o in offsets.tolist()], dtype=np.int32)
+        return self.deliveries.of(offsets)
+
+    def count_durably(self) -> None:
+        """Record every delivery count in the log from now on (a durable queue's own
+        area: ``raymq.core.delivery_counts``)."""
+        self.deliveries = DeliveryCounts(self.log)
+        self.log.checkpoint_deliveries(
+            lambda: self.deliveries.sections(self._holder, _is_consumer)
+        )
+
+    def restore_deliveries(self, counts: dict[int, int]) -> int:
+        """After a restart: the delivery counts recovery found. A message delivered
+        ``max_delivery_attempts`` times already is held for the dead-letter queue;
+        returns how many."""
+        self.deliveries.restore(counts)
+        limit = self.max_delivery_attempts
+        spent = [] if limit is None else [o for o, n in counts.items() if n >= limit]
+        for o in spent:
+            if o not in self._holder:
+                self._holder[o] = DEAD_LETTER_HOLDER
+                self.dead_letters[o] = REASON_MAX_DELIVERY_ATTEMPTS
+                self._highest_taken = max(self._highest_taken, o)
+        return len(spent)
 
     def arrived(self, batch: MessageBatch, groups: PropertyGroups) -> None:
         """Index a newly published batch's priorities, match it against every selector
@@ -303,12 +330,7 @@ class TargetArea:
         target.held.update(as_list)
         self._holder.update(dict.fromkeys(as_list, consumer_id))
         target.delivered += len(as_list)
-        prev = self._previous
-        if prev:
-            counts = np.array([prev.get(o, 0) + 1 for o in as_list], dtype=np.int32)
-        else:
-            counts = np.ones(len(as_list), dtype=np.int32)
-        return offsets, counts
+        return offsets, self.deliveries.taken(offsets, as_list)
 
     def _usable(self, offsets: np.ndarray) -> np.ndarray:
         """Which of ``offsets`` may be taken now: unacknowledged, held by nobody, not
@@ -479,10 +501,7 @@ class TargetArea:
         released = [o for o in listed if pop(o, None) is not None]
         if target is not None:
             target.held.difference_update(released)
-        if self._previous:  # usually empty: only redelivered messages are in it
-            forget = self._previous.pop
-            for o in listed:
-                forget(o, None)
+        self.deliveries.forget(listed)  # usually empty: only redelivered messages
         if consumer_id == DEAD_LETTER_HOLDER:
             for o in listed:
                 self.dead_letters.pop(o, None)
@@ -514,11 +533,13 @@ class TargetArea:
         chosen = self._held_by(target, offsets)
         limit = self.max_delivery_attempts if count_delivery else None
         again: list[int] = []
+        if not count_delivery:
+            self.deliveries.not_counted(chosen)
         for o in chosen:
             target.held.discard(o)
             if count_delivery:
-                self._previous[o] = self._previous.get(o, 0) + 1
-            if limit is not None and self._previous[o] >= limit:
+                self.deliveries.counted(o)
+            if limit is not None and self.deliveries.previous[o] >= limit:
                 # Its next delivery would exceed max_delivery_attempts: dead-letter it.
                 self._holder[o] = DEAD_LETTER_HOLDER
                 self.dead_letters[o] = REASON_MAX_DELIVERY_ATTEMPTS
@@ -602,6 +623,7 @@ class TargetArea:
             target.delivered -= len(listed)
         for o in listed:
             self._holder.pop(o, None)
+        self.deliveries.not_counted(listed)  # their take was no delivery
         self.scheduled.add(offsets, dues)
 
     def set_aside_unheld(self, offsets: np.ndarray, dues: np.ndarray) -> int:
@@ -725,9 +747,9 @@ class TargetArea:
             target = self.consumers.get(holder) if holder is not None else None
             if target is not None:
                 target.held.discard(o)
-            self._previous.pop(o, None)
             self.dead_letters.pop(o, None)
             self.delayed.pop(o, None)
+        self.deliveries.forget(listed)
         for t in self.selective:
             t.candidates.discard(offsets)
         if self.priorities:

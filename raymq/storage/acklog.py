@@ -40,6 +40,14 @@ SUBSCRIPTION_MARK = -1
 #: be delivered again before that time; these sections end every record.
 DELAY_MARK = -2
 
+#: First element of the pair (-3, n) that starts ranges of offsets delivered n times
+#: so far (n counts the delivery it records; a give-back not counted as a delivery
+#: writes the count it returns to); these sections follow the delays. The latest
+#: count of an offset wins.
+DELIVERY_MARK = -3
+#: The markers of the sections that end a record, in the order they are written.
+_TAIL_MARKS = (DELAY_MARK, DELIVERY_MARK)
+
 #: Bytes of disk reserved ahead of the ack log's end (about 6,000 group commits of
 #: contiguous acks, 44 bytes each with the high-water pair).
 ACK_RESERVE_BYTES = 256 * 1024
@@ -58,15 +66,32 @@ def to_ranges(offsets: np.ndarray) -> np.ndarray:
     return np.stack([starts, ends], axis=1)
 
 
+def deliveries_as_ranges(counts: dict[int, int]) -> list[tuple[int, np.ndarray]]:
+    """offset -> count as (count, ranges) sections, counts ascending."""
+    if not counts:
+        return []
+    offsets = np.fromiter(counts, dtype=np.int64, count=len(counts))
+    values = np.fromiter(counts.values(), dtype=np.int64, count=len(counts))
+    order = np.lexsort((offsets, values))
+    offsets, values = offsets[order], values[order]
+    cuts = np.flatnonzero(np.diff(values)) + 1
+    return [
+        (int(v[0]), to_ranges(o))
+        for o, v in zip(np.split(offsets, cuts), np.split(values, cuts), strict=True)
+    ]
+
+
 def encode_ack_record(
     ranges: np.ndarray,
     high: int,
     subscriptions: dict[int, np.ndarray] | None = None,
     delays: list[tuple[int, np.ndarray]] | None = None,
+    deliveries: list[tuple[int, np.ndarray]] | None = None,
 ) -> tuple[bytes, bytes]:
     """(header, payload) of one ack record: the empty range (high, high), ``ranges``,
     then each subscription's ranges after its marker (-1, id), then each delay's
-    ranges after its marker (-2, due µs since the epoch)."""
+    ranges after its marker (-2, due µs since the epoch), then each delivery count's
+    after its marker (-3, count)."""
     parts = [np.array([[high, high]], dtype=np.int64), ranges.reshape(-1, 2)]
     for sid, sub_ranges in (subscriptions or {}).items():
         parts.append(np.array([[SUBSCRIPTION_MARK, sid]], dtype=np.int64))
@@ -74,6 +99,9 @@ def encode_ack_record(
     for due_us, delayed in delays or ():
         parts.append(np.array([[DELAY_MARK, due_us]], dtype=np.int64))
         parts.append(delayed.reshape(-1, 2))
+    for count, delivered in deliveries or ():
+        parts.append(np.array([[DELIVERY_MARK, count]], dtype=np.int64))
+        parts.append(delivered.reshape(-1, 2))
     payload = np.concatenate(parts).astype(np.int64, copy=False).tobytes()
     return ACK_RECORD_HEADER.pack(ACK_RECORD_MAGIC, crc32([payload]), len(payload)), payload
 
@@ -101,17 +129,18 @@ class AckLog:
         self._reserved_to = 0
         self._dirty = False  # a failed append may have left bytes after ``size``
 
-    def create(self, next_offset: int) -> None:
+    def create(self, next_offset: int, *, strict: bool = True) -> None:
         """Start the file (replacing any left by an earlier failed attempt): header,
-        reserved room, fdatasync, then fsync the directory. Raises ``OSError`` if the
-        header cannot be written, the room cannot be reserved on a file system that
+        reserved room (``strict`` False: what the disk has), fdatasync, then fsync the
+        directory. Raises ``OSError`` if the header cannot be written, the room cannot
+        be reserved (``strict``) on a file system that
         supports it, or the name cannot be made durable."""
         self.fd = create_file(self.path, exclusive=False, append=True)
         try:
             header = ack_file_header(self.generation, next_offset)
             os.write(self.fd, header)
             self.size = len(header)
-            self._reserve(strict=True)
+            self._reserve(strict=strict)
             os.fdatasync(self.fd)
             # Its name too: acks written here are answered as durable, and a crash must
             # not lose the file that holds them (found by the fault simulator).
@@ -155,14 +184,15 @@ class AckLog:
         high: int,
         subscriptions: dict[int, np.ndarray] | None = None,
         delays: list[tuple[int, np.ndarray]] | None = None,
+        deliveries: list[tuple[int, np.ndarray]] | None = None,
     ) -> None:
         """Append one record of ranges, led by the empty range (high, high) that records
         the queue's next offset, then each subscription's ranges after its marker
-        (-1, id), and fdatasync it. Raises ``OSError``; the failed record is cut off
-        before the next write."""
+        (-1, id), then the delay and delivery-count sections, and fdatasync it. Raises
+        ``OSError``; the failed record is cut off before the next write."""
         if self._dirty:
             self.repair()
-        header, payload = encode_ack_record(ranges, high, subscriptions, delays)
+        header, payload = encode_ack_record(ranges, high, subscriptions, delays, deliveries)
         self._dirty = True
         written = os.writev(self.fd, [header, payload])
         os.fdatasync(self.fd)
@@ -218,6 +248,8 @@ class AckLogContents:
     skipped: bool = False
     #: Delays of nacked messages, in file order: (due µs since the epoch, ranges).
     delays: list[tuple[int, np.ndarray]] = field(default_factory=list)
+    #: Delivery counts, in file order: (count, ranges); a later one replaces an earlier.
+    deliveries: list[tuple[int, np.ndarray]] = field(default_factory=list)
 
 
 def read_ack_log(path: str) -> AckLogContents:
@@ -244,7 +276,7 @@ def read_ack_log(path: str) -> AckLogContents:
             continue
         pairs, pos = rec
         out.end = pos
-        plain = _split_subscriptions(_split_delays(pairs, out.delays), tagged)
+        plain = _split_subscriptions(_split_tail(pairs, out), tagged)
         chunks.append(plain)
     out.header_ok = _v2_header_ok(data)
     if chunks:
@@ -258,14 +290,16 @@ def read_ack_log(path: str) -> AckLogContents:
     return out
 
 
-def _split_delays(pairs: np.ndarray, delays: list[tuple[int, np.ndarray]]) -> np.ndarray:
-    """The record without its delay sections (they end it), which go to ``delays``."""
-    marks = np.flatnonzero(pairs[:, 0] == DELAY_MARK)
+def _split_tail(pairs: np.ndarray, out: AckLogContents) -> np.ndarray:
+    """The record without its delay and delivery-count sections (they end it), which
+    go to ``out.delays`` and ``out.deliveries``."""
+    marks = np.flatnonzero(np.isin(pairs[:, 0], _TAIL_MARKS))
     if not len(marks):
         return pairs
     for i, mark in enumerate(marks.tolist()):
         end = int(marks[i + 1]) if i + 1 < len(marks) else len(pairs)
-        delays.append((int(pairs[mark, 1]), pairs[mark + 1 : end]))
+        into = out.delays if pairs[mark, 0] == DELAY_MARK else out.deliveries
+        into.append((int(pairs[mark, 1]), pairs[mark + 1 : end]))
     return pairs[: marks[0]]
 
 

@@ -33,6 +33,7 @@ def encode_checkpoint(
     routed_to: int | None = None,
     duplicate_ids: list[tuple[str, int, float]] | None = None,
     delayed: list[tuple[int, int]] | None = None,
+    delivered: list[tuple[int, np.ndarray]] | None = None,
 ) -> bytes:
     """The checkpoint file's bytes for the current state of ``segments``; ``deleted``:
     base offsets of deleted segments whose file could not be unlinked; ``subscriptions``:
@@ -47,6 +48,10 @@ def encode_checkpoint(
         extra["duplicate_ids"] = [[m, o, round(t * 1e6)] for m, o, t in duplicate_ids]
     if delayed:  # (offset, due µs) of nacked messages waiting out a delay
         extra["delayed"] = [[o, due] for o, due in delayed]
+    if delivered:  # (count, [start, end) ranges) of unacknowledged messages delivered
+        extra["delivered"] = [
+            [n, r.astype("<i8", copy=False).tobytes()] for n, r in delivered if len(r)
+        ]
     body = msgpack.packb(
         {
             **extra,

@@ -20,6 +20,7 @@ from raymq.storage.format import DIRECTORY_MODE, FILE_MODE
 IOV_MAX = 1020
 #: Linux fallocate(2) flag: allocate blocks without changing the file's size.
 _FALLOC_FL_KEEP_SIZE = 1
+_FALLOC_FL_PUNCH_HOLE = 2
 
 
 def storage_error(queue: str, action: str, path: str, exc: OSError) -> StorageError:
@@ -158,6 +159,26 @@ def reserve(fd: int, offset: int, length: int) -> bool:
     if code in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
         return False
     raise OSError(code, os.strerror(code))
+
+
+def release_reserved(path: str) -> bool:
+    """Free the blocks reserved beyond the end of file ``path`` (``reserve``), so that
+    another file can use them; False if there were none to free or it could not."""
+    if _fallocate is None:
+        return False
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return False
+    try:
+        size = os.fstat(fd).st_size
+        blocks = os.fstat(fd).st_blocks * 512
+        if blocks <= size:
+            return False
+        flags = _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE
+        return _fallocate(fd, flags, size, blocks - size + (1 << 20)) == 0
+    finally:
+        os.close(fd)
 
 
 def copy_aside(fd: int, start: int, end: int, dest: str) -> bool:

@@ -18,6 +18,7 @@ reports every byte it dropped and why. docs/FORMAT.md, "Recovery", lists the rul
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
 from dataclasses import dataclass, field
@@ -26,7 +27,13 @@ import numpy as np
 
 from raymq.storage.ack_ranges import AckRanges
 from raymq.storage.ack_state import AckState
-from raymq.storage.acklog import AckLog, AckLogContents, list_generations, read_ack_log
+from raymq.storage.acklog import (
+    AckLog,
+    AckLogContents,
+    deliveries_as_ranges,
+    list_generations,
+    read_ack_log,
+)
 from raymq.storage.checkpoint import (
     duplicate_id_entries,
     encode_checkpoint,
@@ -36,7 +43,7 @@ from raymq.storage.checkpoint import (
     write_checkpoint,
 )
 from raymq.storage.duplicate_ids import segment_ids, stored_ids
-from raymq.storage.files import copy_aside, fsync_directory, remove_file
+from raymq.storage.files import copy_aside, fsync_directory, release_reserved, remove_file
 from raymq.storage.format import (
     CHECKPOINT_NAME,
     DAMAGED_SUFFIX,
@@ -105,6 +112,8 @@ class Recovered:
     stored_ids: list[tuple[str, int, float]] = field(default_factory=list)
     #: offset -> due (µs since the epoch) of unacknowledged messages nacked with a delay.
     delays: dict[int, int] = field(default_factory=dict)
+    #: offset -> deliveries so far of unacknowledged messages delivered before.
+    deliveries: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -202,6 +211,7 @@ class Loader:
         for contents in logs.values():
             self.acks.apply_ranges(contents.ranges)
         self._delays = self._delays_left(ckpt, logs)
+        self._deliveries = self._deliveries_left(ckpt, logs)
         self._count_lost(np.concatenate([a.ranges for a in logs.values()]) if logs else None)
         last_end = self.segments[-1].end_offset if self.segments else 0
         next_offset = max(self._durable_high, self._floor, last_end, self._moved_aside_floor())
@@ -224,6 +234,7 @@ class Loader:
         if ids_since_us is not None:
             got.stored_ids = stored_ids(self.segments, ids_since_us)
         got.delays = self._delays
+        got.deliveries = self._deliveries
         for seg, _tail in self._cuts:
             seg.appendable = False  # the damaged bytes stay until cut: never write over them
         # Only now (a full disk fails recovery above) may damage be hidden from the next
@@ -268,6 +279,32 @@ class Loader:
             for o in offsets[self.acks.is_acked(offsets)].tolist():
                 del due[o]
         return due
+
+    def _deliveries_left(
+        self, ckpt: dict | None, logs: dict[int, AckLogContents]
+    ) -> dict[int, int]:
+        """offset -> deliveries so far of each unacknowledged message delivered: the
+        checkpoint's counts, then the ack logs' in order, the latest count of an offset
+        winning. Read newest first, so that each offset is decided once (most were
+        acknowledged since: only the few left are expanded)."""
+        sections = [
+            (int(n), np.frombuffer(r, dtype="<i8").reshape(-1, 2))
+            for n, r in (ckpt or {}).get("delivered", ())
+        ]
+        for contents in logs.values():
+            sections.extend(contents.deliveries)
+        counts: dict[int, int] = {}
+        decided = AckRanges()
+        for count, ranges in reversed(sections):
+            fresh = [decided.gaps(s, e, e - s) for s, e in ranges.tolist() if e > s]
+            decided.add_ranges(ranges)
+            if not fresh:
+                continue
+            offsets = np.concatenate(fresh)
+            offsets = offsets[~self.acks.is_acked(offsets)]
+            if count > 0:
+                counts.update(dict.fromkeys(offsets.tolist(), count))
+        return counts
 
     def _delete_fully_acked(self) -> None:
         """Delete the segments whose every message is acknowledged (their acks are
@@ -369,6 +406,7 @@ class Loader:
             route_from,
             self._duplicate_ids,  # kept: only the producers' resends bring them back
             sorted(self._delays.items()),
+            deliveries_as_ranges(self._deliveries),
         )
         try:
             write_checkpoint(self.directory, data)
@@ -397,12 +435,32 @@ class Loader:
         except OSError as exc:
             usable = [g for g, contents in logs.items() if contents.header_ok]
             if not usable:
-                raise
+                if exc.errno != errno.ENOSPC:
+                    raise
+                return self._start_ack_log_on_a_full_disk(ack_log, next_offset, logs, exc)
             gen = max(usable)
             self.report.damage.append(
                 f"{ack_log.path}: cannot be started ({exc}); acks go on to generation {gen}"
             )
             return AckLog.reopen(self.directory, gen, logs[gen].end)
+
+    def _start_ack_log_on_a_full_disk(
+        self, ack_log: AckLog, next_offset: int, logs: dict[int, AckLogContents], exc: OSError
+    ) -> AckLog:
+        """No ack log can be appended to (a damaged header) and the disk is full: the
+        room reserved for the older ones (read already; the next checkpoint retires
+        them) is freed for the new one, which reserves what it can. Without this, a
+        queue whose disk filled while it was down did not open."""
+        freed = [g for g in logs if release_reserved(os.path.join(self.directory, ack_log_name(g)))]
+        try:
+            ack_log.create(next_offset, strict=False)
+        except OSError:
+            raise exc from None
+        self.report.damage.append(
+            f"{ack_log.path}: started on a full disk ({exc}) in the room reserved for "
+            f"ack log generations {sorted(freed)}"
+        )
+        return ack_log
 
     def _delete(self, seg: Segment) -> None:
         """Close and unlink a segment nobody needs; if the unlink fails, the checkpoint

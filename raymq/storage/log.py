@@ -87,6 +87,8 @@ class SegmentLog:
         #: offset -> due (µs since the epoch) of messages recovery found waiting out a
         #: nack's delay (see ``delay``).
         self.recovered_delays: dict[int, int] = {}
+        #: offset -> deliveries so far, of unacknowledged messages delivered before.
+        self.recovered_deliveries: dict[int, int] = {}
         self.route_from = 0
         #: An address's ``subscriptions`` file, read before recovery changes anything
         #: (None: there is none, or the queue is not durable).
@@ -180,6 +182,7 @@ class SegmentLog:
         self.recovered_subscriptions = got.subscription_ranges
         self.recovered_duplicate_ids = [*got.duplicate_ids, *got.stored_ids]
         self.recovered_delays = got.delays
+        self.recovered_deliveries = got.deliveries
         self.route_from = got.route_from
 
     # -- writing (see Writer) ---------------------------------------------------------
@@ -350,6 +353,7 @@ class SegmentLog:
             or (subs is not None and subs.has_pending)
             or self._writer.deferred is not None
             or bool(self._writer.pending_delays)
+            or bool(self._writer.pending_deliveries)
         )
 
     def attach_subscriptions(self, subscriptions: SubscriptionAcks) -> None:
@@ -368,6 +372,33 @@ class SegmentLog:
         """Every checkpoint from now on carries ``delayed()``: (offset, due µs) of each
         message still waiting out a nack's delay."""
         self._writer.delayed = delayed
+
+    def record_deliveries(self, offsets: np.ndarray, count: int) -> None:
+        """``offsets`` (sorted, unique) have been delivered ``count`` times so far:
+        written to the ack log with the next commit, found again by recovery
+        (``recovered_deliveries``). A run of the same count joins the last one."""
+        n = len(offsets)
+        if not self.durable or not n:
+            return
+        first, last = int(offsets[0]), int(offsets[-1])
+        # Takes from the shared cursor are one run each, and follow each other.
+        ranges = [[first, last + 1]] if last - first + 1 == n else to_ranges(offsets).tolist()
+        pending = self._writer.pending_deliveries
+        if pending and pending[-1][0] == count:
+            joined = pending[-1][1]
+            if joined[-1][1] == ranges[0][0]:
+                joined[-1][1] = ranges[0][1]
+                ranges = ranges[1:]
+            joined.extend(ranges)
+        else:
+            pending.append((count, ranges))
+
+    def checkpoint_deliveries(
+        self, delivered: Callable[[], list[tuple[int, np.ndarray]]] | None
+    ) -> None:
+        """Every checkpoint from now on carries ``delivered()``: (count, ranges) of the
+        unacknowledged messages delivered so far (``record_deliveries``)."""
+        self._writer.delivered = delivered
 
     def checkpoint_duplicate_ids(self, ids: RememberedIds | None) -> None:
         """Every checkpoint from now on carries the producer ids the queue remembers

@@ -86,6 +86,8 @@ class PreparedWrite:
     subscription_ranges: dict[int, np.ndarray] | None = None
     #: Delays of nacked messages in the same record: (due µs, ranges).
     delays: list[tuple[int, np.ndarray]] = field(default_factory=list)
+    #: Delivery counts in the same record: (count, ranges), in the order they changed.
+    deliveries: list[tuple[int, np.ndarray]] = field(default_factory=list)
     ack_log: AckLog | None = None
     #: The queue's next offset when prepared, recorded with the acks.
     ack_high: int = 0
@@ -183,6 +185,12 @@ class Writer:
         #: The delays every checkpoint carries: a function giving (offset, due µs) of
         #: each message still waiting out one; None: none.
         self.delayed: Callable[[], list[tuple[int, int]]] | None = None
+        #: Delivery counts for the next ack record: (count, [[start, end], ...]), in
+        #: the order they changed (lists: joining the next take's range is cheap).
+        self.pending_deliveries: list[tuple[int, list[list[int]]]] = []
+        #: The delivery counts every checkpoint carries: a function giving (count,
+        #: ranges) of each unacknowledged message delivered; None: none.
+        self.delivered: Callable[[], list[tuple[int, np.ndarray]]] | None = None
 
     @property
     def planned_next(self) -> int:
@@ -267,7 +275,11 @@ class Writer:
             if prepared.subscription_ranges and prepared.ack_ranges is None:
                 prepared.ack_ranges = np.zeros((0, 2), dtype=np.int64)
         prepared.delays, self.pending_delays = self.pending_delays, []
-        if prepared.delays and prepared.ack_ranges is None:
+        prepared.deliveries = [
+            (n, np.array(r, dtype=np.int64).reshape(-1, 2)) for n, r in self.pending_deliveries
+        ]
+        self.pending_deliveries = []
+        if (prepared.delays or prepared.deliveries) and prepared.ack_ranges is None:
             prepared.ack_ranges = np.zeros((0, 2), dtype=np.int64)
         prepared.ack_log = self.ack_log
 
@@ -294,6 +306,7 @@ class Writer:
             routed_to,
             None if ids is None else ids.entries(),
             None if self.delayed is None else self.delayed(),
+            None if self.delivered is None else self.delivered(),
         )
         prepared.checkpoint_generation = gen
         prepared.next_ack_log = AckLog(self.directory, gen)
@@ -403,6 +416,7 @@ class Writer:
                     prepared.ack_high,
                     prepared.subscription_ranges,
                     prepared.delays,
+                    prepared.deliveries,
                 )
                 prepared.acks_written = True
             except OSError as exc:
@@ -524,6 +538,7 @@ class Writer:
             if prepared.subscription_ranges and self.subscriptions is not None:
                 self.subscriptions.requeue(prepared.subscription_ranges)
             self.pending_delays[:0] = prepared.delays
+            self.pending_deliveries[:0] = [(n, r.tolist()) for n, r in prepared.deliveries]
             if prepared.ack_error is not None:
                 self._note(prepared.ack_error)
         if prepared.checkpoint is not None:
