@@ -459,14 +459,28 @@ class Scenario:
             f.seek(300)
             f.write(bytes([byte[0] ^ 0x10]))
         failovers = len(ray.get(self.broker._actor.failover_log.remote()))
-        os.kill(self.leader_pid(q), signal.SIGKILL)  # Ray restarts it in place
-        wait_for(
-            "a failover to the follower",
-            lambda: len(ray.get(self.broker._actor.failover_log.remote())) > failovers,
-        )
+        old_pid = self.leader_pid(q)
+        # The broker paused while Ray restarts the leader in place, so that the restart
+        # (not the controller's failover of an unanswering leader) meets the damage.
+        broker_pid = ray.get(self.broker._actor.pid.remote())
+        os.kill(broker_pid, signal.SIGSTOP)
+        try:
+            os.kill(old_pid, signal.SIGKILL)
+            wait_for("the restart in place", lambda: _pid_now(q) not in (None, old_pid))
+            started = q._actor.ready.remote()  # asks the paused broker for its epoch
+        finally:
+            os.kill(broker_pid, signal.SIGCONT)
+        start = _answer(ray.get, started, timeout=DEADLINE_SECONDS)
+        with contextlib.suppress(TimeoutError):  # (none: the leader cut the follower)
+            wait_for(
+                "a failover to the follower",
+                lambda: len(ray.get(self.broker._actor.failover_log.remote())) > failovers,
+                timeout=30,
+            )
         consumed = consume_all(q)
         new_rid = ray.get(self.broker._actor.replica_sets.remote())["healed"]["leader"]
         return {
+            "start": start,
             "old_leader": old_rid,
             "new_leader": new_rid,
             "sent": len(sent),
@@ -500,6 +514,14 @@ class Scenario:
             "refused": refused,
             "consumed": sorted(b.decode() for b in consumed),
         }
+
+
+def _pid_now(q) -> int | None:
+    """The pid of ``q``'s leader actor, None while Ray restarts it."""
+    try:
+        return ray.get(q._actor.pid.remote(), timeout=5)
+    except ray.exceptions.RayError:
+        return None
 
 
 def _answer(call, *args, **kwargs) -> str:

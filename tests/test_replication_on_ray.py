@@ -174,7 +174,9 @@ def test_raymq_status_shows_each_replica(observed):
 
 def test_a_leader_whose_copy_rotted_steps_down_for_the_follower_that_holds_it(observed):
     r = observed["healed"]
-    # Before: restarted in place, it cut the follower back to what it still had.
+    # Before: restarted in place (its start answered), it led on and cut the follower
+    # back to what it still had: all 500 lost.
+    assert r["start"] == "given", r
     assert r["new_leader"] != r["old_leader"], r
     assert (r["lost"], r["never_sent"]) == (0, 0), r
 
