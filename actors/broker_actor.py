@@ -25,6 +25,7 @@ import contextlib
 import logging
 import os
 import shutil
+from dataclasses import asdict
 
 import ray
 from raymq.actors.names import TASK_RESULTS_ACTOR_NAME, queue_actor_name
@@ -37,6 +38,7 @@ from raymq import metrics
 from raymq.config import STOP_SECONDS, BrokerConfig, QueueConfig, validate_queue_name
 from raymq.core.hibernation import HibernationSettings, HibernationStats
 from raymq.core.hibernator import Hibernator
+from raymq.core.leftovers import IN_THE_SET, REMOVABLE, Leftover, Leftovers
 from raymq.core.registry import QueueEntry, QueueRegistry
 from raymq.core.replication_controller import ReplicationController
 from raymq.errors import BrokerUnavailable, QueueExists, QueueNotFound
@@ -64,7 +66,9 @@ class BrokerActor:
         self._queues: dict[str, QueueEntry] = self._registry.load()
         # Replicated queues' sequences, over every Ray call they make (one wrapper).
         self._ops = RayClusterOps(namespace, config, self._registry)
-        self._replication = ReplicationController(self._queues, self._ops)
+        self._replication = ReplicationController(
+            self._queues, self._ops, leftovers=Leftovers(config.paging_directory)
+        )
         # Unreplicated queues' processes: started side by side, hibernated when idle
         # (raymq.core.hibernator; its Ray calls are RayQueueProcesses).
         self._hibernator = Hibernator(
@@ -198,6 +202,63 @@ class BrokerActor:
         current followers as (replica id, node id, actor handle). ``NotLeader`` if
         ``replica_id`` no longer leads the queue."""
         return self._replication.begin_epoch(name, replica_id)
+
+    async def leftovers(self) -> list[dict]:
+        """Replicas' copies left on their nodes: queue, replica_id, node_id, why,
+        since (seconds since the epoch) and what ``remove_leftovers`` would do
+        (``verdict``)."""
+        return [
+            {**asdict(left), "verdict": verdict}
+            for left, verdict in self._replication.leftover_verdicts()
+        ]
+
+    async def remove_leftovers(self, dry_run: bool = False) -> list[dict]:
+        """Remove the copies left behind that no replica uses, each on its node (see
+        ``leftovers``); a record of a copy in the replica set again is dropped. Returns
+        each copy with its ``outcome``: "removed", "absent", "kept: <why>",
+        "record dropped: in the replica set again" or "failed: <error>"."""
+        out = []
+        for left, verdict in self._replication.leftover_verdicts():
+            outcome = f"kept: {verdict}"
+            if not dry_run and verdict == IN_THE_SET:
+                self._replication.leftovers.drop(*left.key)
+                outcome = f"record dropped: {verdict}"
+            elif not dry_run and verdict == REMOVABLE:
+                outcome = await self._remove_leftover(left)
+            elif dry_run and verdict == REMOVABLE:
+                outcome = "would be removed"
+            out.append({**asdict(left), "outcome": outcome})
+        return out
+
+    async def _remove_leftover(self, left: Leftover) -> str:
+        # Under the queue's lock: no failover or replacement starts a replica there
+        # meanwhile (it is checked again inside).
+        async with self._replication.lock_of(left.queue):
+            verdict = dict((x.key, v) for x, v in self._replication.leftover_verdicts()).get(
+                left.key
+            )
+            if verdict != REMOVABLE:
+                return f"kept: {verdict or 'gone'}"
+            try:
+                outcome = await self._ops.remove_copy(left.node_id, left.queue, left.replica_id)
+            except Exception as exc:  # held, unremovable, its node not answering
+                log.warning(
+                    "removing %s/%s on %s failed: %s",
+                    left.queue,
+                    left.replica_id,
+                    left.node_id,
+                    exc,
+                )
+                return f"failed: {exc}"
+            self._replication.leftovers.drop(*left.key)
+            log.info(
+                "replica %s's copy of %r on node %s: %s",
+                left.replica_id,
+                left.queue,
+                left.node_id,
+                outcome,
+            )
+            return outcome
 
     async def in_sync_replicas(self, name: str) -> list[str]:
         """The replica ids the controller holds in sync for queue ``name``."""

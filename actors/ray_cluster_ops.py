@@ -31,6 +31,7 @@ from raymq.core.cluster_ops import (
     Handle,
     Unreachable,
 )
+from raymq.core.leftovers import remove_replica_copy
 from raymq.core.registry import QueueEntry, QueueRegistry
 
 #: Errors of a call to an actor that is gone (or whose node is).
@@ -39,7 +40,16 @@ GONE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 #: (seconds).
 NAME_RELEASE_SECONDS = 10.0
 
+#: How long removing a copy left behind may take on its node (seconds).
+REMOVE_COPY_SECONDS = 60.0
+
 log = logging.getLogger("raymq.broker")
+
+
+@ray.remote(num_cpus=0, max_retries=0)
+def _remove_replica_copy(paging_directory: str, queue: str, rid: str) -> str:
+    """``raymq.core.leftovers.remove_replica_copy`` on the node this task runs on."""
+    return remove_replica_copy(paging_directory, queue, rid)
 
 
 async def _bounded(call, timeout: float | None):
@@ -164,6 +174,16 @@ class RayClusterOps:
     async def shutdown_replica(self, handle: Handle, delete_files: bool) -> None:
         """See ``ClusterOps``."""
         await _bounded(handle.shutdown.remote(delete_files), REPLICA_PING_TIMEOUT_SECONDS * 5)
+
+    async def remove_copy(self, node: str, queue: str, rid: str) -> str:
+        """Remove replica ``rid``'s copy of ``queue`` on ``node`` (by a task pinned
+        there): "removed" or "absent"; ``StorageError`` if a queue process holds it or
+        it cannot be removed, ``Unreachable`` if the node does not answer in time."""
+        paging = self.broker_config.paging_directory
+        ref = _remove_replica_copy.options(scheduling_strategy=pinned_to(node)).remote(
+            paging, queue, rid
+        )
+        return await _bounded(ref, REMOVE_COPY_SECONDS)
 
     def kill(self, handle: Handle) -> None:
         """See ``ClusterOps``."""

@@ -644,6 +644,7 @@ def main(paging_dir: str, temp_dir: str, names: list[str]) -> dict:
             out[name] = SCENARIOS[name](s)
             out[name]["scenario_seconds"] = time.monotonic() - t
         out["failovers"] = ray.get(broker._actor.failover_log.remote())
+        out["leftovers"] = broker.leftovers()
         out["stop"] = stop(broker)
         broker.shutdown()
     finally:

@@ -918,3 +918,60 @@ def test_the_consume_command_makes_its_consumer_where_no_spare_is_started(broker
     assert main(["--namespace", broker.namespace, "consume", "one-consumer", "-n", "1"]) == 0
     assert kept == [False] and spares._keeping
     assert q.stats()["depth"] == 0
+
+
+def test_copies_left_behind_are_shown_and_removed_on_their_node(capsys, ray_session, paging_dir):
+    """Replica copies a broker gave up (recorded in .leftovers.json, as its controller
+    does): ``raymq status`` lists them, ``remove-leftovers --dry-run`` changes nothing,
+    ``remove-leftovers`` removes each on its node, but not one whose lock a running
+    queue process holds (exit 1, kept), which goes once that process is gone."""
+    import subprocess
+    import sys
+
+    import ray
+
+    from raymq.core.leftovers import LEFTOVERS_NAME, Leftovers
+
+    node = ray.get_runtime_context().get_node_id()
+    copies = {rid: os.path.join(paging_dir, "gone", rid) for rid in ("r0", "r3")}
+    for path in copies.values():
+        os.makedirs(path)
+        with open(os.path.join(path, "00000000000000000000.seg"), "wb") as f:
+            f.write(b"x" * 4096)
+    recorded = Leftovers(paging_dir)
+    recorded.add("gone", "r0", node, "replaced leader; its node was lost")
+    recorded.add("gone", "r3", node, "lost follower; replaced")
+    holder = subprocess.Popen(  # a queue process holding r3's directory
+        [
+            sys.executable,
+            "-c",
+            "import sys; from raymq.storage.lock import DirectoryLock;"
+            f"DirectoryLock.acquire({copies['r3']!r}, 'gone'); print('held', flush=True);"
+            "sys.stdin.read()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout.readline().strip() == "held"
+    name = f"raymq-cli-{uuid.uuid4().hex[:8]}"
+    assert main(["--namespace", name, "start", "--paging-directory", paging_dir]) == 0
+    try:
+        shown = ok(capsys, name, "status")
+        assert "replica copies left behind" in shown and "its node was lost" in shown
+        assert "would be removed" in ok(capsys, name, "remove-leftovers", "--dry-run")
+        assert all(os.path.isdir(p) for p in copies.values())
+        code, out, _err = run(capsys, name, "remove-leftovers")
+        assert code == 1, out
+        assert "gone/r0" in out and "removed" in out and "gone/r3" in out and "failed" in out
+        assert not os.path.exists(copies["r0"]) and os.path.isdir(copies["r3"])
+        holder.stdin.close()
+        holder.wait(timeout=60)
+        assert "removed" in ok(capsys, name, "remove-leftovers")
+        assert not os.path.exists(os.path.join(paging_dir, "gone"))  # nothing else in it
+        assert "replica copies left behind" not in ok(capsys, name, "status")
+        with open(os.path.join(paging_dir, LEFTOVERS_NAME)) as f:
+            assert json.load(f) == []
+    finally:
+        holder.kill()
+        main(["--namespace", name, "stop"])

@@ -34,6 +34,7 @@ import pytest
 
 from raymq.config import QueueConfig
 from raymq.core.cluster_ops import Unreachable
+from raymq.core.leftovers import IN_THE_SET, NODE_GONE, REMOVABLE
 from raymq.core.registry import QueueEntry
 from raymq.core.replication_controller import LOST_NODE_SECONDS, ReplicationController
 from raymq.errors import BrokerUnavailable
@@ -797,5 +798,55 @@ def test_a_client_that_cannot_reach_the_leader_starts_the_failover():
         assert s.controller.queues[QUEUE].replicas.leader == "r1"
         assert await s.controller.suspect_leader(QUEUE, dead.id)  # no second failover
         assert len(s.controller.failovers) == 1
+
+    asyncio.run(main())
+
+
+# -- replica copies left behind (issue 31) ------------------------------------------------
+
+
+def _left(s: Scenario) -> list[tuple[str, str, str]]:
+    return [(x.replica_id, x.node_id, v) for x, v in s.controller.leftover_verdicts()]
+
+
+def test_a_replaced_leader_on_a_lost_node_leaves_its_copy_recorded():
+    async def main():
+        s = await failover()
+        old = s.cluster.leader_of(QUEUE)
+        await s.run()
+        [left] = list(s.controller.leftovers)
+        assert (left.replica_id, left.node_id) == (old.rid, old.node)
+        assert "node was lost" in left.why
+        assert _left(s) == [(old.rid, old.node, NODE_GONE)]
+        s.cluster.add_node(old.node)  # back: its copy may go
+        assert _left(s) == [(old.rid, old.node, REMOVABLE)]
+
+    asyncio.run(main())
+
+
+def test_a_replaced_leader_that_does_not_rejoin_leaves_its_copy_one_that_does_not():
+    async def main():
+        s, rid, node = await _failed_over_from_a_pause()
+        reachable = s.cluster.reachable
+        s.cluster.reachable = lambda handle: False  # its node does not start it in time
+        await s.controller.rejoin(QUEUE, rid, node)
+        s.cluster.reachable = reachable
+        assert _left(s) == [(rid, node, REMOVABLE)]
+        assert "did not" in next(iter(s.controller.leftovers)).why
+        await s.controller.rejoin(QUEUE, rid, node)  # its node starts it after all
+        assert rid in s.controller.queues[QUEUE].replicas.nodes
+        assert _left(s) == []  # the record went with it
+
+    asyncio.run(main())
+
+
+def test_a_replaced_follower_leaves_its_copy_and_one_back_in_the_set_is_not_removable():
+    async def main():
+        s = await replace_follower()
+        node = s.controller.queues[QUEUE].replicas.nodes["r1"]
+        await s.run()
+        assert _left(s) == [("r1", node, NODE_GONE)]
+        s.controller.queues[QUEUE].replicas.nodes["r1"] = node  # in the set there again
+        assert _left(s) == [("r1", node, IN_THE_SET)]
 
     asyncio.run(main())

@@ -172,6 +172,15 @@ def test_raymq_status_shows_each_replica(observed):
         assert any(replica["node_id"][:12] in row for row in rows), table
 
 
+def test_the_copy_a_lost_leaders_node_holds_is_recorded_as_left_behind(observed):
+    lost = observed["leader"]["leader_before"]
+    old = next(f["old_leader"] for f in observed["failovers"] if f["queue"] == "leader")
+    left = [x for x in observed["leftovers"] if x["queue"] == "leader"]
+    assert [(x["replica_id"], x["node_id"], x["verdict"]) for x in left] == [
+        (old, lost, "node not alive")
+    ], observed["leftovers"]
+
+
 def test_a_leader_whose_copy_rotted_steps_down_for_the_follower_that_holds_it(observed):
     r = observed["healed"]
     # Before: restarted in place (its start answered), it led on and cut the follower

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -116,6 +117,7 @@ def _status(broker) -> dict[str, Any]:
         "addresses": by_address,
         "hibernation": broker.hibernation_stats(),
         "governor": broker.governor_stats(),
+        "leftovers": broker.leftovers(),
         "metrics": metrics_urls(ray.nodes()),
     }
 
@@ -228,6 +230,7 @@ def status(ctx: click.Context, as_json: bool) -> None:
     _say(MEMORY_NOTE, style="dim")
     _say(_hibernation_line(data["hibernation"]), style="dim")
     _print_replicas(queues)
+    _print_leftovers(data["leftovers"])
     if addresses:
         _print_addresses(namespace, addresses)
         _say(ADDRESS_NOTE, style="dim")
@@ -279,6 +282,45 @@ def _print_replicas(queues: dict[str, dict]) -> None:
                 _human(r["lag_bytes"]),
             )
     _print_table(rt)
+
+
+def _print_leftovers(leftovers: list[dict]) -> None:
+    """The copies replicas left on their nodes (none, no table)."""
+    if not leftovers:
+        return
+    table = Table(title="replica copies left behind (raymq remove-leftovers removes them)")
+    for col in ("queue", "replica", "node", "why", "since", "remove-leftovers"):
+        table.add_column(col)
+    for left in leftovers:
+        since = time.strftime("%Y-%m-%d %H:%M", time.localtime(left["since"]))
+        table.add_row(
+            left["queue"],
+            left["replica_id"],
+            left["node_id"][:12],
+            left["why"],
+            since,
+            left["verdict"],
+        )
+    _print_table(table)
+
+
+@click.command("remove-leftovers")
+@click.option("--dry-run", is_flag=True, help="Say what would be removed; change nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@click.pass_context
+def remove_leftovers(ctx: click.Context, dry_run: bool, as_json: bool) -> None:
+    """Remove the copies replicated queues' replicas left on their nodes (shown by
+    ``raymq status``), each on its node. A copy a replica uses is never removed; one
+    whose node is not alive is kept until it is. Exits 1 if a removal failed."""
+    done = common.connect(ctx).remove_leftovers(dry_run=dry_run)
+    if as_json:
+        click.echo(json.dumps(done, indent=2))
+    elif not done:
+        _say("no replica copies left behind")
+    for left in [] if as_json else done:
+        _say(f"{left['queue']}/{left['replica_id']} on {left['node_id'][:12]}: {left['outcome']}")
+    if any(left["outcome"].startswith("failed") for left in done):
+        ctx.exit(1)
 
 
 def _print_addresses(namespace: str, addresses: dict[str, dict]) -> None:

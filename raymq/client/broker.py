@@ -283,6 +283,19 @@ class Broker:
         (``raymq.serve``), started on the broker's node when first asked."""
         return _call(self._actor.task_results)
 
+    def leftovers(self) -> list[dict[str, Any]]:
+        """Replicas' copies of replicated queues left on their nodes (a replaced leader
+        that did not rejoin, a lost follower replaced): ``queue``, ``replica_id``,
+        ``node_id``, ``why``, ``since`` (seconds since the epoch) and ``verdict``,
+        what ``remove_leftovers`` would do."""
+        return _call(self._actor.leftovers)
+
+    def remove_leftovers(self, dry_run: bool = False) -> list[dict[str, Any]]:
+        """Remove the copies ``leftovers`` lists that no replica uses, each on its
+        node (one its node is not alive for is kept); returns each with its
+        ``outcome``. ``dry_run``: say what would be done, change nothing."""
+        return _call(self._actor.remove_leftovers, dry_run)
+
     def governor_stats(self) -> dict[str, Any]:
         """The MemoryGovernor: threshold, per-node thresholds, each queue's budget split
         into its linked caches, the usage it was computed from, rounds so far."""

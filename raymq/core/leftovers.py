@@ -28,6 +28,11 @@ from raymq.storage.lock import DirectoryLock
 
 #: The file, in the broker's paging directory, listing the copies left behind.
 LEFTOVERS_NAME = ".leftovers.json"
+#: What may be done with a copy left behind (``ReplicationController.leftover_verdicts``):
+REMOVABLE = "remove"
+IN_THE_SET = "in the replica set again"  # on that node: its record is stale
+RUNNING = "a replica of that id runs"  # rejoining: kept until it is decided
+NODE_GONE = "node not alive"  # kept: removed if the node comes back
 
 
 @dataclass(frozen=True)

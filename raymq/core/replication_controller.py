@@ -44,6 +44,7 @@ from raymq.core.cluster_ops import (
     Unreachable,
 )
 from raymq.core.controller import NoNodes, ReplicaSet
+from raymq.core.leftovers import IN_THE_SET, NODE_GONE, REMOVABLE, RUNNING, Leftover, Leftovers
 from raymq.core.registry import QueueEntry
 from raymq.errors import BrokerUnavailable, NotLeader
 
@@ -91,7 +92,9 @@ class ReplicationController:
         ops: ClusterOps,
         clock: Callable[[], float] = time.monotonic,
         monitor_period: float | None = MONITOR_PERIOD_SECONDS,
+        leftovers: Leftovers | None = None,
     ):
+        """``leftovers``: where the copies given up are recorded (default: in memory)."""
         self.queues = queues
         self.ops = ops
         self.clock = clock
@@ -103,6 +106,8 @@ class ReplicationController:
         self.stopping = False
         #: The failovers made: queue, epochs, replicas, seconds.
         self.failovers: list[dict] = []
+        #: Replicas' copies given up on their nodes (``raymq.core.leftovers``).
+        self.leftovers = leftovers if leftovers is not None else Leftovers(None)
         #: Replicated queues: one lock each around failovers and replacements.
         self._locks: dict[str, asyncio.Lock] = {}
         self._monitor: asyncio.Task | None = None
@@ -439,6 +444,8 @@ class ReplicationController:
         if h.lost in self.ops.alive_nodes():  # maybe only its process paused
             rejoin = self.rejoin(name, h.old_leader, h.lost)
             self._rejoins[(name, h.old_leader)] = asyncio.get_running_loop().create_task(rejoin)
+        else:
+            self._give_up(name, h.old_leader, h.lost, "replaced leader; its node was lost")
 
     # -- changes of the set ---------------------------------------------------------------
 
@@ -453,25 +460,33 @@ class ReplicationController:
         epoch = entry.replicas.epoch
         handle = self._follower(name, rid, node, epoch)
         recorded = False
+        why: str | None = "replaced leader; did not rejoin"
         try:
             try:
                 await self.ops.follower_ready(handle, REJOIN_SECONDS)
             except Unreachable as exc:
                 log.info("queue %r: replica %s does not rejoin from its node: %s", name, rid, exc)
+                why = f"replaced leader; did not start within {REJOIN_SECONDS:.0f} s"
                 return
             # (the stop may cancel us while a check holds the lock: the follower runs)
             async with self.lock_of(name):
                 rs = self.queues[name].replicas
                 if rs.epoch != epoch or rid in rs.nodes:
-                    return  # another failover meanwhile
+                    # another failover meanwhile (its copy is the set's again: not left)
+                    why = None if rid in rs.nodes else "replaced leader; another failover first"
+                    return
                 rs.nodes[rid] = node
                 recorded = True
+                with contextlib.suppress(OSError):  # (a stale record, refused at removal)
+                    self.leftovers.drop(name, rid, node)
                 self._lost_nodes.pop(node, None)
                 log.warning("queue %r: replica %s rejoins as a follower", name, rid)
                 await self._publish(name)
         finally:
             if not recorded:  # failed, refused or cancelled: not left running outside the set
                 self.ops.kill(handle)
+                if why is not None and not self.stopping:  # (a stop: the next start's)
+                    self._give_up(name, rid, node, why)
 
     async def trim_excess(self, name: str) -> None:
         """A set grown past the queue's replicas (a replaced leader rejoined): once the
@@ -511,7 +526,41 @@ class ReplicationController:
                 new = None
                 log.warning("queue %r: lost follower %s not replaced: %s", name, rid, exc)
             log.warning("queue %r: follower %s lost, replaced by %s", name, rid, new)
+            self._give_up(name, rid, lost, "lost follower; replaced")
             await self._publish(name)
+
+    def leftover_verdicts(self) -> list[tuple[Leftover, str]]:
+        """Each copy left behind and what ``raymq remove-leftovers`` may do with it
+        (``raymq.core.leftovers``: ``REMOVABLE``, ``IN_THE_SET``, ``RUNNING``,
+        ``NODE_GONE``)."""
+        alive = set(self.ops.alive_nodes())
+        out = []
+        for left in self.leftovers:
+            entry = self.queues.get(left.queue)
+            rs = entry.replicas if entry is not None else None
+            in_set = rs is not None and rs.nodes.get(left.replica_id) == left.node_id
+            running = (left.queue, left.replica_id) in self._rejoins or (
+                self.ops.find_follower(left.queue, left.replica_id) is not None
+            )
+            if in_set:
+                out.append((left, IN_THE_SET))
+            elif running:
+                out.append((left, RUNNING))
+            elif left.node_id not in alive:
+                out.append((left, NODE_GONE))
+            else:
+                out.append((left, REMOVABLE))
+        return out
+
+    def _give_up(self, name: str, rid: str, node: str, why: str) -> None:
+        """Replica ``rid``'s copy on ``node`` is left there: record it (a failure to
+        save is logged; the copy is then as unreported as before)."""
+        try:
+            self.leftovers.add(name, rid, node, why)
+        except OSError as exc:
+            log.warning("queue %r: replica %s's copy on %s not recorded: %s", name, rid, node, exc)
+            return
+        log.warning("queue %r: replica %s's copy left on node %s (%s)", name, rid, node, why)
 
     async def _publish(self, name: str, retired: str | None = None) -> None:
         """Save a changed set, end the actor of a replica it ``retired`` (its copy

@@ -228,9 +228,7 @@ class TargetArea:
         """Record every delivery count in the log from now on (a durable queue's own
         area: ``raymq.core.delivery_counts``)."""
         self.deliveries = DeliveryCounts(self.log)
-        self.log.checkpoint_deliveries(
-            lambda: self.deliveries.sections(self._holder, _is_consumer)
-        )
+        self.log.checkpoint_deliveries(lambda: self.deliveries.sections(self._holder, _is_consumer))
 
     def restore_deliveries(self, counts: dict[int, int]) -> int:
         """After a restart: the delivery counts recovery found. A message delivered
