@@ -644,6 +644,15 @@ def main(paging_dir: str, temp_dir: str, names: list[str]) -> dict:
             out[name] = SCENARIOS[name](s)
             out[name]["scenario_seconds"] = time.monotonic() - t
         out["failovers"] = ray.get(broker._actor.failover_log.remote())
+        if "leader" in out:  # its old leader's rejoin gives up within REJOIN_SECONDS
+            lost = out["leader"]["leader_before"]
+            wait_for(
+                "the lost leader's copy recorded",
+                lambda: any(
+                    (x["queue"], x["node_id"], x["verdict"]) == ("leader", lost, "node not alive")
+                    for x in broker.leftovers()
+                ),
+            )
         out["leftovers"] = broker.leftovers()
         out["stop"] = stop(broker)
         broker.shutdown()

@@ -176,8 +176,9 @@ def test_the_copy_a_lost_leaders_node_holds_is_recorded_as_left_behind(observed)
     lost = observed["leader"]["leader_before"]
     old = next(f["old_leader"] for f in observed["failovers"] if f["queue"] == "leader")
     left = [x for x in observed["leftovers"] if x["queue"] == "leader"]
-    assert [(x["replica_id"], x["node_id"], x["verdict"]) for x in left] == [
-        (old, lost, "node not alive")
+    # (Scenarios after it removed the nodes of other replicas of it too.)
+    assert (old, lost, "node not alive") in [
+        (x["replica_id"], x["node_id"], x["verdict"]) for x in left
     ], observed["leftovers"]
 
 

@@ -539,8 +539,11 @@ class ReplicationController:
             entry = self.queues.get(left.queue)
             rs = entry.replicas if entry is not None else None
             in_set = rs is not None and rs.nodes.get(left.replica_id) == left.node_id
-            running = (left.queue, left.replica_id) in self._rejoins or (
-                self.ops.find_follower(left.queue, left.replica_id) is not None
+            # (Ray keeps the names of actors whose node died: only a live node's run.)
+            rejoin = self._rejoins.get((left.queue, left.replica_id))
+            running = (rejoin is not None and not rejoin.done()) or (
+                left.node_id in alive
+                and self.ops.find_follower(left.queue, left.replica_id) is not None
             )
             if in_set:
                 out.append((left, IN_THE_SET))
