@@ -334,11 +334,15 @@ class FailoverSoak:
         bench = self.bench = Bench(self.store)
         self.cluster, self.broker, self.head = bench.cluster, bench.broker, bench.head
         self.session = ray._private.worker._global_node.get_session_dir_path()
+        self.before_queue()
         for name in BALLAST:  # the head holds queues: followers go to workers
             self.broker.create_queue(name, node_id=self.head)
         leader = sorted(n.node_id for n in self.cluster.worker_nodes)[0]
         self.q = self.broker.create_queue(QUEUE, replicas=self.args.replicas, node_id=leader)
         self.watch_q = self.broker.get_queue(QUEUE)  # the monitor's own handle
+
+    def before_queue(self) -> None:
+        """Called once the broker runs, before the queue is made (a hook)."""
 
     def close(self) -> None:
         if self.bench is not None:

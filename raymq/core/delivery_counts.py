@@ -63,10 +63,10 @@ class DeliveryCounts:
         (int32), recorded for the ack log."""
         prev = self.previous
         if not prev:
-            counts = np.ones(len(as_list), dtype=np.int32)
-            if self._log is not None:
-                self._log.record_deliveries(offsets, 1)
-            return counts
+            log = self._log
+            if log is not None:
+                log.record_deliveries(as_list, 1)  # (a list: cheaper to look at)
+            return np.ones(len(as_list), dtype=np.int32)
         counts = np.array([prev.get(o, 0) + 1 for o in as_list], dtype=np.int32)
         if self._log is not None:
             for n in np.unique(counts).tolist():

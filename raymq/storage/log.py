@@ -373,7 +373,7 @@ class SegmentLog:
         message still waiting out a nack's delay."""
         self._writer.delayed = delayed
 
-    def record_deliveries(self, offsets: np.ndarray, count: int) -> None:
+    def record_deliveries(self, offsets: np.ndarray | list[int], count: int) -> None:
         """``offsets`` (sorted, unique) have been delivered ``count`` times so far:
         written to the ack log with the next commit, found again by recovery
         (``recovered_deliveries``). A run of the same count joins the last one."""
@@ -382,7 +382,10 @@ class SegmentLog:
             return
         first, last = int(offsets[0]), int(offsets[-1])
         # Takes from the shared cursor are one run each, and follow each other.
-        ranges = [[first, last + 1]] if last - first + 1 == n else to_ranges(offsets).tolist()
+        if last - first + 1 == n:
+            ranges = [[first, last + 1]]
+        else:
+            ranges = to_ranges(np.asarray(offsets, dtype=np.int64)).tolist()
         pending = self._writer.pending_deliveries
         if pending and pending[-1][0] == count:
             joined = pending[-1][1]

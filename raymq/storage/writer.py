@@ -180,16 +180,13 @@ class Writer:
         #: checkpoint is then the only place they are kept.
         self.duplicate_ids: RememberedIds | None = None
         self.ids_checkpointed_below = 0
-        #: Delays of nacked messages for the next ack record: (due µs, ranges).
+        #: Nacks' delays and delivery counts for the next ack record: (due µs, ranges)
+        #: and (count, [[start, end], ...]) in the order they changed; and the functions
+        #: giving what every checkpoint carries: (offset, due µs) of each message
+        #: waiting out a delay, (count, ranges) of each one delivered (None: nothing).
         self.pending_delays: list[tuple[int, np.ndarray]] = []
-        #: The delays every checkpoint carries: a function giving (offset, due µs) of
-        #: each message still waiting out one; None: none.
-        self.delayed: Callable[[], list[tuple[int, int]]] | None = None
-        #: Delivery counts for the next ack record: (count, [[start, end], ...]), in
-        #: the order they changed (lists: joining the next take's range is cheap).
         self.pending_deliveries: list[tuple[int, list[list[int]]]] = []
-        #: The delivery counts every checkpoint carries: a function giving (count,
-        #: ranges) of each unacknowledged message delivered; None: none.
+        self.delayed: Callable[[], list[tuple[int, int]]] | None = None
         self.delivered: Callable[[], list[tuple[int, np.ndarray]]] | None = None
 
     @property
