@@ -107,7 +107,8 @@ class CombinedFailures(FailoverSoak):
         try:
             time.sleep(self.args.pause)
         finally:
-            os.kill(pid, signal.SIGCONT)
+            with contextlib.suppress(ProcessLookupError):  # the failover ended it
+                os.kill(pid, signal.SIGCONT)
         failed_over = [r for r in self.failover_log()[before:] if r["queue"] == QUEUE]
         self.step(
             f"leader {rid} resumed; failovers meanwhile: "
@@ -133,7 +134,16 @@ class CombinedFailures(FailoverSoak):
         finally:
             os.close(fd)
         self.step(f"follower {rid}'s disk full for {self.args.full:g} s")
-        time.sleep(self.args.full)
+        t = time.monotonic()
+        while rid in self.replica_set()["in_sync"] and time.monotonic() - t < self.args.full:
+            time.sleep(0.25)  # the pace of looking, not a wait for anything
+        dropped = rid not in self.replica_set()["in_sync"]
+        self.step(
+            f"follower {rid} out of sync after {time.monotonic() - t:.1f} s"
+            if dropped
+            else f"follower {rid} still in sync (no commit reached its full disk)"
+        )
+        time.sleep(max(0.0, self.args.full - (time.monotonic() - t)))
         with contextlib.suppress(FileNotFoundError):
             os.remove(filler)
         self.step(f"follower {rid}'s disk has room again")
