@@ -21,10 +21,9 @@ def browse_all(q) -> list:
     return list(q.browse(batch_size=5000))
 
 
-@pytest.mark.parametrize("durable", [True, False], ids=["durable", "memory"])
-def test_a_poison_message_ends_in_the_dead_letter_queue(broker, durable):
-    q = broker.create_queue("poison", durable=durable, max_delivery_attempts=3)
-    q.send_batch([b"ok", b"poison", b"ok too"], [{"n": 0}, {"n": 1}, {"n": 2}])
+def nack_the_poison(q) -> list[int]:
+    """Receive until the queue has nothing more for one consumer, nacking the poison
+    message and acking the others; returns the poison message's delivery counts."""
     counts = []
     deadline = time.monotonic() + DEADLINE_SECONDS
     with q.consumer(prefetch=10) as c:
@@ -38,7 +37,14 @@ def test_a_poison_message_ends_in_the_dead_letter_queue(broker, durable):
                 else:
                     c.ack(m)
             assert time.monotonic() < deadline, f"still receiving after {DEADLINE_SECONDS} s"
-    assert counts == [1, 2, 3]
+    return counts
+
+
+@pytest.mark.parametrize("durable", [True, False], ids=["durable", "memory"])
+def test_a_poison_message_ends_in_the_dead_letter_queue(broker, durable):
+    q = broker.create_queue("poison", durable=durable, max_delivery_attempts=3)
+    q.send_batch([b"ok", b"poison", b"ok too"], [{"n": 0}, {"n": 1}, {"n": 2}])
+    assert nack_the_poison(q) == [1, 2, 3]
     wait_for(lambda: q.stats()["messages_dead_lettered"] == 1, "dead-lettered")
     assert "poison.DLQ" in broker.list_queues()
     dlq = broker.get_queue("poison.DLQ")
@@ -140,18 +146,7 @@ def test_a_delivery_count_survives_a_sigkill_of_the_queue(broker):
     pid = _call(q._actor.pid)
     os.kill(pid, signal.SIGKILL)
     wait_for(lambda: _call(q._actor.pid) != pid, "restart")
-    counts = []
-    deadline = time.monotonic() + DEADLINE_SECONDS
-    with q.consumer(prefetch=10) as c:
-        while (got := c.receive(10, timeout=1)) or c.backlog():
-            for m in got:
-                if m.body == b"poison":
-                    counts.append(m.delivery_count)
-                    c.nack(m)
-                else:
-                    c.ack(m)
-            assert time.monotonic() < deadline, f"still receiving after {DEADLINE_SECONDS} s"
-    assert counts == [3]
+    assert nack_the_poison(q) == [3]
     wait_for(lambda: q.stats()["messages_dead_lettered"] == 1, "dead-lettered")
     [letter] = browse_all(broker.get_queue("crashy.DLQ"))
     assert (letter.body, letter.properties[DEAD_LETTER_REASON]) == (

@@ -174,7 +174,7 @@ def test_counts_are_recorded_as_ranges_and_the_latest_wins(tmp_path):
             self.records: list[tuple[list[int], int]] = []
 
         def record_deliveries(self, offsets, count):
-            self.records.append((offsets.tolist(), count))
+            self.records.append(([int(o) for o in offsets], count))
 
     log = Log()
     counts = DeliveryCounts(log)

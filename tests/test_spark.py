@@ -9,7 +9,6 @@ with a wrong Spark-side view of the data.
 from __future__ import annotations
 
 import contextlib
-import glob
 import os
 import shutil
 import time
@@ -21,6 +20,7 @@ import raymq.client
 import raymq.data
 import raymq.spark
 from raymq.errors import MessageTooLarge
+from raymq.jvm_leftovers import process_tree, subtree
 
 N = 100_000
 COLORS = ("red", "green", "blue")
@@ -31,29 +31,12 @@ def expected_row(i: int) -> tuple[bytes, str, float]:
     return (f"event-{i}".encode(), COLORS[i % 3], i * 0.25)
 
 
-def _descendants(pid: int) -> set[int]:
-    """The processes started, directly or not, by ``pid`` (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for stat in glob.glob("/proc/[0-9]*/stat"):
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            with open(stat) as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            children.setdefault(ppid, []).append(int(stat.split("/")[2]))
-    out, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            if child not in out:
-                out.add(child)
-                todo.append(child)
-    return out
-
-
 def _java_library_dirs_of_our_jvms() -> set[str]:
     """The /tmp/ray/<epoch ms> directories whose Ray Java library the JVMs of this test
     session (processes descending from it: the Spark driver, RayDP's Java workers) have
     loaded. Other processes on the machine make such directories too: not ours."""
     found = set()
-    for pid in _descendants(os.getpid()):
+    for pid in subtree(process_tree(), os.getpid()):
         with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as f:
             for line in f:
                 path = line.rsplit(None, 1)[-1]
