@@ -276,15 +276,18 @@ class ReplicationLeader:
         and do not count. Followers that do not answer within
         ``FOLLOWER_TIMEOUT_SECONDS`` do not count either."""
         mine = self._records_end()
-        for link in links:
-            if link.replica_id not in in_sync:
-                continue
-            try:
-                state = await asyncio.wait_for(link.state(self.epoch), FOLLOWER_TIMEOUT_SECONDS)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # unreachable: its copy cannot help now
-                log.info("queue %r: replica %s not surveyed: %s", self.queue, link.replica_id, exc)
+        asked = [link for link in links if link.replica_id in in_sync]
+        states = await asyncio.gather(  # side by side: a silent one costs the bound once
+            *(asyncio.wait_for(link.state(self.epoch), FOLLOWER_TIMEOUT_SECONDS) for link in asked),
+            return_exceptions=True,
+        )
+        for link, state in zip(asked, states, strict=True):
+            if isinstance(state, BaseException):  # unreachable: its copy cannot help now
+                if isinstance(state, asyncio.CancelledError):
+                    raise state
+                log.info(
+                    "queue %r: replica %s not surveyed: %s", self.queue, link.replica_id, state
+                )
                 continue
             shared_end = min(
                 state.end_offset, end_of_epoch(history, state.last_epoch, state.end_offset)
