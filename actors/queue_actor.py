@@ -51,7 +51,6 @@ from raymq.core.replication import ReplicationLeader
 from raymq.core.subscription import LEASE_PREFETCH, Delivery
 from raymq.core.target_list import FetchAnswer
 from raymq.errors import BrokerUnavailable, NotLeader, StorageError
-from raymq.storage.mirror import read_epochs, write_epochs
 from raymq.storage.retention import Position
 from raymq.storage.subscriptions import SubscriptionSpec
 from raymq.wire.fetch import FetchServer
@@ -179,30 +178,14 @@ class QueueActor:
     async def _begin_epoch(self) -> bool:
         """Lead in an epoch of its own, every (re)start: the controller gives the next
         epoch and the current followers (a restart in place has old ones in its
-        arguments); this copy's epoch starts where its recovered log ends. Returns
-        False if an in-sync follower holds records this copy lost (a tail torn by a
-        crash, damage found by recovery): it then steps down, cutting nothing, for the
-        controller to fail over to that follower. (Without one, followers are cut back
-        to this copy's end: no two copies may serve different messages at an offset.)"""
+        arguments); ``ReplicationLeader.begin`` does the rest. False: it stepped down."""
         epoch, followers = await self._ask_controller(
             "begin_epoch", self.core.name, self.role.replica_id
         )
         self.role = LeaderRole(self.role.replica_id, self.role.directory, epoch, followers)
-        rep = self.core.replication
-        rep.epoch = epoch
-        epochs = read_epochs(self.role.directory)
-        history = list(epochs)
-        if not epochs or epochs[-1][0] < epoch:
-            epochs.append((epoch, self.core.log.next_offset))
-            write_epochs(self.role.directory, epochs)
-        rep.epochs = epochs
         in_sync = await self._ask_controller("in_sync_replicas", self.core.name)
         lost_here = self.core.recovery.damaged > 0  # found by this recovery
-        holder = await rep.holder_of_lost_records(self.role.links(), in_sync, history, lost_here)
-        if holder is None:
-            return True
-        rep.step_down(holder)
-        return False
+        return await self.core.replication.begin(epoch, self.role.links(), in_sync, lost_here)
 
     async def _export_metrics(self) -> None:
         """Every ``metrics.EXPORT_PERIOD_SECONDS``, set this queue's metrics and its

@@ -6,6 +6,7 @@ epoch, catching up (a new follower, one that diverged) and the epoch-history cut
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import shutil
 
@@ -17,6 +18,7 @@ from raymq.config import BrokerConfig, QueueConfig
 from raymq.core.queue import QueueCore
 from raymq.core.replication import Fenced, ReplicationFollower, ReplicationLeader
 from raymq.errors import InvalidSetting, NotEnoughReplicas, NotLeader
+from raymq.storage import mirror as mirror_module
 from raymq.storage.mirror import Diverged, ReplicaFiles, end_of_epoch, write_epochs
 from tests.storage_helpers import flip
 
@@ -322,6 +324,65 @@ def test_replica_files_refuse_a_write_that_does_not_continue_them(tmp_path):
     with pytest.raises(Fenced):
         f.apply(2, MirrorWrite(epoch=2, seq=1, end_offset=0))
     assert files.sizes == {}
+
+
+def _follower_copy(root) -> str:
+    """A follower's directory holding 200 messages over several segment files."""
+
+    async def main():
+        links = [follower(root, "r1")]
+        core, rep, _ = open_leader(root, links)
+        await until_in_sync(rep, 2)
+        await send(core, 0, 200)
+        await core.close()
+        links[0].follower.files.close()
+
+    asyncio.run(main())
+    return os.path.join(root, "r1")
+
+
+def _failing_once(monkeypatch, module, name: str, calls: list[str]) -> None:
+    """``module.name`` fails with EIO at its first call; every call is noted."""
+    real = getattr(module, name)
+
+    def call(path, *args, **kwargs):
+        calls.append(f"{name} {os.path.basename(path)}")
+        if len(calls) == 1:
+            raise OSError(errno.EIO, "injected", path)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(module, name, call)
+
+
+def test_a_cut_whose_unlink_failed_removes_the_file_at_the_next_try(tmp_path, monkeypatch):
+    """Found by the replicated simulator: a failed unlink forgot the file anyway; the
+    catch-up's next cut left it on disk, to come back at the next open with records
+    the leader had given other messages to."""
+    directory = _follower_copy(tmp_path)
+    files = ReplicaFiles(directory, "rq")
+    last = max(files.sizes)
+    calls: list[str] = []
+    _failing_once(monkeypatch, mirror_module.os, "unlink", calls)
+    with pytest.raises(OSError):
+        files.truncate_to(int(last[: -len(".seg")]))
+    files.truncate_to(int(last[: -len(".seg")]))
+    assert not os.path.exists(os.path.join(directory, last))
+    assert last not in ReplicaFiles(directory, "rq").sizes
+
+
+def test_a_cut_syncs_its_directory_even_when_nothing_is_left_to_remove(tmp_path, monkeypatch):
+    """Found by the replicated simulator: a cut whose directory sync failed is tried
+    again; the second found nothing to remove and synced nothing, so a crash could
+    bring back the removed file."""
+    directory = _follower_copy(tmp_path)
+    files = ReplicaFiles(directory, "rq")
+    last = max(files.sizes)
+    calls: list[str] = []
+    _failing_once(monkeypatch, mirror_module, "fsync_directory", calls)
+    with pytest.raises(OSError):
+        files.truncate_to(int(last[: -len(".seg")]))
+    files.truncate_to(int(last[: -len(".seg")]))
+    assert calls == ["fsync_directory r1", "fsync_directory r1"]
 
 
 def test_end_of_epoch_is_where_the_next_epoch_starts():

@@ -435,6 +435,7 @@ async def trim_excess() -> Scenario:
 async def replace_follower() -> Scenario:
     s = await _created()
     s.cluster.kill_node(s.controller.queues[QUEUE].replicas.nodes["r1"])
+    s.cluster.write(QUEUE, 1)  # the leader takes it out of sync (a heartbeat would)
     s.run = lambda: s.controller.replace_follower(QUEUE, "r1")
     return s
 
@@ -443,6 +444,7 @@ async def restore_count() -> Scenario:
     """A follower was lost when no other node was free; now one is."""
     s = await _created(nodes=3)
     s.cluster.kill_node(s.controller.queues[QUEUE].replicas.nodes["r1"])
+    s.cluster.write(QUEUE, 1)
     await s.controller.replace_follower(QUEUE, "r1")
     assert len(s.controller.queues[QUEUE].replicas.nodes) == REPLICAS - 1
     s.cluster.add_node("n3")
@@ -748,10 +750,40 @@ def test_a_lost_node_gets_no_replica_until_its_time_is_up():
     asyncio.run(main())
 
 
+def test_a_silent_follower_still_in_sync_is_kept_for_the_failover_that_needs_it():
+    """Found by the replicated simulator: the leader's node lost while its one in-sync
+    follower restarts. Replaced after two silent rounds, that follower took with it the
+    only copy a failover could promote: the queue stayed unavailable for good. Kept,
+    it is promoted once it answers, with every acknowledged message."""
+
+    async def main():
+        s = await _created()
+        rs = s.controller.queues[QUEUE].replicas
+        s.cluster.kill_node(rs.nodes["r2"])
+        s.cluster.write(QUEUE, 5)  # r2 leaves the in-sync set; r1 holds everything
+        r1 = s.cluster.follower_of(QUEUE, "r1")
+        s.cluster.pause(r1)  # restarting: silent
+        s.cluster.kill_node(rs.leader_node)
+        for _ in range(3):  # the monitor's loop logs what a round raises
+            with contextlib.suppress(BrokerUnavailable):
+                await s.controller.monitor_once(QUEUE)
+        assert "r1" in rs.nodes and "r1" in rs.in_sync
+        r1.paused = False
+        s.clock.advance(LOST_NODE_SECONDS)
+        for _ in range(3):
+            with contextlib.suppress(BrokerUnavailable):
+                await s.controller.monitor_once(QUEUE)
+        assert rs.leader == "r1"
+        assert s.cluster.copies[(QUEUE, "r1")] >= s.cluster.acked[QUEUE]
+
+    asyncio.run(main())
+
+
 def test_a_follower_is_replaced_at_its_second_missed_round():
     async def main():
         s = await _created()
         s.cluster.kill_node(s.controller.queues[QUEUE].replicas.nodes["r2"])
+        s.cluster.write(QUEUE, 1)  # the leader takes it out of sync
         await s.controller.monitor_once(QUEUE)
         assert "r2" in s.controller.queues[QUEUE].replicas.nodes
         await s.controller.monitor_once(QUEUE)

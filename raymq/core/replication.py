@@ -39,12 +39,15 @@ from typing import Protocol
 import numpy as np
 
 from raymq.errors import NotEnoughReplicas, NotLeader
+from raymq.storage.files import storage_error
 from raymq.storage.mirror import (
+    EPOCHS_NAME,
     Diverged,
     MirrorState,
     MirrorWrite,
     ReplicaFiles,
     end_of_epoch,
+    read_epochs,
     read_range,
     read_small_files,
     write_epochs,
@@ -259,6 +262,30 @@ class ReplicationLeader:
             else:
                 self._followers[rid] = _Follower(link)
         self._start_catch_ups()
+
+    async def begin(
+        self, epoch: int, links: list[FollowerLink], in_sync: list[str], lost_here: bool
+    ) -> bool:
+        """Lead in ``epoch``, the controller's next (every start, a restart in place
+        too): this copy's epoch starts where its recovered log ends. ``links``: the
+        current followers; ``in_sync``: the controller's in-sync set of the epoch
+        before; ``lost_here``: recovery lost messages to damage. Returns False if an
+        in-sync follower holds records this copy lost (a tail torn by a crash, damage):
+        it then steps down, cutting nothing, for the controller to fail over to that
+        follower. (Without one, followers are cut back to this copy's end: no two
+        copies may serve different messages at an offset.)"""
+        self.epoch = epoch
+        epochs = read_epochs(self.directory)
+        history = list(epochs)
+        if not epochs or epochs[-1][0] < epoch:
+            epochs.append((epoch, self._end_offset()))
+            self._write_epochs(epochs)
+        self.epochs = epochs
+        holder = await self.holder_of_lost_records(links, in_sync, history, lost_here)
+        if holder is None:
+            return True
+        self.step_down(holder)
+        return False
 
     async def holder_of_lost_records(
         self,
@@ -503,10 +530,19 @@ class ReplicationLeader:
                 f"queue {self.queue!r}: no new epoch from the controller after a cut-back"
                 f" commit ({exc!r})"
             ) from exc
-        self.epoch = epoch
-        self.epochs.append((epoch, self._epoch_from))
-        write_epochs(self.directory, self.epochs)
-        self._epoch_from = None
+        # Adopted once on disk: a failed write leaves the cut-back pending, and the next
+        # commit asks again (the epoch given is burned; the controller's is newer).
+        epochs = [*self.epochs, (epoch, self._epoch_from)]
+        self._write_epochs(epochs)
+        self.epoch, self.epochs, self._epoch_from = epoch, epochs, None
+
+    def _write_epochs(self, epochs: list[tuple[int, int]]) -> None:
+        """``write_epochs``, a failure raised as ``StorageError`` naming the file."""
+        try:
+            write_epochs(self.directory, epochs)
+        except OSError as exc:
+            path = os.path.join(self.directory, EPOCHS_NAME)
+            raise storage_error(self.queue, "writing the epoch history", path, exc) from exc
 
     async def heartbeat_loop(self) -> None:
         """Write to idle followers every ``HEARTBEAT_SECONDS`` (they report a silent

@@ -507,12 +507,17 @@ class ReplicationController:
 
     async def replace_follower(self, name: str, rid: str) -> None:
         """Replace a lost follower by a new one on another node (none free: the set
-        stays short until ``restore_count`` finds one)."""
+        stays short until ``restore_count`` finds one). Not one the set still counts
+        in sync: it may be the only copy of acknowledged sends a failover can promote
+        (its leader lost, say); a leader that serves takes it out of sync first."""
         async with self.lock_of(name):
             entry = self.queues.get(name)
             if entry is None or entry.replicas is None or rid not in entry.replicas.followers:
                 return
             rs = entry.replicas
+            if rid in rs.in_sync:
+                log.info("queue %r: follower %s does not answer; kept while in sync", name, rid)
+                return
             handle = self.ops.find_follower(name, rid)
             if handle is not None:
                 self.ops.kill(handle)

@@ -3,6 +3,7 @@
 python -m raymq.sim --seeds 1000                 # seeds 0..999, on every core
 python -m raymq.sim --seeds 300 --mode address   # the first 300 seeds that run an address
 python -m raymq.sim --seed 42 -v                 # replay one seed, step by step
+python -m raymq.sim --seeds 10000 --mode replicated   # a replicated queue, 10,000 seeds
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 import time
 import traceback
 
+from raymq.sim.replicated import run_replicated_seed
 from raymq.sim.run import Violation, is_address_seed, repro_command, run_seed
 
 #: Wall-clock seconds one seed may take (a loop that never ends is a wedge too).
@@ -28,12 +30,17 @@ def _alarm(_signum, _frame):
     raise _SeedTookTooLong(f"the seed ran past {SEED_BOUND} s (a wedge)")
 
 
-def _one(args: tuple[int, int]) -> tuple[int, dict | None, str]:
-    seed, steps = args
+def _runner(mode: str):
+    """The function that runs one seed of ``mode``."""
+    return run_replicated_seed if mode == "replicated" else run_seed
+
+
+def _one(args: tuple[int, int, str]) -> tuple[int, dict | None, str]:
+    seed, steps, mode = args
     signal.signal(signal.SIGALRM, _alarm)
     signal.alarm(SEED_BOUND)
     try:
-        return seed, run_seed(seed, steps), ""
+        return seed, _runner(mode)(seed, steps), ""
     except Violation as exc:
         return seed, None, str(exc)
     except Exception:  # a crash of the simulated queue is a finding too
@@ -48,9 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=100, help="run seeds FIRST..FIRST+N-1")
     parser.add_argument(
         "--mode",
-        choices=("any", "queue", "address"),
+        choices=("any", "queue", "address", "replicated"),
         default="any",
-        help="run only seeds of this mode: the first N of it from FIRST on",
+        help="run only seeds of this mode: the first N of it from FIRST on (replicated:"
+        " a replicated queue on four simulated nodes, every seed)",
     )
     parser.add_argument("--first", type=int, default=0, help="the first seed")
     parser.add_argument("--seed", type=int, help="run only this seed")
@@ -60,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.seed is not None:
         try:
-            summary = run_seed(args.seed, args.steps, verbose=args.verbose)
+            summary = _runner(args.mode)(args.seed, args.steps, verbose=args.verbose)
         except Violation as exc:
             print(f"VIOLATION {exc}")
             return 1
@@ -72,12 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     totals: dict[str, int] = {}
     with multiprocessing.Pool(args.jobs, maxtasksperchild=100) as pool:
         for done, (seed, summary, error) in enumerate(
-            pool.imap_unordered(_one, [(s, args.steps) for s in seeds]), 1
+            pool.imap_unordered(_one, [(s, args.steps, args.mode) for s in seeds]), 1
         ):
             if summary is None:
                 failed.append(seed)
                 print(f"seed {seed} FAILED: {error}")
-                print(f"  reproduce: {repro_command(seed, args.steps)}")
+                print(f"  reproduce: {repro_command(seed, args.steps, args.mode)}")
             else:
                 for k, v in summary.items():
                     totals[k] = totals.get(k, 0) + v
@@ -97,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _seeds(first: int, n: int, mode: str) -> list[int]:
     """``n`` seeds from ``first`` on: every one, or only those of ``mode``."""
-    if mode == "any":
+    if mode in ("any", "replicated"):
         return list(range(first, first + n))
     out, seed = [], first
     while len(out) < n:

@@ -66,6 +66,8 @@ _WRAPPED = (
     "pread",
     "mkdir",
 )
+#: Wrapped calls that name a path (the others take a file descriptor).
+_BY_PATH = frozenset({"open", "unlink", "replace", "mkdir"})
 #: Size of the pages a crash keeps or loses independently.
 PAGE = 4096
 
@@ -148,8 +150,52 @@ class SimDisk:
                 setattr(os, name, fn)
             storage_files._fallocate = self._orig_fallocate
 
+    @staticmethod
+    @contextlib.contextmanager
+    def installed_together(disks: list[SimDisk]) -> Iterator[list[SimDisk]]:
+        """Install several disks at once, each watching its own root (one per node of
+        a replicated run): a call on a path goes to the disk whose root holds it, a
+        call on a file descriptor to the disk that opened it."""
+        orig = {name: getattr(os, name) for name in _WRAPPED}
+        orig_fallocate = storage_files._fallocate
+        for disk in disks:
+            disk._orig, disk._orig_fallocate = dict(orig), orig_fallocate
+
+        def by_path(name: str) -> Callable:
+            def call(path, *args, **kwargs):
+                for disk in disks:
+                    if disk._mine(path):
+                        return getattr(disk, "_" + name)(path, *args, **kwargs)
+                return orig[name](path, *args, **kwargs)
+
+            return call
+
+        def by_fd(name: str, real: Callable) -> Callable:
+            def call(fd, *args, **kwargs):
+                for disk in disks:
+                    if fd in disk._fds:
+                        return getattr(disk, "_" + name)(fd, *args, **kwargs)
+                return real(fd, *args, **kwargs)
+
+            return call
+
+        for name in _WRAPPED:
+            wrapper = by_path(name) if name in _BY_PATH else by_fd(name, orig[name])
+            setattr(os, name, wrapper)
+        if orig_fallocate is not None:
+            storage_files._fallocate = by_fd("fallocate", orig_fallocate)
+        try:
+            yield disks
+        finally:
+            for name, fn in orig.items():
+                setattr(os, name, fn)
+            storage_files._fallocate = orig_fallocate
+
     def _mine(self, path: object) -> bool:
-        return isinstance(path, str) and os.path.abspath(path).startswith(self.root)
+        if not isinstance(path, str):
+            return False
+        path = os.path.abspath(path)
+        return path == self.root or path.startswith(self.root + os.sep)
 
     def _call(self, name: str, path: str, *, needs_space: bool = False) -> bool:
         """Count a call on ``path``; take the crash image if it is the chosen one; raise

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import os
 import random
 import shutil
@@ -52,17 +51,14 @@ import numpy as np
 
 from raymq.batch import MessageBatch
 from raymq.config import BrokerConfig, QueueConfig
-from raymq.core import admission, group_commit
-from raymq.core import dead_letter_mover as mover_module
-from raymq.core import queue as queue_module
 from raymq.core.expiry import EXPIRATION_PROPERTY, expiration_ms, now_ms
 from raymq.core.priority import PRIORITY_PROPERTY
 from raymq.core.queue import QueueCore
 from raymq.core.schedule import SCHEDULED_PROPERTY
-from raymq.core.subscription import Subscription
 from raymq.errors import ConsumerClosed, RayMQError, StorageError, SubscriptionNotFound
 from raymq.sim.address_ops import AddressOps
 from raymq.sim.disk import SimDisk
+from raymq.sim.environment import detach_loops, simulated
 from raymq.sim.model import (
     COLORS,
     DELAYS,
@@ -85,9 +81,6 @@ from raymq.sim.priorities import check_priority_order
 from raymq.sim.retention_ops import RETENTION_SALT, RETENTIONS, RetentionOps
 from raymq.storage.subscriptions import MANIFEST_NAME
 
-#: The queue core's modules that read the clock: the simulator's clock stands in for
-#: their ``time`` module.
-CLOCKED_MODULES = (queue_module, group_commit, admission)
 #: Seconds any one call may take before the run calls it a wedge.
 CALL_BOUND = 20.0
 
@@ -151,37 +144,12 @@ class Simulation(AddressOps, RetentionOps):
 
     def run(self) -> dict:
         """Run every step and the final checks; the summary of what happened."""
-        quiet = logging.getLogger("raymq")
-        level = quiet.level
-        if not self.verbose:
-            quiet.setLevel(logging.CRITICAL)
-        to_thread, clocks = asyncio.to_thread, [m.time for m in CLOCKED_MODULES]
-        # The subscriptions' background passes and delivery-time timers wait on the wall
-        # clock: they run when the simulator says (housekeeping; fetches release what
-        # is due), so that a seed replays.
-        loops = Subscription._expiry_loop, Subscription._schedule_loop
-        Subscription._expiry_loop = Subscription._schedule_loop = _forever_method
-        # A failed dead-letter move (an injected I/O error) is retried at once, not
-        # after a wall-clock wait (the run would stall, not replay differently).
-        retry = mover_module.DEAD_LETTER_RETRY_FIRST_SECONDS
-        mover_module.DEAD_LETTER_RETRY_FIRST_SECONDS = 0.0
-        # The queue hands big writes and unlinks to threads; here they run inline, and
-        # its clock is the simulator's (a step is 10 ms), so that a seed replays exactly.
-        asyncio.to_thread = _inline
-        for module in CLOCKED_MODULES:
-            module.time = self.clock
         try:
-            with self.disk.installed():
+            with simulated(self.clock, self.verbose), self.disk.installed():
                 asyncio.run(self._run())
         except Violation as exc:
             raise Violation(f"seed {self.seed}, step {self.step}: {exc}") from None
         finally:
-            asyncio.to_thread = to_thread
-            Subscription._expiry_loop, Subscription._schedule_loop = loops
-            mover_module.DEAD_LETTER_RETRY_FIRST_SECONDS = retry
-            for module, clock in zip(CLOCKED_MODULES, clocks, strict=True):
-                module.time = clock
-            quiet.setLevel(level)
             if self._own_root:
                 shutil.rmtree(self.root, ignore_errors=True)
         return {
@@ -294,9 +262,7 @@ class Simulation(AddressOps, RetentionOps):
         # failed write's burned segment, for one.)
         if recovery.damaged and not (self.flipped or self.holes):
             raise Violation(f"recovery found damage with no bit flipped: {recovery.damage}")
-        # Housekeeping and the scrub run when the simulator says, not on the wall clock:
-        # a seed replays.
-        core._tick_loop = core._scrub_loop = _forever
+        detach_loops(core)
         core.start()
         self.core = core
         self.indexed_from = core.log.next_offset  # until a pass has found them again
@@ -767,26 +733,16 @@ class Simulation(AddressOps, RetentionOps):
         return got
 
 
-async def _inline(func, /, *args, **kwargs):
-    return func(*args, **kwargs)
-
-
-async def _forever() -> None:
-    await asyncio.Event().wait()
-
-
-async def _forever_method(self) -> None:
-    await asyncio.Event().wait()
-
-
 def run_seed(seed: int, steps: int = 300, verbose: bool = False) -> dict:
     """Run one seed in a temporary directory; raises ``Violation`` with the seed."""
     return Simulation(seed, steps, verbose=verbose).run()
 
 
-def repro_command(seed: int, steps: int) -> str:
-    """The command that replays ``seed``."""
-    return f"{os.path.basename(sys.executable)} -m raymq.sim --seed {seed} --steps {steps} -v"
+def repro_command(seed: int, steps: int, mode: str = "any") -> str:
+    """The command that replays ``seed`` (of ``mode``: "replicated" runs apart)."""
+    also = " --mode replicated" if mode == "replicated" else ""
+    exe = os.path.basename(sys.executable)
+    return f"{exe} -m raymq.sim --seed {seed} --steps {steps}{also} -v"
 
 
 __all__ = [

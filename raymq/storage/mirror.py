@@ -277,13 +277,16 @@ class ReplicaFiles:
             os.close(fd)
 
     def _unlink(self, name: str) -> bool:
+        # Forgotten once gone: a failed unlink leaves it known (a later cut or install
+        # removes it again, instead of leaving it to come back at the next open).
         self._close(name)
-        self.sizes.pop(name, None)
         try:
             os.unlink(os.path.join(self.directory, name))
-            return True
+            removed = True
         except FileNotFoundError:
-            return False
+            removed = False
+        self.sizes.pop(name, None)
+        return removed
 
     # -- catching up -----------------------------------------------------------------
 
@@ -295,10 +298,9 @@ class ReplicaFiles:
         sequence is forgotten: it is caught up from here."""
         self.seq = -1
         bases = self._segment_bases()
-        removed = False
         for base in bases:
             if base >= offset:
-                removed |= self._unlink(segment_name(base))
+                self._unlink(segment_name(base))
         below = [b for b in bases if b < offset]
         if below:  # the only file that can hold ``offset`` or a torn tail
             name = segment_name(below[-1])
@@ -306,14 +308,15 @@ class ReplicaFiles:
             kept = [r for r in records if r[0] + r[1] <= offset]
             keep = valid_end if len(kept) == len(records) else records[len(kept)][2]
             if not kept:
-                removed |= self._unlink(name)
+                self._unlink(name)
             elif keep < self.sizes[name]:
                 fd = self._fd(name, create=False)
                 os.ftruncate(fd, keep)
                 os.fdatasync(fd)
                 self.sizes[name] = keep
-        if removed:
-            fsync_directory(self.directory)
+        # Always: an earlier cut whose directory sync failed removed names that a
+        # crash could bring back (records the leader gave other messages to).
+        fsync_directory(self.directory)
         self.end_offset = min(self._scan_end(), offset)
         self.epochs = [(e, s) for e, s in self.epochs if s < self.end_offset or s == 0]
 
