@@ -6,6 +6,7 @@ epoch, catching up (a new follower, one that diverged) and the epoch-history cut
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import os
 import shutil
@@ -19,7 +20,7 @@ from raymq.core.queue import QueueCore
 from raymq.core.replication import Fenced, ReplicationFollower, ReplicationLeader
 from raymq.errors import InvalidSetting, NotEnoughReplicas, NotLeader
 from raymq.storage import mirror as mirror_module
-from raymq.storage.mirror import Diverged, ReplicaFiles, end_of_epoch, write_epochs
+from raymq.storage.mirror import Diverged, MirrorWrite, ReplicaFiles, end_of_epoch, write_epochs
 from tests.storage_helpers import flip
 
 PAGE = 16 * 1024  # small segments: several files, deletions show
@@ -383,6 +384,100 @@ def test_a_cut_syncs_its_directory_even_when_nothing_is_left_to_remove(tmp_path,
         files.truncate_to(int(last[: -len(".seg")]))
     files.truncate_to(int(last[: -len(".seg")]))
     assert calls == ["fsync_directory r1", "fsync_directory r1"]
+
+
+def test_a_segment_whose_first_write_failed_is_removed_by_the_next_cut(tmp_path, monkeypatch):
+    """Found by the replicated simulator: a commit that opened a new segment file on a
+    follower and failed to write it left a file the follower did not know of; cut and
+    caught up, it kept it, and once promoted served its stale record at an offset the
+    leader had given another message."""
+    directory = _follower_copy(tmp_path)
+    files = ReplicaFiles(directory, "rq")
+    end = files.end_offset
+    name = f"{end:020d}.seg"
+    write = MirrorWrite(epoch=1, seq=files.seq + 1, end_offset=end + 1)
+    write.records.append((name, 0, [np.zeros(64, dtype=np.uint8)]))
+
+    def failing(fd, bufs, pos):
+        raise OSError(errno.EIO, "injected")
+
+    monkeypatch.setattr(mirror_module, "pwritev_all", failing)
+    with pytest.raises(OSError):
+        files.apply(write)
+    monkeypatch.undo()
+    assert os.path.exists(os.path.join(directory, name))
+    files.truncate_to(end)
+    assert not os.path.exists(os.path.join(directory, name))
+
+
+def _segment_bytes(directory: str) -> int:
+    return sum(
+        os.path.getsize(os.path.join(directory, n))
+        for n in os.listdir(directory)
+        if n.endswith(".seg")
+    )
+
+
+def test_a_restarted_leader_counts_its_followers_in_sync_only_once_caught_up(tmp_path):
+    """Found by the replicated simulator: a leader wrote a commit no follower got and
+    crashed; restarted in place, it served that tail while the controller still
+    counted the followers in sync from before. A failover then promoted one lacking
+    the tail and gave its offsets to other messages: two bodies at one offset. Now
+    its start tells the controller that it alone is in sync."""
+    root = str(tmp_path)
+    leader = os.path.join(root, "r0")
+
+    async def first_life():
+        links = [follower(root, "r1"), follower(root, "r2")]
+        core, rep, _ = open_leader(root, links)
+        await until_in_sync(rep, 3)
+        await send(core, 0, 20)
+        for link in links:
+            link.hang = True  # the next commit reaches no follower
+        before = _segment_bytes(leader)
+        task = asyncio.ensure_future(send(core, 100, 5))
+        async with asyncio.timeout(30):  # written here, waiting for the followers
+            while _segment_bytes(leader) == before:
+                await asyncio.sleep(0.01)
+        shutil.copytree(leader, os.path.join(root, "image"))  # the crash
+        task.cancel()
+        for link in links:
+            link.hang, link.down = False, True
+        with contextlib.suppress(BaseException):
+            await task
+        await core.close()
+        for link in links:
+            link.follower.files.close()
+
+    asyncio.run(first_life())
+    shutil.rmtree(leader)
+    os.rename(os.path.join(root, "image"), leader)
+
+    async def restarted():
+        ctl = Controller(epoch=2)
+        rep = ReplicationLeader(
+            "rq",
+            leader,
+            replica_id="r0",
+            node_id="n0",
+            epoch=2,
+            quorum=2,
+            epochs=[],
+            report_in_sync=ctl.report,
+        )
+        core = QueueCore(
+            config(), BrokerConfig(paging_directory=root), directory=leader, replication=rep
+        )
+        links = [follower(root, "r1", epoch=1), follower(root, "r2", epoch=1)]
+        assert await rep.begin(2, links, ["r0", "r1", "r2"], lost_here=False)
+        assert ctl.reports == [["r0"]]  # before it serves the tail the followers lack
+        core.start()
+        assert len(await drain_bodies(core, ack=False)) == 25
+        await core.close()
+        for link in links:
+            link.follower.files.close()
+
+    asyncio.run(restarted())
 
 
 def test_end_of_epoch_is_where_the_next_epoch_starts():

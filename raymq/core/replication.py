@@ -273,7 +273,9 @@ class ReplicationLeader:
         in-sync follower holds records this copy lost (a tail torn by a crash, damage):
         it then steps down, cutting nothing, for the controller to fail over to that
         follower. (Without one, followers are cut back to this copy's end: no two
-        copies may serve different messages at an offset.)"""
+        copies may serve different messages at an offset.) Leading, it tells the
+        controller that it alone is in sync (``NotEnoughReplicas`` if it cannot,
+        ``NotLeader`` if its epoch is stale)."""
         self.epoch = epoch
         epochs = read_epochs(self.directory)
         history = list(epochs)
@@ -282,10 +284,15 @@ class ReplicationLeader:
             self._write_epochs(epochs)
         self.epochs = epochs
         holder = await self.holder_of_lost_records(links, in_sync, history, lost_here)
-        if holder is None:
-            return True
-        self.step_down(holder)
-        return False
+        if holder is not None:
+            self.step_down(holder)
+            return False
+        # Its followers count again once caught up: until then none may be promoted.
+        # This copy may hold a tail they lack (sends written here, never answered,
+        # before a crash) that it serves from now on; a follower promoted without it
+        # would give those offsets to other messages (found by the simulator).
+        await self._report_in_sync()
+        return True
 
     async def holder_of_lost_records(
         self,

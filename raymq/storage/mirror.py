@@ -211,6 +211,11 @@ class ReplicaFiles:
             path = os.path.join(self.directory, name)
             fd = create_file(path, exclusive=False) if create else os.open(path, os.O_RDWR)
             self._fds[name] = fd
+            if create and name.endswith(SEGMENT_SUFFIX):
+                # Known from its creation: a write into it that fails leaves a file a
+                # cut or an install must remove (found by the simulator: kept unknown,
+                # it outlived them, and a promoted copy served its stale record).
+                self.sizes.setdefault(name, 0)
         return fd
 
     def apply(self, write: MirrorWrite) -> None:
@@ -344,7 +349,8 @@ class ReplicaFiles:
         (name -> bytes; others are removed), its ack logs and checkpoint become
         ``small_files``, its epoch history ``epochs``; from now on it takes the
         leader's commits after ``seq``."""
-        for name in list(self.sizes):
+        on_disk = {n for n in os.listdir(self.directory) if n.endswith(SEGMENT_SUFFIX)}
+        for name in sorted(on_disk | set(self.sizes)):
             if name not in segments:
                 self._unlink(name)
         for name, size in segments.items():
