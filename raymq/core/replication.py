@@ -556,24 +556,28 @@ class ReplicationLeader:
         leader to the controller); a follower that knows a newer epoch fences us."""
         while self.fenced is None:
             await asyncio.sleep(HEARTBEAT_SECONDS)
-            if self._clock() - self._last_write < HEARTBEAT_SECONDS:
-                continue
-            followers = list(self._followers.values())
-            results = await asyncio.gather(
-                *(
-                    asyncio.wait_for(f.link.heartbeat(self.epoch), FOLLOWER_TIMEOUT_SECONDS)
-                    for f in followers
-                ),
-                return_exceptions=True,
-            )
-            causes = [_remote_cause(r) if isinstance(r, BaseException) else None for r in results]
-            newest = max((c.epoch for c in causes if isinstance(c, Fenced)), default=0)
-            if newest:
-                self._fence(newest)
-                return
-            lost = [(f, c) for f, c in zip(followers, causes, strict=True) if c is not None]
-            if lost:
-                await self._lose_in_sync(lost)
+            if self._clock() - self._last_write >= HEARTBEAT_SECONDS:
+                await self.heartbeat_once()
+
+    async def heartbeat_once(self) -> None:
+        """One round of heartbeats to every follower: those that do not answer leave
+        the in-sync set (``_lose_in_sync``); one that knows a newer epoch fences us."""
+        followers = list(self._followers.values())
+        results = await asyncio.gather(
+            *(
+                asyncio.wait_for(f.link.heartbeat(self.epoch), FOLLOWER_TIMEOUT_SECONDS)
+                for f in followers
+            ),
+            return_exceptions=True,
+        )
+        causes = [_remote_cause(r) if isinstance(r, BaseException) else None for r in results]
+        newest = max((c.epoch for c in causes if isinstance(c, Fenced)), default=0)
+        if newest:
+            self._fence(newest)
+            return
+        lost = [(f, c) for f, c in zip(followers, causes, strict=True) if c is not None]
+        if lost:
+            await self._lose_in_sync(lost)
 
     async def _lose_in_sync(self, lost: list[tuple[_Follower, BaseException]]) -> None:
         """In-sync followers that did not answer a heartbeat leave the in-sync set at

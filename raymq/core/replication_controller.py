@@ -80,6 +80,11 @@ class _HandOver:
     began: float
     #: The lost replica's replacement was chosen (done once, also when resumed).
     replaced: bool = False
+    #: The followers in sync before the promotion, but the promoted one: they hold
+    #: every acknowledged send until the new leader begins its epoch.
+    in_sync: tuple[str, ...] = ()
+    #: The new leader began its epoch (``begin_epoch``; it may answer sends since).
+    begun: bool = False
 
 
 class ReplicationController:
@@ -276,6 +281,8 @@ class ReplicationController:
         self.refuse_if_stopping(name)
         rs.epoch += 1
         self._save(name)
+        if name in self._handing_over:
+            self._handing_over[name].begun = True
         return rs.epoch, self._follower_refs(name, rs)
 
     def in_sync_replicas(self, name: str) -> list[str]:
@@ -328,23 +335,49 @@ class ReplicationController:
                 return
             leader = self.ops.find_leader(name)
             # A leader of another epoch was replaced (or fenced): it leads nothing.
-            if leader is not None and await self.ops.ping(leader) == entry.replicas.epoch:
+            answer = await self.ops.ping(leader) if leader is not None else None
+            if answer == entry.replicas.epoch:
                 if name in self._handing_over:  # it started after all
                     self._handed_over(name)
                 return
             resumed = self._handing_over.get(name)
+            if resumed is not None and entry.replicas.leader_node not in self.ops.alive_nodes():
+                self._abandon_hand_over(name, resumed)
+                resumed = None
             self._replacing[name] = resumed.old_leader if resumed else entry.replicas.leader
             try:
                 if resumed is not None:
                     await self._hand_over(name, leader)
                 else:
-                    await self._fail_over(name, leader)
+                    await self._fail_over(name, leader, answered=answer is not None)
             finally:
                 self._replacing.pop(name, None)
 
-    async def _fail_over(self, name: str, old: Handle | None) -> None:
+    def _abandon_hand_over(self, name: str, h: _HandOver) -> None:
+        """The promoted replica's node was lost before the hand-over ended (found by the
+        simulator: resumed again and again, the hand-over waited for ever); the next
+        failover replaces it. If it never began its epoch it answered no send, so the
+        followers in sync before still hold every acknowledged one: in sync again, for
+        that failover to promote one of them."""
+        self._handing_over.pop(name)
+        rs = self.queues[name].replicas
+        if not h.begun:
+            rs.in_sync = [rs.leader] + [r for r in h.in_sync if r in rs.nodes and r != rs.leader]
+            self._save(name)
+        log.warning(
+            "queue %r: replica %s, promoted in epoch %d, was lost before the hand-over"
+            " ended; in sync: %s",
+            name,
+            rs.leader,
+            rs.epoch,
+            rs.in_sync,
+        )
+
+    async def _fail_over(self, name: str, old: Handle | None, answered: bool = False) -> None:
         """Fence the followers with the next epoch, promote the most complete in-sync
-        one, replace the old leader's replica, start the new leader."""
+        one, replace the old leader's replica, start the new leader. If none answers
+        and the old leader did (fenced, by an earlier failover that promoted no one),
+        it starts again in place, in the new epoch."""
         t0 = self.clock()
         entry = self.queues[name]
         rs = entry.replicas
@@ -362,12 +395,29 @@ class ReplicationController:
         ends = await self._fence_followers(name, old_epoch + 1)
         lost = rs.leader_node
         self._lost_nodes[lost] = self.clock()
+        in_sync_before = tuple(r for r in rs.in_sync if r != old_leader)
         if rs.promote(ends) is not None:
             self.queues[name] = QueueEntry(entry.config, rs.leader_node, rs)
-            self._handing_over[name] = _HandOver(old_leader, old_epoch, lost, t0)
+            others = tuple(r for r in in_sync_before if r != rs.leader)
+            self._handing_over[name] = _HandOver(old_leader, old_epoch, lost, t0, in_sync=others)
             await self._hand_over(name, old)
         else:
             self._save(name)  # the epoch, before any actor acts on it
+            if answered:
+                # It holds every acknowledged send (it answered them all): found by
+                # the simulator, left fenced it kept the queue unavailable for good
+                # once its in-sync followers were lost.
+                log.warning(
+                    "queue %r: no in-sync follower answered; leader %s, fenced, starts"
+                    " again in epoch %d",
+                    name,
+                    old_leader,
+                    rs.epoch,
+                )
+                self.ops.kill(old)
+                self._replacing.pop(name, None)  # it is not replaced: its epoch is given
+                await self.leader(name, fresh=True)
+                return
             log.warning(
                 "queue %r: leader %s lost and no in-sync follower answered (epoch %d;"
                 " answered: %s): unavailable until one does",

@@ -47,6 +47,8 @@ from raymq.storage.mirror import ReplicaFiles
 NODES = ("n0", "n1", "n2", "n3")
 #: The replicated queue's name.
 QUEUE = "rq"
+#: Loop turns a ping waits for a starting leader (its timeout, in the simulation).
+PING_TURNS = 50
 
 
 class Gone(ConnectionError):
@@ -316,9 +318,37 @@ class SimCluster:
 
     def _start_incarnation(self, h: SimLeader) -> None:
         h.incarnation += 1
+        h.core = None
         h.started = asyncio.get_running_loop().create_task(self._run_start(h, h.incarnation))
 
+    def _retry_start(self, h: SimLeader) -> None:
+        """A call to a leader whose start failed after its core opened starts it again,
+        as ``QueueActor._ensure_started`` does at every call."""
+        t = h.started
+        failed = t is not None and t.done() and not t.cancelled() and t.exception() is not None
+        if failed and h.core is not None and self.runs(h, h.incarnation):
+            h.started = asyncio.get_running_loop().create_task(self._run_start(h, h.incarnation))
+
     async def _run_start(self, h: SimLeader, incarnation: int) -> None:
+        if h.core is None:
+            try:
+                h.core = self._open_core(h, incarnation)
+            except Exception:  # the actor's constructor failed: Ray starts it again
+                h.down = True
+                raise
+        core, controller = h.core, self._controller_of()
+        await self._leave(h, incarnation)
+        epoch, followers = controller.begin_epoch(QUEUE, h.rid)
+        h.epoch, h.followers = epoch, followers
+        in_sync = controller.in_sync_replicas(QUEUE)
+        links = self.links(h, followers)
+        leading = await core.replication.begin(epoch, links, in_sync, core.recovery.damaged > 0)
+        core.start()
+        if leading:
+            core.replication.set_followers(links)
+
+    def _open_core(self, h: SimLeader, incarnation: int) -> QueueCore:
+        """``QueueActor``'s constructor: the leader's core over its copy."""
         controller = self._controller_of()
 
         async def report(epoch: int, in_sync: list[str]) -> bool:
@@ -344,16 +374,7 @@ class SimCluster:
         broker = BrokerConfig(paging_directory=self.root, checkpoint_interval=0.05)
         core = QueueCore(self.config, broker, directory=h.directory, replication=rep)
         detach_loops(core)
-        h.core = core
-        await self._leave(h, incarnation)
-        epoch, followers = controller.begin_epoch(QUEUE, h.rid)
-        h.epoch, h.followers = epoch, followers
-        in_sync = controller.in_sync_replicas(QUEUE)
-        links = self.links(h, followers)
-        leading = await rep.begin(epoch, links, in_sync, core.recovery.damaged > 0)
-        core.start()
-        if leading:
-            rep.set_followers(links)
+        return core
 
     async def _leave(self, h: SimLeader, incarnation: int) -> None:
         """A call leaving a leader's process for the controller: held while its node is
@@ -443,10 +464,19 @@ class SimCluster:
             h.down = True
         return h
 
+    async def _answer_within(self, h: SimLeader) -> None:
+        """A ping waits a while for a leader that is starting (its first call runs
+        the start): some loop turns stand for ``REPLICA_PING_TIMEOUT_SECONDS``."""
+        for _ in range(PING_TURNS):
+            if h.started is None or h.started.done():
+                return
+            await asyncio.sleep(0)
+
     async def leader_ready(self, handle: SimLeader, timeout: float | None) -> None:
         """See ``ClusterOps``: without a timeout, the start's own error passes through."""
         if handle.started is None or not self.reachable(handle.node):
             raise Unreachable(f"leader {handle.rid} does not answer")
+        self._retry_start(handle)
         if timeout is None:
             await handle.started
         elif not handle.started.done() or handle.started.exception() is not None:
@@ -477,6 +507,8 @@ class SimCluster:
         """See ``ClusterOps``."""
         if isinstance(handle, SimFollower):
             return handle.follower.epoch if self.answers(handle) else None
+        self._retry_start(handle)
+        await self._answer_within(handle)
         if self.serving() is not handle:
             return None
         rep = handle.core.replication

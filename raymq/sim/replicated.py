@@ -16,7 +16,7 @@ The invariants (a broken one raises ``Violation`` with the step and what was see
 * Epochs only grow: the one the controller saves, and each copy's across its crashes
   (a follower that answered in an epoch still knows it after a crash).
 * A fenced leader acknowledges nothing: a send that began once the controller had
-  saved an epoch past the leader's is refused.
+  replaced its leader (chosen another, or started it afresh) is refused.
 * A follower that acknowledged a commit has it on disk: after a crash of its node its
   copy ends no earlier than the commits it answered (less what a leader cut back).
 * Every call returns or raises within ``CALL_BOUND`` seconds, and the queue core
@@ -223,7 +223,11 @@ class ReplicatedSimulation:
                 await self.cluster.crash_node(node)
 
     async def _monitor(self) -> None:
-        """One round of the controller's monitor (its loop logs what a round raises)."""
+        """The leader's heartbeats, then one round of the controller's monitor (as a
+        second of wall clock would bring them; its loop logs what a round raises)."""
+        h = self.cluster.serving()
+        if h is not None and h.core.replication.fenced is None:
+            await h.core.replication.heartbeat_once()
         try:
             await self.ctl.monitor_once(QUEUE)
         except Violation:
@@ -251,7 +255,11 @@ class ReplicatedSimulation:
         batch = MessageBatch.from_bodies(
             [self.sent[i].body for i in indices], None, max_message_size=1 << 20
         )
-        epoch_then = self.cluster.saved_epoch
+        # Replaced already (another leader chosen, or this one started afresh): this
+        # copy must acknowledge nothing from now on. (An epoch that moved on without a
+        # new leader fences nothing by itself: the followers that missed the fence may
+        # still take this leader's commits, and none lacks them.)
+        replaced_then = self.cluster.leader is not h
         try:
             first, count = await core.send_batch(batch)
         except RayMQError as exc:
@@ -265,10 +273,11 @@ class ReplicatedSimulation:
             self._doubt(indices, "in_doubt")
             return
         epoch = core.replication.epoch
-        if epoch < epoch_then:
+        if replaced_then:
             raise Violation(
-                f"leader {h.rid} of epoch {epoch} acknowledged a send that began in epoch"
-                f" {epoch_then}: a fenced leader acknowledged"
+                f"leader {h.rid} of epoch {epoch} acknowledged a send that began after the"
+                f" controller had replaced it (epoch {self.cluster.saved_epoch}): a fenced"
+                " leader acknowledged"
             )
         if count != n:
             raise Violation(f"a send of {n} stored {count}")
