@@ -410,6 +410,36 @@ def test_a_segment_whose_first_write_failed_is_removed_by_the_next_cut(tmp_path,
     assert not os.path.exists(os.path.join(directory, name))
 
 
+def test_a_write_that_failed_after_its_bytes_landed_is_cut_away(tmp_path, monkeypatch):
+    """Found by the replicated simulator: a commit's bytes reached a follower's file,
+    then the write failed; the follower counted the file at its old length, so a cut
+    and an install left the stale records after it, where a promoted copy would have
+    served them."""
+    directory = _follower_copy(tmp_path)
+    files = ReplicaFiles(directory, "rq")
+    end = files.end_offset
+    name = max(files.sizes)
+    size = files.sizes[name]
+    write = MirrorWrite(epoch=1, seq=files.seq + 1, end_offset=end + 1)
+    write.records.append((name, size, [np.full(64, 7, dtype=np.uint8)]))
+    real = mirror_module.pwritev_all
+
+    def lands_then_fails(fd, bufs, pos):
+        real(fd, bufs, pos)
+        raise OSError(errno.EIO, "injected")
+
+    monkeypatch.setattr(mirror_module, "pwritev_all", lands_then_fails)
+    with pytest.raises(OSError):
+        files.apply(write)
+    monkeypatch.undo()
+    path = os.path.join(directory, name)
+    assert os.path.getsize(path) == size + 64
+    files.truncate_to(end)
+    assert os.path.getsize(path) == size
+    files.install(dict(files.sizes), {}, [(1, 0)], end, 0)
+    assert os.path.getsize(path) == size
+
+
 def _segment_bytes(directory: str) -> int:
     return sum(
         os.path.getsize(os.path.join(directory, n))

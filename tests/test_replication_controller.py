@@ -779,6 +779,56 @@ def test_a_silent_follower_still_in_sync_is_kept_for_the_failover_that_needs_it(
     asyncio.run(main())
 
 
+def test_a_fenced_leader_that_answers_starts_again_when_no_follower_can_be_promoted():
+    """Found by the replicated simulator: a failover that promoted no one fenced the
+    leader (it was only slow); its in-sync followers then went silent. Left fenced,
+    it kept the queue unavailable for good though it held every acknowledged send;
+    it starts again in place, in the next epoch."""
+
+    async def main():
+        s = await _created()
+        rs = s.controller.queues[QUEUE].replicas
+        old = s.cluster.leader_of(QUEUE)
+        old.fenced = True
+        for rid in rs.followers:
+            s.cluster.pause(s.cluster.follower_of(QUEUE, rid))
+        await s.controller.check_leader(QUEUE)
+        new = s.cluster.leader_of(QUEUE)
+        assert new is not old and old.ended
+        assert (new.rid, new.begun, new.fenced, new.epoch) == ("r0", True, False, rs.epoch)
+        assert not s.cluster.violations
+
+    asyncio.run(main())
+
+
+def test_a_hand_over_whose_promoted_replica_is_lost_before_it_leads_fails_over_again():
+    """Found by the replicated simulator: the promoted follower's node was lost before
+    its leader started, and every later check resumed the hand-over to it, for ever.
+    It never led, so the other follower in sync before holds every acknowledged send:
+    it is promoted instead."""
+
+    async def main():
+        s = await _created()
+        rs = s.controller.queues[QUEUE].replicas
+        s.cluster.kill_node(rs.leader_node)
+        s.cluster.fail_next("leader_ready")  # the promoted one does not start yet
+        with contextlib.suppress(Fault):
+            await s.controller.check_leader(QUEUE)
+        promoted = rs.leader
+        other = next(r for r in ("r1", "r2") if r != promoted)
+        s.cluster.kill_node(rs.nodes[promoted])
+        for _ in range(2):
+            with contextlib.suppress(BrokerUnavailable, Unreachable, Gone):
+                await s.controller.check_leader(QUEUE)
+        assert rs.leader == other
+        leader = s.cluster.leader_of(QUEUE)
+        assert leader.rid == other and leader.begun and s.cluster.reachable(leader)
+        assert s.cluster.copies[(QUEUE, other)] >= s.cluster.acked[QUEUE]
+        assert not s.cluster.violations
+
+    asyncio.run(main())
+
+
 def test_a_follower_is_replaced_at_its_second_missed_round():
     async def main():
         s = await _created()

@@ -314,16 +314,24 @@ class ReplicaFiles:
             keep = valid_end if len(kept) == len(records) else records[len(kept)][2]
             if not kept:
                 self._unlink(name)
-            elif keep < self.sizes[name]:
-                fd = self._fd(name, create=False)
-                os.ftruncate(fd, keep)
-                os.fdatasync(fd)
-                self.sizes[name] = keep
+            else:
+                self._cut_file(name, keep)
         # Always: an earlier cut whose directory sync failed removed names that a
         # crash could bring back (records the leader gave other messages to).
         fsync_directory(self.directory)
         self.end_offset = min(self._scan_end(), offset)
         self.epochs = [(e, s) for e, s in self.epochs if s < self.end_offset or s == 0]
+
+    def _cut_file(self, name: str, size: int) -> None:
+        """Make segment ``name`` end at ``size`` bytes on disk, durably. The file may be
+        longer than this copy counts (a write that failed after its bytes landed):
+        found by the simulator, such a stale tail outlived cuts and installs, and a
+        promoted copy served its records."""
+        if os.path.getsize(os.path.join(self.directory, name)) != size:
+            fd = self._fd(name, create=False)
+            os.ftruncate(fd, size)
+            os.fdatasync(fd)
+        self.sizes[name] = size
 
     def write_chunk(self, name: str, pos: int, data: np.ndarray, *, sync: bool) -> None:
         """Copy ``data`` of the leader's segment ``name`` to ``pos`` (which must be
@@ -356,6 +364,7 @@ class ReplicaFiles:
         for name, size in segments.items():
             if self.sizes.get(name) != size:
                 raise Diverged(f"{name}: {self.sizes.get(name)} bytes, the leader has {size}")
+            self._cut_file(name, size)
         for name, fd in list(self._fds.items()):
             if name.endswith(SEGMENT_SUFFIX):
                 os.fdatasync(fd)
