@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench fuzz clean bytecode
+.PHONY: demo test lint bench fuzz fuzz-replicated clean bytecode
 
 # make fuzz SEEDS=10000 FIRST=0: the fault simulator on many seeds (a fixed few run in
 # make test); a failing seed prints the command that replays it.
@@ -40,6 +40,10 @@ bench: bytecode
 
 fuzz: bytecode
 	$(VENV)/bin/python -m raymq.sim --seeds $(SEEDS) --first $(FIRST)
+
+# make fuzz-replicated SEEDS=10000: the simulator's replicated mode (issue 31).
+fuzz-replicated: bytecode
+	$(VENV)/bin/python -m raymq.sim --seeds $(SEEDS) --first $(FIRST) --mode replicated
 
 clean:
 	rm -rf $(VENV) build *.egg-info
