@@ -440,6 +440,20 @@ def test_a_write_that_failed_after_its_bytes_landed_is_cut_away(tmp_path, monkey
     assert os.path.getsize(path) == size
 
 
+def _leader_in_epoch_2(directory: str, epochs: list, ctl: Controller) -> ReplicationLeader:
+    """Replica r0's leader side, restarted in place in epoch 2 (quorum 2 of 3)."""
+    return ReplicationLeader(
+        "rq",
+        directory,
+        replica_id="r0",
+        node_id="n0",
+        epoch=2,
+        quorum=2,
+        epochs=epochs,
+        report_in_sync=ctl.report,
+    )
+
+
 def _segment_bytes(directory: str) -> int:
     return sum(
         os.path.getsize(os.path.join(directory, n))
@@ -485,16 +499,7 @@ def test_a_restarted_leader_counts_its_followers_in_sync_only_once_caught_up(tmp
 
     async def restarted():
         ctl = Controller(epoch=2)
-        rep = ReplicationLeader(
-            "rq",
-            leader,
-            replica_id="r0",
-            node_id="n0",
-            epoch=2,
-            quorum=2,
-            epochs=[],
-            report_in_sync=ctl.report,
-        )
+        rep = _leader_in_epoch_2(leader, [], ctl)
         core = QueueCore(
             config(), BrokerConfig(paging_directory=root), directory=leader, replication=rep
         )
@@ -870,16 +875,7 @@ def test_a_restarted_leader_that_lost_records_an_in_sync_follower_holds_steps_do
 
     async def restarted():
         epochs = [*history, (2, 0)]
-        rep = ReplicationLeader(
-            "rq",
-            leader,
-            replica_id="r0",
-            node_id="n0",
-            epoch=2,
-            quorum=2,
-            epochs=epochs,
-            report_in_sync=Controller(epoch=2).report,
-        )
+        rep = _leader_in_epoch_2(leader, epochs, Controller(epoch=2))
         core = QueueCore(
             config(), BrokerConfig(paging_directory=root), directory=leader, replication=rep
         )

@@ -4,6 +4,7 @@ and the clock that stands in for the queue core's ``time`` module."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,8 +40,32 @@ FILTERS: dict[str | None, Callable[[dict | None], bool]] = {
 }
 
 
+#: Seconds any one call may take before a run calls it a wedge.
+CALL_BOUND = 20.0
+
+
 class Violation(AssertionError):
     """An invariant did not hold."""
+
+
+class Traced:
+    """A run's trace of its steps (printed as they go when ``verbose``), and the bound
+    every call it makes is held to."""
+
+    step: int
+    verbose: bool
+    trace: list[str]
+
+    def _note(self, what: str) -> None:
+        self.trace.append(f"{self.step}: {what}")
+        if self.verbose:
+            print(f"step {self.step}: {what}")
+
+    async def _bounded(self, awaitable, what: str):
+        try:
+            return await asyncio.wait_for(awaitable, CALL_BOUND)
+        except TimeoutError:
+            raise Violation(f"{what} did not return within {CALL_BOUND} s (a wedge)") from None
 
 
 @dataclass

@@ -46,8 +46,7 @@ from raymq.errors import RayMQError
 from raymq.sim.cluster import NODES, QUEUE, SimCluster, SimLeader
 from raymq.sim.disk import SimDisk
 from raymq.sim.environment import simulated
-from raymq.sim.model import SimClock, Violation, offset_runs
-from raymq.sim.run import CALL_BOUND
+from raymq.sim.model import CALL_BOUND, SimClock, Traced, Violation, offset_runs
 
 #: Mixed into the seed: a replicated seed draws apart from the queue seed of that number.
 REPLICATED_SALT = 0x5EED_2E91
@@ -71,7 +70,7 @@ class Sent:
     acked: str = ""
 
 
-class ReplicatedSimulation:
+class ReplicatedSimulation(Traced):
     """One replicated run: ``ReplicatedSimulation(seed).run()`` returns a summary or
     raises ``Violation``."""
 
@@ -183,17 +182,6 @@ class ReplicatedSimulation:
                 await self._quiet_point()
         await self._quiet_point()
         await self._close()
-
-    def _note(self, what: str) -> None:
-        self.trace.append(f"{self.step}: {what}")
-        if self.verbose:
-            print(f"step {self.step}: {what}")
-
-    async def _bounded(self, awaitable, what: str):
-        try:
-            return await asyncio.wait_for(awaitable, CALL_BOUND)
-        except TimeoutError:
-            raise Violation(f"{what} did not return within {CALL_BOUND} s (a wedge)") from None
 
     async def _settle(self, turns: int = SETTLE_TURNS) -> None:
         for _ in range(turns):

@@ -60,6 +60,7 @@ from raymq.sim.address_ops import AddressOps
 from raymq.sim.disk import SimDisk
 from raymq.sim.environment import detach_loops, simulated
 from raymq.sim.model import (
+    CALL_BOUND,
     COLORS,
     DELAYS,
     FILTERS,
@@ -73,6 +74,7 @@ from raymq.sim.model import (
     SimClock,
     SimConsumer,
     SimSubscription,
+    Traced,
     Violation,
     is_address_seed,
     offset_runs,
@@ -81,11 +83,8 @@ from raymq.sim.priorities import check_priority_order
 from raymq.sim.retention_ops import RETENTION_SALT, RETENTIONS, RetentionOps
 from raymq.storage.subscriptions import MANIFEST_NAME
 
-#: Seconds any one call may take before the run calls it a wedge.
-CALL_BOUND = 20.0
 
-
-class Simulation(AddressOps, RetentionOps):
+class Simulation(Traced, AddressOps, RetentionOps):
     """One run: ``Simulation(seed).run()`` returns a summary or raises ``Violation``."""
 
     def __init__(self, seed: int, steps: int = 300, root: str | None = None, verbose: bool = False):
@@ -201,17 +200,6 @@ class Simulation(AddressOps, RetentionOps):
                 await self._quiet_point()
         await self._quiet_point()
         await self._close()
-
-    def _note(self, what: str) -> None:
-        self.trace.append(f"{self.step}: {what}")
-        if self.verbose:
-            print(f"step {self.step}: {what}")
-
-    async def _bounded(self, awaitable, what: str):
-        try:
-            return await asyncio.wait_for(awaitable, CALL_BOUND)
-        except TimeoutError:
-            raise Violation(f"{what} did not return within {CALL_BOUND} s (a wedge)") from None
 
     def _open(self) -> None:
         s = self.settings

@@ -168,8 +168,7 @@ class Writer:
         self.undeleted: list[str] = []
         #: Failures, counted (each is logged): commits whose records, acks or checkpoint
         #: failed, and files that could not be unlinked.
-        self.storage_errors = 0
-        self.checkpoint_failures = 0
+        self.storage_errors = self.checkpoint_failures = 0
         self.last_error: StorageError | None = None
         #: What recovery left to the first checkpoint (an address's, when it found
         #: damage): every commit takes a checkpoint until one is durable.
