@@ -371,6 +371,27 @@ def test_a_cut_whose_unlink_failed_removes_the_file_at_the_next_try(tmp_path, mo
     assert last not in ReplicaFiles(directory, "rq").sizes
 
 
+def test_an_unlink_that_failed_after_the_name_was_gone_forgets_it(tmp_path, monkeypatch):
+    """Found by the replicated simulator: the unlink took effect, then failed; the copy
+    still counted the file, and every later cut failed on it (FileNotFoundError): the
+    follower was never in sync again."""
+    directory = _follower_copy(tmp_path)
+    files = ReplicaFiles(directory, "rq")
+    last = max(files.sizes)
+    real = mirror_module.os.unlink
+
+    def gone_then_fails(path, *args, **kwargs):
+        real(path, *args, **kwargs)
+        raise OSError(errno.EIO, "injected", path)
+
+    monkeypatch.setattr(mirror_module.os, "unlink", gone_then_fails)
+    with pytest.raises(OSError):
+        files.truncate_to(int(last[: -len(".seg")]))
+    monkeypatch.undo()
+    assert last not in files.sizes
+    files.truncate_to(int(last[: -len(".seg")]))
+
+
 def test_a_cut_syncs_its_directory_even_when_nothing_is_left_to_remove(tmp_path, monkeypatch):
     """Found by the replicated simulator: a cut whose directory sync failed is tried
     again; the second found nothing to remove and synced nothing, so a crash could

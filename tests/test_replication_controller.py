@@ -779,19 +779,23 @@ def test_a_silent_follower_still_in_sync_is_kept_for_the_failover_that_needs_it(
     asyncio.run(main())
 
 
-def test_a_fenced_leader_that_answers_starts_again_when_no_follower_can_be_promoted():
+@pytest.mark.parametrize("followers", ["silent", "out of sync"])
+def test_a_fenced_leader_that_answers_starts_again_when_no_follower_can_be_promoted(followers):
     """Found by the replicated simulator: a failover that promoted no one fenced the
-    leader (it was only slow); its in-sync followers then went silent. Left fenced,
-    it kept the queue unavailable for good though it held every acknowledged send;
-    it starts again in place, in the next epoch."""
+    leader (it was only slow); its in-sync followers then went silent, or none was in
+    sync. Left fenced, it kept the queue unavailable for good though it held every
+    acknowledged send; it starts again in place, in the next epoch."""
 
     async def main():
         s = await _created()
         rs = s.controller.queues[QUEUE].replicas
         old = s.cluster.leader_of(QUEUE)
         old.fenced = True
-        for rid in rs.followers:
-            s.cluster.pause(s.cluster.follower_of(QUEUE, rid))
+        if followers == "silent":
+            for rid in rs.followers:
+                s.cluster.pause(s.cluster.follower_of(QUEUE, rid))
+        else:
+            rs.in_sync = [rs.leader]  # as its last report said
         await s.controller.check_leader(QUEUE)
         new = s.cluster.leader_of(QUEUE)
         assert new is not old and old.ended

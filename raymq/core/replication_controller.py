@@ -375,14 +375,16 @@ class ReplicationController:
 
     async def _fail_over(self, name: str, old: Handle | None, answered: bool = False) -> None:
         """Fence the followers with the next epoch, promote the most complete in-sync
-        one, replace the old leader's replica, start the new leader. If none answers
-        and the old leader did (fenced, by an earlier failover that promoted no one),
-        it starts again in place, in the new epoch."""
+        one, replace the old leader's replica, start the new leader. If none can be
+        promoted and the old leader answered, it starts again in place."""
         t0 = self.clock()
         entry = self.queues[name]
         rs = entry.replicas
         old_epoch, old_leader = rs.epoch, rs.leader
         if not [r for r in rs.in_sync if r != rs.leader]:
+            if answered:
+                await self._start_again_in_place(name, old)
+                return
             # Nothing may be promoted: fencing would only stop a leader that may live.
             log.warning(
                 "queue %r: leader %s does not answer and no follower is in sync: waiting"
@@ -404,19 +406,7 @@ class ReplicationController:
         else:
             self._save(name)  # the epoch, before any actor acts on it
             if answered:
-                # It holds every acknowledged send (it answered them all): found by
-                # the simulator, left fenced it kept the queue unavailable for good
-                # once its in-sync followers were lost.
-                log.warning(
-                    "queue %r: no in-sync follower answered; leader %s, fenced, starts"
-                    " again in epoch %d",
-                    name,
-                    old_leader,
-                    rs.epoch,
-                )
-                self.ops.kill(old)
-                self._replacing.pop(name, None)  # it is not replaced: its epoch is given
-                await self.leader(name, fresh=True)
+                await self._start_again_in_place(name, old)
                 return
             log.warning(
                 "queue %r: leader %s lost and no in-sync follower answered (epoch %d;"
@@ -426,6 +416,18 @@ class ReplicationController:
                 rs.epoch,
                 sorted(ends),
             )
+
+    async def _start_again_in_place(self, name: str, old: Handle) -> None:
+        """No in-sync follower can be promoted and the leader answers, fenced (by an
+        earlier failover that promoted no one) or of an older epoch: it holds every
+        acknowledged send (it answered them all), so it starts again in place, in the
+        next epoch. Found by the simulator: left fenced, it kept the queue unavailable
+        for good once its in-sync followers were lost."""
+        rs = self.queues[name].replicas
+        log.warning("queue %r: leader %s answers, fenced: it starts again", name, rs.leader)
+        self.ops.kill(old)
+        self._replacing.pop(name, None)  # it is not replaced: it may begin an epoch
+        await self.leader(name, fresh=True)
 
     async def _fence_followers(self, name: str, epoch: int) -> dict[str, int]:
         """Fence every running follower with ``epoch``, side by side; where the copies

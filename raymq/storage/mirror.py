@@ -285,11 +285,16 @@ class ReplicaFiles:
         # Forgotten once gone: a failed unlink leaves it known (a later cut or install
         # removes it again, instead of leaving it to come back at the next open).
         self._close(name)
+        path = os.path.join(self.directory, name)
         try:
-            os.unlink(os.path.join(self.directory, name))
+            os.unlink(path)
             removed = True
         except FileNotFoundError:
             removed = False
+        except OSError:
+            if not os.path.exists(path):  # it failed after the name was gone
+                self.sizes.pop(name, None)
+            raise
         self.sizes.pop(name, None)
         return removed
 
