@@ -536,6 +536,43 @@ def test_a_restarted_leader_counts_its_followers_in_sync_only_once_caught_up(tmp
     asyncio.run(restarted())
 
 
+def test_an_epoch_history_that_cannot_be_written_is_a_storage_error(tmp_path, monkeypatch):
+    """Found by the replicated simulator: an I/O error writing the epoch history after
+    a cut-back commit escaped as a bare OSError from the send. Now a StorageError
+    naming the file, and the new epoch is not adopted (the next commit asks again)."""
+    from raymq.core import replication as replication_module
+    from raymq.errors import StorageError
+
+    async def main():
+        ctl = Controller(epoch=1)
+        rep = ReplicationLeader(
+            "rq",
+            str(tmp_path),
+            replica_id="r0",
+            node_id="n0",
+            epoch=1,
+            quorum=2,
+            epochs=[(1, 0)],
+            report_in_sync=ctl.report,
+            new_epoch=ctl.new_epoch,
+        )
+        rep._epoch_from = 10  # a commit from offset 10 was cut back after followers took it
+
+        def failing(directory, epochs):
+            raise OSError(errno.EIO, "injected", directory)
+
+        monkeypatch.setattr(replication_module, "write_epochs", failing)
+        with pytest.raises(StorageError, match="epochs") as err:
+            await rep.renew_epoch()
+        assert err.value.queue == "rq"
+        assert (rep.epoch, rep.epochs, rep.needs_epoch) == (1, [(1, 0)], True)
+        monkeypatch.undo()
+        await rep.renew_epoch()
+        assert (rep.epoch, rep.epochs, rep.needs_epoch) == (3, [(1, 0), (3, 10)], False)
+
+    asyncio.run(main())
+
+
 def test_end_of_epoch_is_where_the_next_epoch_starts():
     history = [(1, 0), (3, 100), (4, 250)]
     assert end_of_epoch(history, 1, 400) == 100

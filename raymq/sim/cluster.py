@@ -30,7 +30,7 @@ import contextlib
 import os
 import random
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from raymq.config import BrokerConfig, QueueConfig
 from raymq.core.cluster_ops import FollowerRef, Unreachable
@@ -90,8 +90,6 @@ class SimLeader:
     killed: bool = False
     #: Its process died (a crash) and waits for the simulator to restart it.
     down: bool = False
-    #: Consumers registered with this incarnation.
-    consumers: set[str] = field(default_factory=set)
 
 
 class SimLink:
@@ -272,7 +270,6 @@ class SimCluster:
         """End ``leader``'s current incarnation (its core's tasks; its files are left
         as they are: a crash, or a kill)."""
         core, leader.core = leader.core, None
-        leader.consumers.clear()
         if leader.started is not None and not leader.started.done():
             leader.started.cancel()
             with contextlib.suppress(BaseException):
@@ -297,12 +294,16 @@ class SimCluster:
         disk.fail_rate, disk.full = 0.0, False
         disk.restore(disk.image)
 
-    def lose_node(self, node: str) -> None:
+    async def lose_node(self, node: str) -> None:
         """``node`` is gone for good (its processes with it)."""
         self.alive.discard(node)
         self.resume(node)
+        for h in (self.leader, *self.stale):
+            if h is not None and h.node == node:
+                await self.stop_leader_process(h)
         for f in self.followers.values():
-            if f.node == node:
+            if f.node == node and f.follower is not None:
+                f.follower.files.close()
                 f.follower = None
 
     async def restart(self) -> None:

@@ -458,7 +458,7 @@ class ReplicatedSimulation(Traced):
         self.lost_node = True
         self.counts["lost_nodes"] += 1
         self._note(f"  {node} lost")
-        c.lose_node(node)
+        await c.lose_node(node)
 
     # -- quiet points -------------------------------------------------------------------
 
