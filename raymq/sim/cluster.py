@@ -27,16 +27,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import random
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from raymq.config import BrokerConfig, QueueConfig
 from raymq.core.cluster_ops import FollowerRef, Unreachable
 from raymq.core.queue import QueueCore
 from raymq.core.registry import QueueEntry
 from raymq.core.replication import ReplicationFollower, ReplicationLeader
+from raymq.errors import StorageError
 from raymq.sim.disk import SimDisk
 from raymq.sim.environment import detach_loops
 from raymq.sim.model import SimClock, Violation
@@ -90,6 +92,10 @@ class SimLeader:
     killed: bool = False
     #: Its process died (a crash) and waits for the simulator to restart it.
     down: bool = False
+    #: Client calls under way in its process (a paused leader's send): they end with it.
+    calls: set = field(default_factory=set)
+    #: It began an epoch (``epoch`` is then the one the controller gave it).
+    begun: bool = False
 
 
 class SimLink:
@@ -270,10 +276,15 @@ class SimCluster:
         """End ``leader``'s current incarnation (its core's tasks; its files are left
         as they are: a crash, or a kill)."""
         core, leader.core = leader.core, None
-        if leader.started is not None and not leader.started.done():
-            leader.started.cancel()
+        # Everything that ran in its process ends with it (a send still cutting back a
+        # commit would write into a copy another process now holds).
+        running = [t for t in (leader.started, *leader.calls) if t is not None and not t.done()]
+        leader.calls.clear()
+        for task in running:
+            task.cancel()
+        for task in running:
             with contextlib.suppress(BaseException):
-                await leader.started
+                await task
         if core is not None:
             await core._tasks.cancel_all()
             if core.replication is not None:
@@ -308,10 +319,10 @@ class SimCluster:
 
     async def restart(self) -> None:
         """Ray restarts the crashed processes of actors not killed, on alive nodes."""
-        for h in [self.leader, *self.stale]:
-            if h is not None and h.down and not h.killed and self.reachable(h.node):
-                h.down = False
-                self._start_incarnation(h)
+        h = self.leader  # (a stale leader is dead to Ray: its kill reached the GCS)
+        if h is not None and h.down and not h.killed and self.reachable(h.node):
+            h.down = False
+            self._start_incarnation(h)
         for f in self.followers.values():
             self.try_open(f)
 
@@ -340,7 +351,7 @@ class SimCluster:
         core, controller = h.core, self._controller_of()
         await self._leave(h, incarnation)
         epoch, followers = controller.begin_epoch(QUEUE, h.rid)
-        h.epoch, h.followers = epoch, followers
+        h.epoch, h.followers, h.begun = epoch, followers, True
         in_sync = controller.in_sync_replicas(QUEUE)
         links = self.links(h, followers)
         leading = await core.replication.begin(epoch, links, in_sync, core.recovery.damaged > 0)
@@ -349,7 +360,16 @@ class SimCluster:
             core.replication.set_followers(links)
 
     def _open_core(self, h: SimLeader, incarnation: int) -> QueueCore:
-        """``QueueActor``'s constructor: the leader's core over its copy."""
+        """``QueueActor``'s constructor: the leader's core over its copy. Its directory
+        lock (``raymq.storage.lock``, a per-process lock: one process here) is held by
+        a stale leader's process still running on that copy: ``StorageError``, as the
+        real lock gives after its wait."""
+        for other in (self.leader, *self.stale):
+            holds = other is not None and other is not h and other.core is not None
+            if holds and other.directory == h.directory and other.node in self.alive:
+                raise StorageError(
+                    errno.EAGAIN, f"queue {QUEUE!r}: LOCK held by another process", h.directory
+                )
         controller = self._controller_of()
 
         async def report(epoch: int, in_sync: list[str]) -> bool:
@@ -383,6 +403,15 @@ class SimCluster:
         await self.gate(h.node)
         if not self.runs(h, incarnation):
             raise Gone(f"leader {h.rid}'s process is gone")
+
+    def replaced(self, h: SimLeader) -> bool:
+        """The controller chose another replica to lead, or another actor of this one
+        began a newer epoch: ``h`` may acknowledge nothing from now on. (A fresh actor
+        that has not begun replaces nothing yet: ``h``'s copy still leads.)"""
+        if self.saved.replicas.leader != h.rid:
+            return True
+        others = (o for o in (self.leader, *self.stale) if o is not None and o is not h)
+        return any(o.begun and o.epoch > h.epoch for o in others)
 
     def links(self, h: SimLeader, followers: tuple[FollowerRef, ...]) -> list[SimLink]:
         """Links from ``h``'s current incarnation to ``followers``."""

@@ -16,7 +16,8 @@ The invariants (a broken one raises ``Violation`` with the step and what was see
 * Epochs only grow: the one the controller saves, and each copy's across its crashes
   (a follower that answered in an epoch still knows it after a crash).
 * A fenced leader acknowledges nothing: a send that began once the controller had
-  replaced its leader (chosen another, or started it afresh) is refused.
+  replaced its leader (chosen another replica, or another actor of it began a newer
+  epoch) is refused.
 * A follower that acknowledged a commit has it on disk: after a crash of its node its
   copy ends no earlier than the commits it answered (less what a leader cut back).
 * Every call returns or raises within ``CALL_BOUND`` seconds, and the queue core
@@ -243,11 +244,10 @@ class ReplicatedSimulation(Traced):
         batch = MessageBatch.from_bodies(
             [self.sent[i].body for i in indices], None, max_message_size=1 << 20
         )
-        # Replaced already (another leader chosen, or this one started afresh): this
-        # copy must acknowledge nothing from now on. (An epoch that moved on without a
-        # new leader fences nothing by itself: the followers that missed the fence may
-        # still take this leader's commits, and none lacks them.)
-        replaced_then = self.cluster.leader is not h
+        # Replaced already: this actor must acknowledge nothing from now on. (An epoch
+        # that moved on without a new leader fences nothing by itself: the followers
+        # that missed the fence may still take this leader's commits, none lacks them.)
+        replaced_then = self.cluster.replaced(h)
         try:
             first, count = await core.send_batch(batch)
         except RayMQError as exc:
@@ -404,6 +404,8 @@ class ReplicatedSimulation(Traced):
             return
         task = asyncio.get_running_loop().create_task(self._send_to(h, 3))
         self.background.append((h, h.incarnation, task))
+        h.calls.add(task)
+        task.add_done_callback(h.calls.discard)
         await asyncio.sleep(0)
         c.pause(h.node)
         self.counts["pauses"] += 1
