@@ -163,3 +163,33 @@ def test_a_write_that_failed_after_its_bytes_landed_is_cut_away(tmp_path, monkey
     assert os.path.getsize(path) == size
     files.install(dict(files.sizes), {}, [(1, 0)], end, 0)
     assert os.path.getsize(path) == size
+
+
+def test_an_install_makes_the_leaders_segments_durable_before_it_removes_others(
+    tmp_path, monkeypatch
+):
+    """Found by the replicated simulator: an install removed the segment files the
+    leader does not hold before it synced the ones it copied; a crash in between left
+    the follower without records it had acknowledged."""
+    directory = _follower_copy(tmp_path)
+    files = ReplicaFiles(directory, "rq")
+    first, last = min(files.sizes), max(files.sizes)
+    files.write_chunk(last, files.sizes[last], np.full(32, 1, dtype=np.uint8), sync=False)
+    kept = {n: size for n, size in files.sizes.items() if n != first}
+    calls: list[str] = []
+    for module, name in ((mirror_module.os, "fdatasync"), (mirror_module.os, "unlink")):
+        real = getattr(module, name)
+
+        def noted(arg, *rest, _real=real, _name=name):
+            calls.append(_name)
+            return _real(arg, *rest)
+
+        monkeypatch.setattr(module, name, noted)
+    real_dir_sync = mirror_module.fsync_directory
+    monkeypatch.setattr(
+        mirror_module, "fsync_directory", lambda d: (calls.append("dirsync"), real_dir_sync(d))
+    )
+    files.install(kept, {}, [(1, 0)], files.end_offset, 0)
+    assert not os.path.exists(os.path.join(directory, first))
+    removed = calls.index("unlink")
+    assert "fdatasync" in calls[:removed] and "dirsync" in calls[:removed], calls

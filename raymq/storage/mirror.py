@@ -362,10 +362,6 @@ class ReplicaFiles:
         (name -> bytes; others are removed), its ack logs and checkpoint become
         ``small_files``, its epoch history ``epochs``; from now on it takes the
         leader's commits after ``seq``."""
-        on_disk = {n for n in os.listdir(self.directory) if n.endswith(SEGMENT_SUFFIX)}
-        for name in sorted(on_disk | set(self.sizes)):
-            if name not in segments:
-                self._unlink(name)
         for name, size in segments.items():
             if self.sizes.get(name) != size:
                 raise Diverged(f"{name}: {self.sizes.get(name)} bytes, the leader has {size}")
@@ -373,6 +369,14 @@ class ReplicaFiles:
         for name, fd in list(self._fds.items()):
             if name.endswith(SEGMENT_SUFFIX):
                 os.fdatasync(fd)
+        # The leader's segments durable, names included, before any other goes: a
+        # crash in between leaves every record this copy had or was sent (found by
+        # the simulator: removed first, records it had acknowledged were lost).
+        fsync_directory(self.directory)
+        on_disk = {n for n in os.listdir(self.directory) if n.endswith(SEGMENT_SUFFIX)}
+        for name in sorted(on_disk | set(self.sizes)):
+            if name not in segments:
+                self._unlink(name)
         for name in os.listdir(self.directory):
             if name.startswith(ACK_PREFIX) and name not in small_files:
                 self._unlink(name)
