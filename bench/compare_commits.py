@@ -7,7 +7,12 @@ RayMQ rates of ``bench.throughput`` (its ray.util.queue baseline is skipped). It
 reports the CPU seconds the queue actor and the client process used per case.
 
     python bench/compare_commits.py A=/tmp/base-1dcee2e B=/work/main --rounds 2 \
-        [--cases durable,memory] [--parts batched,single] [--messages 200000]
+        [--cases durable,memory] [--parts batched,single] [--messages 200000] \
+        [--setting LABEL:NAME=INT ...]
+
+``--setting B:head_cache_bytes=2147483648`` passes a broker setting to ``raymq.connect``
+in tree B's runs only; one checkout may be given twice under two labels, with and
+without a setting (what a default costs, measured in the same run).
 
 A tree's venv is ``TREE/.venv``. ``--worker`` is the per-process half (internal).
 """
@@ -62,7 +67,7 @@ def _my_queue_actors() -> list[int]:
     return [p for p, pp, cmd in procs if pp in raylets and cmd.startswith(b"ray::QueueActor")]
 
 
-def worker(cases: list[str], parts: list[str], messages: int, single: int) -> dict:
+def worker(cases: list[str], parts: list[str], messages: int, single: int, settings: dict) -> dict:
     """Run in a tree's venv and cwd: the RayMQ cases of bench.throughput."""
     sys.path.insert(0, os.getcwd())
     import ray
@@ -74,7 +79,7 @@ def worker(cases: list[str], parts: list[str], messages: int, single: int) -> di
 
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
     paging = tempfile.mkdtemp(prefix="raymq-ab-")
-    broker = raymq.connect(namespace="raymq-ab", paging_directory=paging)
+    broker = raymq.connect(namespace="raymq-ab", paging_directory=paging, **settings)
     before = set(_my_queue_actors())
     out: dict[str, dict] = {}
     try:
@@ -153,6 +158,12 @@ def worker(cases: list[str], parts: list[str], messages: int, single: int) -> di
     return out
 
 
+def _setting(text: str) -> tuple[str, int]:
+    """``NAME=INT`` as (name, value)."""
+    name, _, value = text.partition("=")
+    return name, int(value)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("trees", nargs="*", help="LABEL=PATH of each checkout")
@@ -161,12 +172,21 @@ def main() -> None:
     p.add_argument("--parts", default="batched,single")
     p.add_argument("--messages", type=int, default=200_000)
     p.add_argument("--single", type=int, default=16_000)
+    p.add_argument(
+        "--setting",
+        action="append",
+        default=[],
+        metavar="LABEL:NAME=INT",
+        help="a broker setting (an int) for one tree's runs",
+    )
     p.add_argument("--worker", action="store_true")
     p.add_argument("--json", help="also write every run's figures here")
     a = p.parse_args()
     cases, parts = a.cases.split(","), a.parts.split(",")
     if a.worker:
-        print("RESULT " + json.dumps(worker(cases, parts, a.messages, a.single)), flush=True)
+        settings = dict(_setting(s) for s in a.setting)
+        result = worker(cases, parts, a.messages, a.single, settings)
+        print("RESULT " + json.dumps(result), flush=True)
         return
     trees = [t.split("=", 1) for t in a.trees]
     runs: dict[str, list[dict]] = {label: [] for label, _ in trees}
@@ -182,6 +202,11 @@ def main() -> None:
                 f"--parts={a.parts}",
                 f"--messages={a.messages}",
                 f"--single={a.single}",
+                *(
+                    f"--setting={s.split(':', 1)[1]}"
+                    for s in a.setting
+                    if s.split(":", 1)[0] == label
+                ),
             ]
             env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PYTHONPATH")}
             t0 = time.monotonic()
