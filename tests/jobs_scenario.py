@@ -53,7 +53,9 @@ README = os.path.join(ROOT, "README.md")
 BIN = os.path.dirname(sys.executable)
 #: The quickstart's first line in the broker: the moment measured from ``ray start``.
 FIRST_MESSAGE_LINE = "sent one message at offset"
-JOB_SECONDS = 300
+#: Seconds every submitted example has to end (they run side by side on the head's 2
+#: CPUs, so one may wait for another's; 300 timed out Spark's example on a loaded CI).
+JOB_SECONDS = 600
 
 
 def fenced(name: str, readme: str = README) -> str:

@@ -35,7 +35,7 @@ def test_expired_messages_go_to_the_expiry_queue_and_are_never_received(broker):
     assert len(short) == 3
     wait_past(max(m.properties[EXPIRATION_PROPERTY] for m in short))
     with q.consumer(prefetch=10) as c:
-        got = c.receive(10, timeout=5)
+        got = c.receive(10, timeout=30)  # (returns with the first it gets)
         assert [m.body for m in got] == [b"live"]
         c.ack(got)
     wait_for(lambda: q.stats()["messages_expired"] == 3, "expired")
@@ -50,7 +50,7 @@ def test_expired_messages_go_to_the_expiry_queue_and_are_never_received(broker):
 
 
 def test_messages_a_consumer_held_when_they_expired_are_not_handed_out(broker):
-    q = broker.create_queue("held", default_ttl_s=1.0)
+    q = broker.create_queue("held", default_ttl_s=5.0)  # long enough to reach the consumer
     with q.consumer(prefetch=100) as c:
         q.send_batch([b"m"] * 50)
         first = c.receive(1, timeout=30)  # the rest wait in the TargetList or the client
@@ -109,13 +109,18 @@ def test_rows_a_consumer_finds_expired_go_back_to_the_queue_as_expired(broker):
     """The consumer's own check (what expired between the queue and the application),
     driven directly: rows it holds, found expired, are handed back by its call."""
     q = broker.create_queue("late", expiry_queue="late.expired")
-    q.send_batch([b"m"] * 20, ttl=0.5)
+    # A TTL long enough that all 20 reach the consumer unexpired on a slow machine
+    # (with 0.5 s, a consumer slow to start found them expired already, and waited).
+    q.send_batch([b"m"] * 20, ttl=5.0)
+    sent = time.time() * 1000
     with q.consumer(prefetch=100) as c:
         parts = []
+        deadline = time.monotonic() + 60
         while sum(p.num_rows for p in parts) < 20:
+            assert time.monotonic() < deadline, f"{sum(p.num_rows for p in parts)} of 20 received"
             parts.append(c.receive_batch(20, timeout=30))
         batch = pa.concat_batches(parts)
-        wait_past(time.time() * 1000 + 500)  # past every one's expiry (sent before)
+        wait_past(sent + 5000)  # past every one's expiry (sent before)
         assert c._without_expired(batch) is None
         assert c.messages_expired == 20
     wait_for(lambda: q.stats()["messages_expired"] == 20, "expired")

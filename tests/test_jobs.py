@@ -49,7 +49,7 @@ def run_scenario() -> subprocess.CompletedProcess:
     try:
         return background.run_child(
             [sys.executable, SCENARIO, "--dirs", home, ray_tmp, *EXAMPLES],
-            timeout=850,
+            timeout=1500,  # each step of the scenario is bounded by JOB_SECONDS (600)
             env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"},
         )
     finally:

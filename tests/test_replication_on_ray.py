@@ -110,7 +110,10 @@ def test_expiry_schedules_and_priorities_survive_a_failover(observed):
         [f"urgent-{i}" for i in range(5)] + [f"plain-{i}" for i in range(20)] + ["due"]
     )  # nothing expired, nothing far, everything else once
     assert r["due_early_seconds"] is not None and r["due_early_seconds"] <= 0
-    assert r["stats"] == {"depth": 5, "scheduled": 5, "messages_expired": 5}
+    # (The old leader may have dropped the expired ones before its node went, and its
+    # count with it: the order above shows none was received.)
+    assert r["stats"]["depth"] == 5 and r["stats"]["scheduled"] == 5, r["stats"]
+    assert r["stats"]["messages_expired"] <= 5, r["stats"]
 
 
 def test_sends_go_on_when_a_followers_node_is_lost(observed):

@@ -219,13 +219,15 @@ def test_a_task_whose_replica_is_killed_runs_again_on_the_next(broker, serve_on,
     config = processor_config(broker, queue_name())
     deploy(config, "killed")
     producer = instantiate_adapter_from_config(config)
-    pid_file = str(tmp_path / "pid")
-    sent = producer.enqueue_task_sync("hold", args=[pid_file, 1.0])
+    pid_file, gate = str(tmp_path / "pid"), tmp_path / "gate"
+    # Gated, not timed: the first run cannot end before the kill, however slow the machine.
+    sent = producer.enqueue_task_sync("gated", args=[pid_file, str(gate)])
     status_of(producer, sent.id, STARTED)
     pid_path = tmp_path / "pid"
     first = int(wait_for("the handler's pid", lambda: pid_path.exists() and pid_path.read_text()))
     pid_path.unlink()
     os.kill(first, signal.SIGKILL)
+    gate.touch()  # the run again goes through at once
     done = status_of(producer, sent.id, SUCCESS)
     assert done.result != first
     assert ray.get(broker.task_results().get.remote(sent.id)).runs == 2
