@@ -42,6 +42,7 @@ from ray.cluster_utils import Cluster
 
 import raymq
 from raymq.batch import MessageBatch
+from raymq.core.replication_controller import REJOIN_SECONDS
 from raymq.errors import BrokerUnavailable, NotEnoughReplicas, RayMQError
 
 MIB = 2**20
@@ -437,7 +438,11 @@ class Scenario:
             back = old_rid in rs["nodes"] and len(rs["nodes"]) == 3
             return back and all(r["in_sync"] for r in replicas) and (rs, replicas)
 
-        rs, replicas = wait_for("the old leader back as an in-sync follower", rejoined)
+        # Its node restarts its copy as a follower within REJOIN_SECONDS (a new worker
+        # process, if the failover ended the paused one: slow on a loaded machine).
+        rs, replicas = wait_for(
+            "the old leader back as an in-sync follower", rejoined, REJOIN_SECONDS + 60
+        )
         consumed = consume_all(q)
         return {
             "old_leader": old_rid,
@@ -659,6 +664,7 @@ def main(paging_dir: str, temp_dir: str, names: list[str]) -> dict:
                     (x["queue"], x["node_id"], x["verdict"]) == ("leader", lost, "node not alive")
                     for x in broker.leftovers()
                 ),
+                REJOIN_SECONDS + 60,
             )
         out["leftovers"] = broker.leftovers()
         out["stop"] = stop(broker)

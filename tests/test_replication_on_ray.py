@@ -39,7 +39,7 @@ def run_scenario() -> subprocess.CompletedProcess:
     os.mkdir(temp)
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
     try:
-        return background.run_child([sys.executable, SCENARIO, paging, temp], timeout=600, env=env)
+        return background.run_child([sys.executable, SCENARIO, paging, temp], timeout=900, env=env)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
