@@ -54,6 +54,20 @@ def test_replicas_go_to_distinct_nodes_the_leader_where_asked():
         ReplicaSet.place(3, ["a", "b"], {})
 
 
+def test_nodes_where_a_replica_was_lost_lately_come_last_and_never_lead():
+    from raymq.core.controller import NoNodes, ReplicaSet
+
+    # CI: right after a failover, a 3-replica queue on 4 alive nodes, 2 of them
+    # suspect, was refused ("2 are"); it goes on the 2 others and one suspect.
+    rs = ReplicaSet.place(3, ["a", "b", "c", "d"], {}, preferred="a", suspect={"a", "b"})
+    assert rs.nodes["r0"] == "c"
+    assert sorted(rs.nodes.values()) == ["a", "c", "d"]  # (of the suspects, the preferred)
+    with pytest.raises(NoNodes, match="3 where a replica was lost lately"):
+        ReplicaSet.place(3, ["a", "b", "c"], {}, suspect={"a", "b", "c"})
+    with pytest.raises(NoNodes, match="; 2 are"):
+        ReplicaSet.place(3, ["a", "b"], {}, suspect={"a"})
+
+
 def test_a_failover_promotes_the_most_complete_in_sync_follower():
     from raymq.core.controller import ReplicaSet
 

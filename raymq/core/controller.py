@@ -9,6 +9,7 @@ never given again, also across a broker restart.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 
@@ -71,12 +72,24 @@ class ReplicaSet:
         alive: list[str],
         queues_per_node: dict[str, int],
         preferred: str | None = None,
+        suspect: Collection[str] = (),
     ) -> ReplicaSet:
         """``replicas`` replicas on distinct alive nodes, the fewest queues first (the
-        leader on ``preferred`` if it is alive). Raises ``NoNodes``."""
-        if len(set(alive)) < replicas:
-            raise NoNodes(f"{replicas} replicas need {replicas} alive nodes; {len(alive)} are")
-        order = sorted(set(alive), key=lambda n: (n != preferred, queues_per_node.get(n, 0), n))
+        leader on ``preferred`` if it is alive). Nodes in ``suspect`` (where a replica
+        was lost lately: Ray may not know yet that they are gone) come last, and never
+        take the leader, which must start for the queue to serve; a follower that does
+        not start is replaced. Raises ``NoNodes``."""
+        nodes = set(alive)
+        if len(nodes) < replicas or not nodes - set(suspect):
+            lately = len(nodes & set(suspect))
+            raise NoNodes(
+                f"{replicas} replicas need {replicas} alive nodes; {len(nodes)} are"
+                + (f" ({lately} where a replica was lost lately)" if lately else "")
+            )
+        order = sorted(
+            nodes,
+            key=lambda n: (n in suspect, n != preferred, queues_per_node.get(n, 0), n),
+        )
         nodes = {f"r{i}": node for i, node in enumerate(order[:replicas])}
         return cls(1, "r0", nodes, ["r0"], replicas)
 

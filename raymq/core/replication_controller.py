@@ -177,14 +177,19 @@ class ReplicationController:
     def _save(self, name: str) -> None:
         self.ops.save(self.queues[name])
 
-    def _alive(self) -> list[str]:
-        """Alive nodes, as the cluster knows them, less those where a replica was lost
-        lately (Ray may take most of a minute to declare a node dead)."""
+    def _suspect(self) -> set[str]:
+        """Nodes where a replica was lost lately: Ray may take most of a minute to
+        declare a node dead, and until then lists it as alive."""
         now = self.clock()
         self._lost_nodes = {
             n: t for n, t in self._lost_nodes.items() if now - t < LOST_NODE_SECONDS
         }
-        return [n for n in self.ops.alive_nodes() if n not in self._lost_nodes]
+        return set(self._lost_nodes)
+
+    def _alive(self) -> list[str]:
+        """Alive nodes, as the cluster knows them, less the ``_suspect`` ones."""
+        suspect = self._suspect()
+        return [n for n in self.ops.alive_nodes() if n not in suspect]
 
     def _queues_per_node(self) -> dict[str, int]:
         per_node: dict[str, int] = {}
@@ -203,7 +208,8 @@ class ReplicationController:
         replicas."""
         try:
             per_node = self._queues_per_node()
-            replicas = ReplicaSet.place(cfg.replicas, self._alive(), per_node, node_id)
+            alive, suspect = self.ops.alive_nodes(), self._suspect()
+            replicas = ReplicaSet.place(cfg.replicas, alive, per_node, node_id, suspect)
         except NoNodes as exc:
             raise BrokerUnavailable(f"queue {cfg.name!r}: {exc}") from None
         self.queues[cfg.name] = QueueEntry(cfg, replicas.leader_node, replicas)
@@ -397,7 +403,8 @@ class ReplicationController:
             return
         ends = await self._fence_followers(name, old_epoch + 1)
         lost = rs.leader_node
-        self._lost_nodes[lost] = self.clock()
+        if not answered:  # (one that answered runs: its node is alive)
+            self._lost_nodes[lost] = self.clock()
         in_sync_before = tuple(r for r in rs.in_sync if r != old_leader)
         if rs.promote(ends) is not None:
             self.queues[name] = QueueEntry(entry.config, rs.leader_node, rs)
@@ -521,6 +528,7 @@ class ReplicationController:
                 log.info("queue %r: replica %s does not rejoin from its node: %s", name, rid, exc)
                 why = f"replaced leader; did not start within {REJOIN_SECONDS:.0f} s"
                 return
+            self._lost_nodes.pop(node, None)  # it started there: the node is alive
             # (the stop may cancel us while a check holds the lock: the follower runs)
             async with self.lock_of(name):
                 rs = self.queues[name].replicas
@@ -532,7 +540,6 @@ class ReplicationController:
                 recorded = True
                 with contextlib.suppress(OSError):  # (a stale record, refused at removal)
                     self.leftovers.drop(name, rid, node)
-                self._lost_nodes.pop(node, None)
                 log.warning("queue %r: replica %s rejoins as a follower", name, rid)
                 await self._publish(name)
         finally:
