@@ -631,6 +631,19 @@ SCENARIOS = {
 }
 
 
+def print_controller_log(temp_dir: str, lines: int = 40) -> None:
+    """The replication controller's last ``lines`` log lines (the broker actor's
+    warnings name the queue first), to stderr: what CI shows of a failed scenario."""
+    logs = os.path.join(temp_dir, "session_latest", "logs")
+    found: list[str] = []
+    with contextlib.suppress(OSError):
+        for f in sorted(os.listdir(logs)):
+            if f.startswith("worker-") and f.endswith(".err"):
+                with open(os.path.join(logs, f), errors="replace") as fh:
+                    found += [x.rstrip()[:300] for x in fh if x.startswith("queue '")]
+    print("the controller's log, last lines:", *found[-lines:], sep="\n  ", file=sys.stderr)
+
+
 def main(paging_dir: str, temp_dir: str, names: list[str]) -> dict:
     os.environ["RAY_TMPDIR"] = temp_dir
     os.makedirs(os.path.join(temp_dir, "ray"), exist_ok=True)
@@ -653,7 +666,11 @@ def main(paging_dir: str, temp_dir: str, names: list[str]) -> dict:
         s = Scenario(cluster, broker, paging_dir)
         for name in names:
             t = time.monotonic()
-            out[name] = SCENARIOS[name](s)
+            try:
+                out[name] = SCENARIOS[name](s)
+            except BaseException:
+                print_controller_log(temp_dir)
+                raise
             out[name]["scenario_seconds"] = time.monotonic() - t
         out["failovers"] = ray.get(broker._actor.failover_log.remote())
         if "leader" in out:  # its old leader's rejoin gives up within REJOIN_SECONDS

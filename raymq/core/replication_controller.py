@@ -62,6 +62,13 @@ LOST_NODE_SECONDS = 120.0
 #: over 10 s to start a worker process (a paused-leader scenario timed out so at 10 s,
 #: and on a loaded 2-core CI machine at 30 s).
 REJOIN_SECONDS = 120.0
+#: How long a follower on a node Ray counts alive may leave the monitor's pings
+#: unanswered before it is replaced (seconds). One catching up or just started on a
+#: loaded machine can miss a few: replaced after two rounds (2 s), a rejoined leader's
+#: copy on a loaded 2-core machine was ended while it caught up, and its node, taken
+#: for lost, could hold no replica for LOST_NODE_SECONDS. One whose actor or node is
+#: gone is replaced at its second missed round.
+FOLLOWER_SILENCE_SECONDS = 20.0
 
 # The broker's logger: these sequences were the broker actor's, and operators grep it.
 log = logging.getLogger("raymq.broker")
@@ -118,8 +125,13 @@ class ReplicationController:
         self._locks: dict[str, asyncio.Lock] = {}
         self._monitor: asyncio.Task | None = None
         #: Follower replica ids that missed a ping last round (replaced at the second).
-        self._missed: set[tuple[str, str]] = set()
+        #: (queue, follower) -> when it first missed a ping of the monitor (clock's s).
+        self._missed: dict[tuple[str, str], float] = {}
         self._rejoins: dict[tuple[str, str], asyncio.Task] = {}
+        #: (queue, replica) -> until when (clock's s) a replaced leader's copy that
+        #: rejoined may catch up before ``trim_excess`` retires it instead of the
+        #: replacement.
+        self._catching_up: dict[tuple[str, str], float] = {}
         #: Replicated queues whose leader is being started (not checked meanwhile: it
         #: answers no ping while it recovers), with how many starts are under way.
         self._starting: dict[str, int] = {}
@@ -538,6 +550,7 @@ class ReplicationController:
                     return
                 rs.nodes[rid] = node
                 recorded = True
+                self._catching_up[(name, rid)] = self.clock() + REJOIN_SECONDS
                 with contextlib.suppress(OSError):  # (a stale record, refused at removal)
                     self.leftovers.drop(name, rid, node)
                 log.warning("queue %r: replica %s rejoins as a follower", name, rid)
@@ -551,7 +564,9 @@ class ReplicationController:
     async def trim_excess(self, name: str) -> None:
         """A set grown past the queue's replicas (a replaced leader rejoined): once the
         in-sync replicas alone are enough, drop a follower that is not in sync, else
-        the newest one."""
+        the newest one (the replacement). Not while the rejoined copy catches up
+        (``REJOIN_SECONDS`` at most): it holds most of the queue already, and which
+        copy stays should not hang on which one a loaded machine got in sync first."""
         async with self.lock_of(name):
             entry = self.queues.get(name)
             if entry is None or entry.replicas is None:
@@ -560,6 +575,11 @@ class ReplicationController:
             if len(rs.nodes) <= entry.config.replicas or len(rs.in_sync) < entry.config.replicas:
                 return
             lagging = [r for r in rs.followers if r not in rs.in_sync]
+            now = self.clock()
+            if any(self._catching_up.get((name, r), now) > now for r in lagging):
+                return
+            for r in rs.followers:
+                self._catching_up.pop((name, r), None)
             drop = lagging[0] if lagging else max(rs.followers, key=lambda r: int(r[1:]))
             rs.remove_replica(drop)
             log.warning("queue %r: replica %s retired (%d replicas)", name, drop, len(rs.nodes))
@@ -703,7 +723,8 @@ class ReplicationController:
 
     async def monitor_once(self, name: str) -> None:
         """Ping the queue's leader (fail over if it does not answer), restore or trim
-        the count, and ping the followers (replace one that missed two rounds)."""
+        the count, and ping the followers (replace one that missed two rounds, gone,
+        or ``FOLLOWER_SILENCE_SECONDS`` of rounds, on an alive node)."""
         entry = self.queues.get(name)
         if entry is None or entry.replicas is None:
             return
@@ -715,16 +736,22 @@ class ReplicationController:
             await self.restore_count(name)
         elif len(rs.nodes) > entry.config.replicas:
             await self.trim_excess(name)
+        alive: list[str] | None = None  # (asked of the cluster once, if a ping fails)
         for rid in rs.followers:
             handle = self.ops.find_follower(name, rid)
-            ok = handle is not None and await self.ops.ping(handle) is not None
-            if ok:
-                self._missed.discard((name, rid))
-            elif (name, rid) in self._missed:
-                self._missed.discard((name, rid))
+            if handle is not None and await self.ops.ping(handle) is not None:
+                self._missed.pop((name, rid), None)
+                continue
+            first = self._missed.get((name, rid))
+            if first is None:
+                self._missed[(name, rid)] = self.clock()
+                continue
+            if alive is None:
+                alive = self.ops.alive_nodes()
+            gone = handle is None or rs.nodes.get(rid) not in alive
+            if gone or self.clock() - first >= FOLLOWER_SILENCE_SECONDS:
+                del self._missed[(name, rid)]
                 await self.replace_follower(name, rid)
-            else:
-                self._missed.add((name, rid))
 
     async def stop_followers(self, name: str, delete_files: bool = False) -> None:
         """Stop a replicated queue's follower actors (and delete their copies), each
@@ -757,7 +784,8 @@ class ReplicationController:
         # again under this name numbers its replicas from r0 again: a stale entry
         # would end one of them.)
         self._unpublished.pop(name, None)
-        self._missed = {(queue, rid) for queue, rid in self._missed if queue != name}
+        self._missed = {k: t for k, t in self._missed.items() if k[0] != name}
+        self._catching_up = {k: t for k, t in self._catching_up.items() if k[0] != name}
 
 
 __all__ = ["ReplicationController"]
