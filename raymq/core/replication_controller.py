@@ -124,8 +124,9 @@ class ReplicationController:
         #: Replicated queues: one lock each around failovers and replacements.
         self._locks: dict[str, asyncio.Lock] = {}
         self._monitor: asyncio.Task | None = None
-        #: Follower replica ids that missed a ping last round (replaced at the second).
-        #: (queue, follower) -> when it first missed a ping of the monitor (clock's s).
+        #: (queue, follower) -> when it began missing the monitor's pings (clock's s):
+        #: replaced at its second missed round if gone, after FOLLOWER_SILENCE_SECONDS
+        #: if not.
         self._missed: dict[tuple[str, str], float] = {}
         self._rejoins: dict[tuple[str, str], asyncio.Task] = {}
         #: (queue, replica) -> until when (clock's s) a replaced leader's copy that
