@@ -22,7 +22,6 @@ from raymq.placement.nodes import current_node_id
 from raymq.errors import SelectorError
 from raymq.selector.parser import MAX_SELECTOR_LENGTH
 from raymq.wire import delivery as delivery_channel
-from raymq.wire.delivery import DeliveryChannel
 from tests.consumer_helpers import receive_all, unwatched_consumer
 
 
@@ -181,7 +180,7 @@ def test_a_warm_spare_is_started_over_its_channel_and_one_still_starting_by_ray(
     with q.consumer(selector=longest) as c:
         assert c.stats()["started_over"] == "delivery channel"
     take = spares.take
-    monkeypatch.setattr(spares, "take", lambda node: (take(node)[0], None))  # not up yet
+    monkeypatch.setattr(spares, "take", lambda node: take(node).without_channel())  # not up yet
     with q.consumer() as c:
         got = receive_all(c, 2)
         stats = c.stats()
@@ -220,9 +219,9 @@ def test_a_consumer_closed_before_the_queue_watches_it_gives_back_uncounted(brok
 def test_a_channel_start_raises_the_typed_error_of_a_ray_registration(broker):
     q = broker.create_queue("typed-start")
     assert spares.wait_warm(timeout=60)
-    actor, endpoint = spares.take(current_node_id())
-    assert endpoint is not None
-    channel = DeliveryChannel(*endpoint, q.name)
+    actor, _, channel = spares.take(current_node_id())
+    assert channel is not None  # connected while the spare waited
+    channel.name_queue(q.name)
     settings = {
         "queue": q.name,
         "consumer_id": "c1",

@@ -125,7 +125,8 @@ class Consumer(AsyncReceives):
         # revived hibernated queue), and the TargetList then needs no first Ray call.
         fetch_endpoint, cached = queue._fetch_endpoint()
         node = near(node_id).node_id
-        self.target_list, spare_channel = spares.take(node)
+        spare = spares.take(node)
+        self.target_list = spare.actor
         warm_arrow_conversions()  # a process that did not connect() (once per process)
         self._channel: DeliveryChannel | None = None  # receives over a socket, if it opens
         self._init_async_receives()
@@ -143,7 +144,7 @@ class Consumer(AsyncReceives):
             "subscription": queue.subscription_name,
             "namespace": queue.broker.namespace,
         }
-        self._launch(node, spare_channel, fetch_endpoint, cached, settings)
+        self._launch(node, spare, fetch_endpoint, cached, settings)
 
     def _init_counters(self) -> None:
         """The consumer's failure counters (``stats`` and the logs tell them)."""
@@ -171,34 +172,35 @@ class Consumer(AsyncReceives):
     def _launch(
         self,
         node: str,
-        spare_channel: tuple[str, int, str] | None,
+        spare: Any,
         fetch_endpoint: tuple[str, int, str] | None,
         cached: bool,
         settings: dict,
     ) -> None:
-        """Start the spare TargetList as this consumer's (over its DeliveryChannel if
-        the spare has one, else by a Ray call), and connect to its channel; a failure
-        kills the spare (it is never a spare again) and is raised."""
+        """Start the ``spare`` TargetList (``spares.Spare``) as this consumer's, over
+        its DeliveryChannel if the spare has one, else by a Ray call, and connect to its
+        channel; a failure kills the spare (it is never a spare again) and is raised."""
         from raymq.placement import spares
 
         queue = self.queue
         try:
-            if spare_channel is not None and delivery_channel.USE_CHANNEL:
-                # Started over its channel, not by a Ray call (``raymq.wire.delivery``).
-                try:
-                    self._channel = DeliveryChannel(*spare_channel, queue.name)
-                except WireBroken as exc:  # the spare died since it was up, say
-                    _log.warning(
-                        "queue %r: a new TargetList for consumer %s: %s",
-                        queue.name,
-                        self.consumer_id,
-                        exc,
-                    )
-                    with contextlib.suppress(Exception):
-                        ray.kill(self.target_list, no_restart=True)
-                    self.target_list, _ = spares.take(node)  # a new one (none is warm)
-                    spare_channel = None  # its channel: once Ray started it
-            endpoint = self._start(fetch_endpoint, cached, settings)
+            spare = self._open_spare_channel(node, spare)
+            try:
+                endpoint = self._start(fetch_endpoint, cached, settings)
+            except BrokerUnavailable as exc:
+                if self._channel is None or not isinstance(exc.__cause__, WireBroken):
+                    raise
+                # Over a channel opened while the spare waited, or just now: the spare
+                # may have died meanwhile. Ended (the queue gives back anything it
+                # loaded), and a new one started by Ray.
+                _log.warning("queue %r: a spare TargetList did not start: %s", queue.name, exc)
+                self._channel.close()
+                self._channel = None
+                with contextlib.suppress(Exception):
+                    ray.kill(self.target_list, no_restart=True)
+                spare = spares.take(node).without_channel()
+                self.target_list = spare.actor
+                endpoint = self._start(fetch_endpoint, cached, settings)
             if endpoint == STALE_FETCH_ENDPOINT:  # the queue's actor was replaced
                 fetch_endpoint, _ = queue._fetch_endpoint(fresh=True)
                 endpoint = self._start(fetch_endpoint, False, settings)
@@ -210,14 +212,44 @@ class Consumer(AsyncReceives):
                 ray.kill(self.target_list, no_restart=True)
             spares.warm(node)
             raise
-        connect = spare_channel is None and delivery_channel.USE_CHANNEL  # (not tried yet)
-        if self._channel is None and endpoint is not None and connect:
+        # Started by Ray (a spare still starting, or a new one): its answer says where
+        # its channel listens.
+        by_ray = self._channel is None and spare.endpoint is None
+        if by_ray and endpoint is not None and delivery_channel.USE_CHANNEL:
             try:
                 self._channel = DeliveryChannel(*endpoint, queue.name)
             except WireBroken as exc:
                 self._channel_broke(exc)
         # The next consumer's spare: once this one has its first answer, not before.
         spares.warm(node, after=self._first_answer)
+
+    def _open_spare_channel(self, node: str, spare: Any) -> Any:
+        """Take the ``spare``'s DeliveryChannel as ``self._channel`` (connected while the
+        spare waited, or now); returns the spare in use: a new one, started by Ray,
+        if the spare's channel does not connect (the spare is killed)."""
+        from raymq.placement import spares
+
+        queue = self.queue
+        if not delivery_channel.USE_CHANNEL:
+            return spare.without_channel()
+        if spare.channel is not None:
+            spare.channel.name_queue(queue.name)
+            self._channel = spare.channel
+            return spare
+        if spare.endpoint is None:  # still starting: started by Ray
+            return spare
+        try:
+            self._channel = DeliveryChannel(*spare.endpoint, queue.name)
+            return spare
+        except WireBroken as exc:  # the spare died since it was up, say
+            _log.warning(
+                "queue %r: a new TargetList for consumer %s: %s", queue.name, self.consumer_id, exc
+            )
+            with contextlib.suppress(Exception):
+                ray.kill(self.target_list, no_restart=True)
+            spare = spares.take(node).without_channel()  # a new one (none is warm)
+            self.target_list = spare.actor
+            return spare
 
     def _start(
         self, fetch_endpoint: tuple[str, int, str] | None, cached: bool, settings: dict

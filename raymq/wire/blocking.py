@@ -100,6 +100,10 @@ class BlockingClient:
         """Why the connection broke (None while it works)."""
         return self._client.broken
 
+    def rename(self, what: str) -> None:
+        """Name the connection ``what`` in errors and logs from now on."""
+        self.what = self._client.what = what
+
     @property
     def caps(self) -> dict[str, Any]:
         """The server's capabilities, from its hello."""

@@ -241,6 +241,17 @@ class DeliveryChannel:
             (host, port, secret), PROTOCOL, f"queue {queue!r}", timeout=CONNECT_TIMEOUT_SECONDS
         )
 
+    @property
+    def broken(self) -> WireBroken | None:
+        """Why the connection broke (None while it works, as far as this side knows)."""
+        return self._client.broken
+
+    def name_queue(self, queue: str) -> None:
+        """Name ``queue`` in errors from now on: a spare's channel is connected before
+        the spare has a queue (``raymq.placement.spares``)."""
+        self.queue = queue
+        self._client.rename(f"queue {queue!r}")
+
     def start(self, settings: dict, timeout: float) -> object:
         """Start the TargetList (``TargetListActor.start`` by keyword, ``settings``), as
         this connection's first request; returns what it returns. Raises its typed
