@@ -118,6 +118,7 @@ def warm(node_id: str, after: threading.Event | None = None) -> None:
             _deferred[key] = after
 
     def make() -> None:
+        connecting: threading.Event | None = None
         try:
             if after is not None:
                 after.wait(DEFER_SECONDS)
@@ -134,7 +135,7 @@ def warm(node_id: str, after: threading.Event | None = None) -> None:
                 _making.pop(key, None)
                 _deferred.pop(key, None)
             done.set()
-        if delivery.USE_CHANNEL:
+        if connecting is not None:
             try:
                 _connect(key, actor, ready)
             finally:

@@ -10,7 +10,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable, Iterator
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -47,6 +47,9 @@ from raymq.wire import delivery as delivery_channel
 from raymq.wire.delivery import BY_REFERENCE, INLINE_BYTES, DeliveryChannel
 from raymq.wire.errors import WireBroken
 from raymq.wire.fetch import STALE_FETCH_ENDPOINT
+
+if TYPE_CHECKING:  # imported where used: placement imports the actors
+    from raymq.placement.spares import Spare
 
 
 class ConsumedQueue(Protocol):
@@ -172,12 +175,12 @@ class Consumer(AsyncReceives):
     def _launch(
         self,
         node: str,
-        spare: Any,
+        spare: Spare,
         fetch_endpoint: tuple[str, int, str] | None,
         cached: bool,
         settings: dict,
     ) -> None:
-        """Start the ``spare`` TargetList (``spares.Spare``) as this consumer's, over
+        """Start the ``spare`` TargetList as this consumer's, over
         its DeliveryChannel if the spare has one, else by a Ray call, and connect to its
         channel; a failure kills the spare (it is never a spare again) and is raised."""
         from raymq.placement import spares
@@ -223,7 +226,7 @@ class Consumer(AsyncReceives):
         # The next consumer's spare: once this one has its first answer, not before.
         spares.warm(node, after=self._first_answer)
 
-    def _open_spare_channel(self, node: str, spare: Any) -> Any:
+    def _open_spare_channel(self, node: str, spare: Spare) -> Spare:
         """Take the ``spare``'s DeliveryChannel as ``self._channel`` (connected while the
         spare waited, or now); returns the spare in use: a new one, started by Ray,
         if the spare's channel does not connect (the spare is killed)."""
