@@ -251,30 +251,14 @@ def _dead(pid: int) -> bool:
         return True
 
 
-def test_a_spare_that_died_after_it_was_up_is_replaced_by_a_new_target_list(broker):
+@pytest.mark.parametrize("break_seen", [True, False], ids=["break-seen", "break-unseen"])
+def test_a_spare_that_died_after_it_was_up_is_replaced_by_a_new_target_list(
+    broker, monkeypatch, break_seen
+):
+    """The spare's channel was connected while it waited, and it died. Whether or not
+    this process has read the connection's end yet (if not, the start over it fails),
+    a new TargetList started by Ray serves the consumer, over a channel of its own."""
     q = broker.create_queue("dead-spare")
-    offset = q.send(b"a")
-    assert spares.wait_warm(timeout=60)
-    spare = spares._spares[spares._key(current_node_id())]
-    pid = ray.get(spare.pid.remote())
-    os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    while not _dead(pid):
-        assert time.monotonic() < deadline, "the spare's process did not die"
-        time.sleep(0.05)
-    with q.consumer() as c:
-        assert c.target_list._actor_id != spare._actor_id
-        assert c._channel is not None  # its own channel, once Ray started it
-        assert [m.offset for m in c.receive(timeout=30)] == [offset]
-        assert c.stats()["started_over"] == "ray"
-        c.ack(offset, wait=True)
-
-
-def test_a_spare_dead_behind_its_open_channel_is_replaced_at_start(broker, monkeypatch):
-    """The spare's channel was connected while it waited; it died, and the consumer
-    taking it has not seen the connection break yet: the start over it fails, and a
-    new TargetList started by Ray serves the consumer."""
-    q = broker.create_queue("dead-behind-channel")
     offset = q.send(b"a")
     assert spares.wait_warm(timeout=60)
     key = spares._key(current_node_id())
@@ -285,10 +269,11 @@ def test_a_spare_dead_behind_its_open_channel_is_replaced_at_start(broker, monke
     while not _dead(pid):
         assert time.monotonic() < deadline, "the spare's process did not die"
         time.sleep(0.05)
-    # As if the break were not read yet: take hands the channel on.
-    monkeypatch.setattr(type(channel), "broken", property(lambda self: None))
+    if not break_seen:  # take hands the channel on as a working one
+        monkeypatch.setattr(type(channel), "broken", property(lambda self: None))
     with q.consumer() as c:
         assert c.target_list._actor_id != spare._actor_id
-        assert c.stats()["started_over"] == "ray"
+        assert c._channel is not None  # its own channel, once Ray started it
         assert [m.offset for m in c.receive(timeout=30)] == [offset]
+        assert c.stats()["started_over"] == "ray"
         c.ack(offset, wait=True)
