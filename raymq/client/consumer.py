@@ -193,16 +193,12 @@ class Consumer(AsyncReceives):
             except BrokerUnavailable as exc:
                 if self._channel is None or not isinstance(exc.__cause__, WireBroken):
                     raise
-                # Over a channel opened while the spare waited, or just now: the spare
-                # may have died meanwhile. Ended (the queue gives back anything it
-                # loaded), and a new one started by Ray.
+                # The spare may have died while it waited: ended (the queue gives back
+                # anything it loaded), and a new one started by Ray.
                 _log.warning("queue %r: a spare TargetList did not start: %s", queue.name, exc)
                 self._channel.close()
                 self._channel = None
-                with contextlib.suppress(Exception):
-                    ray.kill(self.target_list, no_restart=True)
-                spare = spares.take(node).without_channel()
-                self.target_list = spare.actor
+                spare = self._replace_target_list(node)
                 endpoint = self._start(fetch_endpoint, cached, settings)
             if endpoint == STALE_FETCH_ENDPOINT:  # the queue's actor was replaced
                 fetch_endpoint, _ = queue._fetch_endpoint(fresh=True)
@@ -215,8 +211,7 @@ class Consumer(AsyncReceives):
                 ray.kill(self.target_list, no_restart=True)
             spares.warm(node)
             raise
-        # Started by Ray (a spare still starting, or a new one): its answer says where
-        # its channel listens.
+        # Started by Ray (a spare still starting, or a new one): it answered its channel.
         by_ray = self._channel is None and spare.endpoint is None
         if by_ray and endpoint is not None and delivery_channel.USE_CHANNEL:
             try:
@@ -230,7 +225,6 @@ class Consumer(AsyncReceives):
         """Take the ``spare``'s DeliveryChannel as ``self._channel`` (connected while the
         spare waited, or now); returns the spare in use: a new one, started by Ray,
         if the spare's channel does not connect (the spare is killed)."""
-        from raymq.placement import spares
 
         queue = self.queue
         if not delivery_channel.USE_CHANNEL:
@@ -245,14 +239,19 @@ class Consumer(AsyncReceives):
             self._channel = DeliveryChannel(*spare.endpoint, queue.name)
             return spare
         except WireBroken as exc:  # the spare died since it was up, say
-            _log.warning(
-                "queue %r: a new TargetList for consumer %s: %s", queue.name, self.consumer_id, exc
-            )
-            with contextlib.suppress(Exception):
-                ray.kill(self.target_list, no_restart=True)
-            spare = spares.take(node).without_channel()  # a new one (none is warm)
-            self.target_list = spare.actor
-            return spare
+            _log.warning("queue %r: a spare TargetList did not connect: %s", queue.name, exc)
+            return self._replace_target_list(node)
+
+    def _replace_target_list(self, node: str) -> Spare:
+        """Kill the spare TargetList this consumer took (it failed) and take another,
+        started by a Ray call; returns it."""
+        from raymq.placement import spares
+
+        with contextlib.suppress(Exception):
+            ray.kill(self.target_list, no_restart=True)
+        spare = spares.take(node).without_channel()
+        self.target_list = spare.actor
+        return spare
 
     def _start(
         self, fetch_endpoint: tuple[str, int, str] | None, cached: bool, settings: dict
