@@ -18,7 +18,7 @@ from typing import Any
 
 import ray
 
-from raymq.core.tasks import BATCHED, TaskRecord
+from raymq.core.tasks import BATCHED, StoreLocation, TaskRecord
 from raymq.errors import InvalidSetting
 from raymq.storage.task_results import TASKS_DIRECTORY, TaskResults
 
@@ -54,6 +54,12 @@ class TaskResultsActor:
     async def get(self, task_id: str) -> TaskRecord | None:
         """See ``TaskResults.get``."""
         return await self._call("get", (task_id,))
+
+    def locate(self) -> StoreLocation:
+        """Where the store is: this node, the file's absolute path, its id (for
+        ``raymq.serve.status_reads``, which reads it directly on this node)."""
+        node_id = ray.get_runtime_context().get_node_id()
+        return StoreLocation(node_id, os.path.abspath(self.store.path), self.store.store_id)
 
     async def counts(self) -> dict[str, Any]:
         """See ``TaskResults.counts``; with this actor's commits, calls and expired."""

@@ -151,10 +151,15 @@ def queue_name() -> str:
 
 def test_a_task_reaches_the_deployment_and_its_result_is_stored(shared):
     broker, config, producer = shared
+    before = producer.get_metrics_sync()
     sent = producer.enqueue_task_sync("add", args=[2], kwargs={"b": 3})
     assert sent.status == "PENDING"
     done = status_of(producer, sent.id, SUCCESS)
     assert done.result["sum"] == 5 and done.result["pid"] != os.getpid()
+    # On the store's node (one node here), statuses are read from its file.
+    after = producer.get_metrics_sync()
+    assert after["status_reads_local"] > before["status_reads_local"]
+    assert after["status_read_failures"] == 0
     record = ray.get(broker.task_results().get.remote(sent.id))
     assert record.runs == 1
     wait_for("queue drained", lambda: broker.get_queue(config.queue_name).stats()["depth"] == 0)

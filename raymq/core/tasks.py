@@ -157,3 +157,13 @@ def replicas_for_backlog(backlog: int, target_backlog_per_replica: float) -> int
             f"target_backlog_per_replica must be > 0, not {target_backlog_per_replica}"
         )
     return math.ceil(max(backlog, 0) / target_backlog_per_replica)
+
+
+@dataclass(frozen=True)
+class StoreLocation:
+    """Where a broker's task-result store is (``TaskResultsActor.locate``): its node,
+    its file's absolute path there, and the id written in that file."""
+
+    node_id: str
+    path: str
+    store_id: str

@@ -44,6 +44,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import ray
 from pydantic import BaseModel, ConfigDict, Field
 from ray.serve.schema import TaskProcessorAdapter, TaskProcessorConfig, TaskResult
 
@@ -64,6 +65,7 @@ from raymq.core.tasks import (
     UndecodableTask,
 )
 from raymq.errors import ConsumerClosed, InvalidSetting, QueueNotFound, RayMQError
+from raymq.serve.status_reads import NOT_LOCAL, StatusReads
 
 log = logging.getLogger("raymq.serve")
 
@@ -157,6 +159,7 @@ class RayMQTaskProcessorAdapter(TaskProcessorAdapter):
         self._broker: raymq.Broker | None = None
         self._queue: Any = None
         self._results: Any = None  # the TaskResultsActor's handle
+        self._status_reads: StatusReads | None = None  # made by initialize
         self._dead_letters: dict[str, Any] = {}  # queue handles by name
         self._consumer: Any = None
         self._threads: list[threading.Thread] = []
@@ -183,6 +186,8 @@ class RayMQTaskProcessorAdapter(TaskProcessorAdapter):
         self._broker = raymq.connect(s.address, s.namespace, create=False)
         self._queue = self._open_queue(self._config.queue_name, s.queue_options)
         self._results = self._broker.task_results()
+        node_id = ray.get_runtime_context().get_node_id()
+        self._status_reads = StatusReads(lambda: self._store_call("locate"), node_id)
 
     def _open_queue(self, name: str, options: dict[str, Any]):
         """The queue ``name``: created with ``options`` if missing; with no options,
@@ -224,7 +229,10 @@ class RayMQTaskProcessorAdapter(TaskProcessorAdapter):
         A task waiting in its queue is PENDING, and so is an unknown id (never
         enqueued, or expired), as with Celery."""
         self._require_initialized()
-        record = self._store("get", task_id)
+        assert self._status_reads is not None
+        record = self._status_reads.get(task_id)  # on the store's node: its file
+        if record is NOT_LOCAL:
+            record = self._store("get", task_id)
         if record is None:
             return TaskResult(id=task_id, status=PENDING, result=None)
         result = record.result
@@ -262,6 +270,10 @@ class RayMQTaskProcessorAdapter(TaskProcessorAdapter):
             "dead_letters": dead,
             "tasks": self._store("counts"),
             "consumer": self._consumer_state(),
+            # get_task_status_sync's reads of the store's file, and the failed ones
+            # (those went to the actor): see raymq.serve.status_reads.
+            "status_reads_local": self._status_reads.local_reads if self._status_reads else 0,
+            "status_read_failures": self._status_reads.failures if self._status_reads else 0,
         }
 
     def health_check_sync(self) -> list[dict]:

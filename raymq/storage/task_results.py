@@ -19,7 +19,9 @@ from __future__ import annotations
 import contextlib
 import os
 import sqlite3
+import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -49,10 +51,12 @@ CREATE TABLE IF NOT EXISTS tasks (
     traceback TEXT
 );
 CREATE INDEX IF NOT EXISTS tasks_by_expiry ON tasks (updated_at + ttl);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 #: What ``apply`` runs.
 _OPERATIONS = frozenset({"start", "finish", "cancel", "expire", "get", "counts"})
 _COLUMNS = "id, status, name, created_at, updated_at, runs, result, error_type, error, traceback"
+_GET = f"SELECT {_COLUMNS} FROM tasks WHERE id = ?"
 
 
 class TaskResults:
@@ -74,6 +78,13 @@ class TaskResults:
             self._db.execute("PRAGMA synchronous=FULL")
             self._db.executescript(_SCHEMA)
             self._db.execute("PRAGMA quick_check").fetchall()
+            # Names this file for readers (TaskResultsReader): a file of the same path
+            # on another node, or made again after this one was removed, is another.
+            self._db.execute(
+                "INSERT OR IGNORE INTO meta (key, value) VALUES ('store_id', ?)",
+                (uuid.uuid4().hex,),
+            )
+            self.store_id: str = _store_id(self._db) or ""
         except sqlite3.DatabaseError as exc:
             raise StorageError(f"task results {self.path}: {exc}") from exc
 
@@ -192,14 +203,7 @@ class TaskResults:
     # -- internals --------------------------------------------------------------------
 
     def _get(self, task_id: str) -> TaskRecord | None:
-        row = self._read(f"SELECT {_COLUMNS} FROM tasks WHERE id = ?", (task_id,)).fetchone()
-        if row is None:
-            return None
-        task_id, status, name, created, updated, runs, blob, error_type, error, tb = row
-        result = None if blob is None else msgpack.unpackb(blob, raw=False, strict_map_key=False)
-        return TaskRecord(
-            task_id, status, name, created, updated, runs, result, error_type, error, tb
-        )
+        return _record_of(self._read(_GET, (task_id,)).fetchone())
 
     def _write(self, sql: str, params: tuple) -> sqlite3.Cursor:
         try:
@@ -219,3 +223,54 @@ class TaskResults:
             self._write("ROLLBACK", ())
             raise
         self._write("COMMIT", ())
+
+
+class TaskResultsReader:
+    """Reads task records straight from the store's file, beside its writer: a status
+    asked on the store's node costs a SQLite read, not a call to the actor (WAL: it
+    sees every committed batch, and never waits for a commit under way).
+
+    Opened read-only, and only on the file whose ``store_id`` is the one given (the
+    writer's ``TaskResults.store_id``); ``StorageError`` naming the file otherwise, or
+    when a read fails. Thread-safe (one connection under a lock)."""
+
+    def __init__(self, path: str, store_id: str):
+        self.path = path
+        self._lock = threading.Lock()
+        try:
+            self._db = sqlite3.connect(
+                f"file:{path}?mode=ro", uri=True, isolation_level=None, check_same_thread=False
+            )
+            found = _store_id(self._db)
+        except sqlite3.DatabaseError as exc:
+            raise StorageError(f"task results {path}: {exc}") from exc
+        if found != store_id:
+            self._db.close()
+            raise StorageError(f"task results {path}: store {found!r}, not {store_id!r}")
+
+    def get(self, task_id: str) -> TaskRecord | None:
+        """The task's record; None if it has none (see ``TaskResults.get``)."""
+        try:
+            with self._lock:
+                row = self._db.execute(_GET, (task_id,)).fetchone()
+        except sqlite3.DatabaseError as exc:
+            raise StorageError(f"task results {self.path}: {exc}") from exc
+        return _record_of(row)
+
+    def close(self) -> None:
+        """Close the connection."""
+        with self._lock:
+            self._db.close()
+
+
+def _store_id(db: sqlite3.Connection) -> str | None:
+    row = db.execute("SELECT value FROM meta WHERE key = 'store_id'").fetchone()
+    return None if row is None else row[0]
+
+
+def _record_of(row: tuple | None) -> TaskRecord | None:
+    if row is None:
+        return None
+    task_id, status, name, created, updated, runs, blob, error_type, error, tb = row
+    result = None if blob is None else msgpack.unpackb(blob, raw=False, strict_map_key=False)
+    return TaskRecord(task_id, status, name, created, updated, runs, result, error_type, error, tb)
