@@ -347,7 +347,8 @@ def test_results_outlive_their_store_actor_which_is_found_again(shared):
     assert status_of(producer, sent.id, SUCCESS).result["sum"] == 42
     ray.kill(broker.task_results(), no_restart=True)  # ended, as by a broker's stop
     # The producer's handle is dead; it asks the broker again, which starts the store
-    # over the same file.
+    # over the same file. (A status is read from the file itself on this node.)
+    assert producer.get_metrics_sync()["tasks"]["SUCCESS"] >= 1
     again = producer.get_task_status_sync(sent.id)
     assert (again.status, again.result["sum"]) == (SUCCESS, 42)
     later = producer.enqueue_task_sync("add", args=[1, 1])  # and the replica's too
