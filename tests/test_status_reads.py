@@ -36,6 +36,15 @@ def test_a_reader_sees_each_commit_of_the_store_and_reads_only_that_store(tmp_pa
     reader.close()
 
 
+def test_a_result_that_does_not_decode_is_a_storage_error_naming_the_file(tmp_path):
+    store = TaskResults(str(tmp_path))
+    store.apply([("finish", ("t", "work", 60, SUCCESS, 1))])
+    store._db.execute("UPDATE tasks SET result = ? WHERE id = 't'", (b"\xc1",))  # never msgpack
+    reader = TaskResultsReader(store.path, store.store_id)
+    with pytest.raises(StorageError, match=f"{FILE_NAME}.*task t"):
+        reader.get("t")
+
+
 def test_a_reader_never_writes(tmp_path):
     store = TaskResults(str(tmp_path))
     reader = TaskResultsReader(store.path, store.store_id)

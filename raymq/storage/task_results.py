@@ -253,9 +253,9 @@ class TaskResultsReader:
         try:
             with self._lock:
                 row = self._db.execute(_GET, (task_id,)).fetchone()
-        except sqlite3.DatabaseError as exc:
-            raise StorageError(f"task results {self.path}: {exc}") from exc
-        return _record_of(row)
+            return _record_of(row)
+        except (sqlite3.DatabaseError, ValueError, msgpack.UnpackException) as exc:
+            raise StorageError(f"task results {self.path}: task {task_id}: {exc!r}") from exc
 
     def close(self) -> None:
         """Close the connection."""
