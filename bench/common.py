@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -13,7 +14,8 @@ from rich.table import Table
 
 from raymq.config import apply_ray_env_defaults
 
-console = Console()
+# Into a file or a pipe (a log, CI) Rich would assume 80 columns and crop wide tables.
+console = Console(width=None if sys.stdout.isatty() else 140)
 apply_ray_env_defaults()  # the benchmarks start Ray themselves, as RayMQ would
 
 

@@ -12,6 +12,10 @@ default settings: snapshots, no append-only file) and ``celery[redis]`` (``pip i
 (``prefetch_multiplier=4``) and as "raymq-x1" with its default (1: a replica holds only
 the tasks it runs).
 
+Beside each run, the CPU each kind of process used, in ms a task (``/proc``; the
+driver is this process, enqueuing and polling statuses): where a broker's tasks/s goes
+on a machine both brokers keep busy.
+
 Then a broker loss: a run in which the broker's process is SIGKILLed at mid-run and
 started again (``redis-server`` on the same port and directory; RayMQ's queue actor,
 which Ray restarts in place), counting the tasks that never ended SUCCESS within
@@ -44,7 +48,7 @@ from ray.serve.schema import CeleryAdapterConfig, TaskProcessorConfig
 from ray.serve.task_consumer import instantiate_adapter_from_config, task_consumer, task_handler
 from raymq.actors.names import queue_actor_name
 
-from bench.common import console, print_table, start_broker, stop_broker
+from bench.common import console, print_table, process_cpu_seconds, start_broker, stop_broker
 from raymq.serve import RayMQAdapterConfig
 
 APP = "bench-tasks"
@@ -147,6 +151,53 @@ def deploy(config: TaskProcessorConfig, replicas: int, concurrency: int) -> None
     serve.run(Work.bind(), name=APP, route_prefix=None)
 
 
+#: Processes whose CPU a run reports, by their command line's start (the driver apart).
+#: (the replicas, Redis, RayMQ's queue actors, TargetLists and result store, and
+#: this bench's actor that records start times)
+CPU_GROUPS = {
+    "replica": f"ray::ServeReplica:{APP}:",
+    "redis": "redis-server",
+    "queue": "ray::QueueActor",
+    "TL": "ray::TargetListActor",
+    "store": "ray::TaskResultsActor",
+    "Starts": "ray::Starts",
+}
+
+
+def _group_pids() -> dict[str, list[int]]:
+    """PIDs of each of ``CPU_GROUPS``' processes now."""
+    found: dict[str, list[int]] = {group: [] for group in CPU_GROUPS}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        for group, prefix in CPU_GROUPS.items():
+            if cmdline.startswith(prefix):
+                found[group].append(int(entry))
+    return found
+
+
+def cpu_by_group() -> dict[str, dict[int, float]]:
+    """CPU seconds used so far by each process of each group, and by the driver."""
+    groups = {g: {p: process_cpu_seconds(p) for p in pids} for g, pids in _group_pids().items()}
+    groups["driver"] = {os.getpid(): process_cpu_seconds(os.getpid())}
+    return groups
+
+
+def cpu_ms_a_task(before: dict[str, dict[int, float]], tasks: int) -> dict[str, float]:
+    """ms of CPU a task each group used since ``before`` (processes of a group that
+    started meanwhile count from 0)."""
+    after = cpu_by_group()
+    return {
+        group: sum(s - before.get(group, {}).get(p, 0.0) for p, s in now.items()) / tasks * 1e3
+        for group, now in after.items()
+    }
+
+
 def run_tasks(
     producer,
     n: int,
@@ -243,6 +294,8 @@ def main() -> None:
             replica_chaos(broker, args)
             return
         rows = []
+        cpu_columns = [*CPU_GROUPS, "driver"]
+        cpu_rows: list[list[str]] = []
         results: dict[tuple[str, int], dict] = {}
         kinds = args.brokers.split(",")
         for replicas in (int(r) for r in args.replicas.split(",")):
@@ -258,8 +311,14 @@ def main() -> None:
                     time.sleep(0.01)  # a first task through: the replicas are up
                 ray.get(ray.get_actor(STARTS).take.remote())
                 console.print(f"{kind}, {replicas} replicas: {args.tasks:,} tasks ...")
+                cpu_before = cpu_by_group()
                 results[kind, replicas] = got = run_tasks(
                     producer, args.tasks, grace=args.grace, producers=args.producers
+                )
+                cpu = cpu_ms_a_task(cpu_before, args.tasks)
+                cpu_rows.append(
+                    [kind, str(replicas), *(f"{cpu[g]:.2f}" for g in cpu_columns)]
+                    + [f"{sum(cpu.values()):.2f}"]
                 )
                 console.print(f"  enqueued {got['enqueued/s']:,.0f} tasks/s")
                 serve.delete(APP)
@@ -291,6 +350,11 @@ def main() -> None:
             f"Serve task consumers, {args.tasks:,} tasks, {args.concurrency} threads a replica",
             ["broker", "replicas", "tasks/s", "enqueue->start p50 ms", "p99 ms"],
             rows,
+        )
+        print_table(
+            "CPU of each kind of process, ms a task",
+            ["broker", "repl.", *cpu_columns, "all"],
+            cpu_rows,
         )
         loss_rows = []
         for kind in kinds:
