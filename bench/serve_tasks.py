@@ -395,16 +395,7 @@ def main() -> None:
 
 def replica_pids() -> list[int]:
     """PIDs of this bench's Serve replicas (Ray titles them ``ray::ServeReplica:APP:...``)."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if f.read().startswith(f"ray::ServeReplica:{APP}:".encode()):
-                        pids.append(int(entry))
-            except OSError:
-                continue
-    return sorted(pids)
+    return sorted(_group_pids()["replica"])
 
 
 def replica_chaos(broker, args) -> None:

@@ -45,6 +45,14 @@ def test_a_result_that_does_not_decode_is_a_storage_error_naming_the_file(tmp_pa
         reader.get("t")
 
 
+def test_a_reader_closed_under_a_thread_is_a_storage_error(tmp_path):
+    store = TaskResults(str(tmp_path))
+    reader = TaskResultsReader(store.path, store.store_id)
+    reader.close()  # (as StatusReads drops a failed reader another thread still holds)
+    with pytest.raises(StorageError, match=FILE_NAME):
+        reader.get("t")
+
+
 def test_a_reader_never_writes(tmp_path):
     store = TaskResults(str(tmp_path))
     reader = TaskResultsReader(store.path, store.store_id)

@@ -254,7 +254,9 @@ class TaskResultsReader:
             with self._lock:
                 row = self._db.execute(_GET, (task_id,)).fetchone()
             return _record_of(row)
-        except (sqlite3.DatabaseError, ValueError, msgpack.UnpackException) as exc:
+        # sqlite3.Error, not only DatabaseError: a connection another thread closed
+        # (StatusReads dropping a reader that failed) raises ProgrammingError.
+        except (sqlite3.Error, ValueError, msgpack.UnpackException) as exc:
             raise StorageError(f"task results {self.path}: task {task_id}: {exc!r}") from exc
 
     def close(self) -> None:
