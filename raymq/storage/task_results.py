@@ -254,8 +254,8 @@ class TaskResultsReader:
             with self._lock:
                 row = self._db.execute(_GET, (task_id,)).fetchone()
             return _record_of(row)
-        # sqlite3.Error, not only DatabaseError: a connection another thread closed
-        # (StatusReads dropping a reader that failed) raises ProgrammingError.
+        # Every error of the module (a connection another thread closed, as StatusReads
+        # drops a reader that failed, raises ProgrammingError: a DatabaseError too).
         except (sqlite3.Error, ValueError, msgpack.UnpackException) as exc:
             raise StorageError(f"task results {self.path}: task {task_id}: {exc!r}") from exc
 
