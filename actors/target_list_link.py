@@ -24,7 +24,7 @@ from raymq.core.target_list import FetchAnswer, FetchFailed
 from raymq.core.target_list_link import ConsumerSpec, Endpoint
 from raymq.errors import BrokerUnavailable, RayMQError, ray_reason
 from raymq.ray_faults import ACTOR_FAULTS, fault_of
-from raymq.wire.fetch import FetchChannel
+from raymq.wire.fetch import FetchChannel, Registration
 
 #: Longest a TargetList waits for its broker to start its queue's actor again (seconds):
 #: a revival is a process start, a second or two here.
@@ -131,8 +131,12 @@ class RayQueueEndpoint:
             )
             raise FetchFailed(error) from None
 
-    async def connect(self, endpoint: Endpoint, timeout: float) -> FetchChannel:
-        return await FetchChannel.connect(*endpoint, self.spec.queue, timeout=timeout)
+    async def connect(
+        self, endpoint: Endpoint, timeout: float, register: Registration | None = None
+    ) -> FetchChannel:
+        return await FetchChannel.connect(
+            *endpoint, self.spec.queue, timeout=timeout, register=register
+        )
 
     async def fetch(self, args: tuple) -> tuple[Any, Any]:
         queue = await self.actor()

@@ -22,7 +22,7 @@ from raymq.core.subscription import NOTHING, Delivery
 from raymq.errors import ConsumerClosed, RayMQError, SelectorError
 from raymq.wire import fetch
 from raymq.wire.errors import WireBroken
-from raymq.wire.fetch import FetchChannel, FetchServer
+from raymq.wire.fetch import FetchChannel, FetchServer, Registration
 
 #: Bound on a call that must return, in real seconds: only a wedge takes this long.
 ANSWER_SECONDS = 30.0
@@ -75,9 +75,11 @@ class Served:
     def _give_back(self, consumer_id: str, offsets: np.ndarray, subscription: str | None):
         self.given_back.append((consumer_id, offsets.tolist(), subscription))
 
-    async def client(self, secret: str | None = None) -> FetchChannel:
+    async def client(
+        self, secret: str | None = None, register: Registration | None = None
+    ) -> FetchChannel:
         host, port, real = await self.server.start("127.0.0.1")
-        return await FetchChannel.connect(host, port, secret or real, "q")
+        return await FetchChannel.connect(host, port, secret or real, "q", register=register)
 
 
 def run(coro):
@@ -244,6 +246,41 @@ def test_registering_over_the_channel_and_its_end_reports_whom_it_registered():
     served = run(main())
     assert served.registered == [("c1", 100, None, "sub")]
     assert served.lost == [[("c1", "sub")]]
+
+
+def test_a_registration_written_behind_the_hello_registers_before_the_first_fetch():
+    async def main():
+        served = Served([delivery(0, 2)])
+        channel = await served.client(register=Registration("c1", 100, None, "sub"))
+        assert served.registered == [("c1", 100, None, "sub")]  # answered before connect returned
+        got = await channel.fetch("c1", 10, 0.1, 100, None, "sub")
+        return served, got
+
+    served, got = run(main())
+    assert got.column("offset").to_pylist() == [0, 1]
+
+
+def test_a_registration_behind_the_hello_raises_the_queues_typed_error_and_closes():
+    async def main():
+        served = Served([])
+        with pytest.raises(SelectorError, match="bad ="):
+            await served.client(register=Registration("c2", 100, "bad =", None))
+        while served.server.server.connections:  # closed: the server sees its end
+            await asyncio.sleep(0.001)
+        return served
+
+    served = run(main())
+    assert served.registered == [] and served.lost == []  # nobody registered on it
+
+
+def test_a_registration_behind_a_refused_hello_is_never_made():
+    async def main():
+        served = Served([])
+        with pytest.raises(WireBroken):
+            await served.client(secret="0" * 32, register=Registration("c3", 1, None, None))
+        return served
+
+    assert run(main()).registered == []
 
 
 def test_finishing_ends_a_waiting_fetch_at_once_with_nothing_taken():

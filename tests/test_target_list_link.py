@@ -170,10 +170,13 @@ class FakeQueue:
         if self.state in ("dead", "moved"):
             self.recover()
 
-    async def connect(self, endpoint, timeout: float):
+    async def connect(self, endpoint, timeout: float, register=None):
         if self.state != "up" or endpoint != self._endpoint():
             raise WireBroken(f"queue 'q': {endpoint} refused the connection")
-        return FakeChannel(self, self.process)
+        channel = FakeChannel(self, self.process)
+        if register is not None:
+            await channel.register(*register)
+        return channel
 
     async def fetch(self, args: tuple):
         self.ray_fetches.append(args)

@@ -61,6 +61,7 @@ from raymq.wire.fetch import (
     INLINE_BYTES,
     REMEMBERED_CONNECT_SECONDS,
     InlineDelivery,
+    Registration,
 )
 
 log = logging.getLogger("raymq.consumer")
@@ -143,9 +144,12 @@ class QueueEndpoint(Protocol):
         ``FetchFailed`` with a typed error if it cannot be found."""
         ...
 
-    async def connect(self, endpoint: Endpoint, timeout: float) -> FetchChannelLike:
+    async def connect(
+        self, endpoint: Endpoint, timeout: float, register: Registration | None = None
+    ) -> FetchChannelLike:
         """Open the FetchChannel at ``endpoint`` within ``timeout`` seconds; raises
-        ``WireBroken``."""
+        ``WireBroken``. ``register``: the consumer registered over it too, in the same
+        round trip (raises as ``FetchChannelLike.register``)."""
         ...
 
     async def fetch(self, args: tuple) -> tuple[Any, Any]:
@@ -296,18 +300,18 @@ class TargetListLink:
         return endpoint
 
     async def _register_over_channel(self, endpoint: Endpoint, cached: bool) -> bool:
-        """Connect the FetchChannel and register over it; False if the channel failed
-        (counted, logged: a Ray registration then goes instead)."""
+        """Connect the FetchChannel and register over it, the registration written
+        behind the hello; False if the channel failed (counted, logged: a Ray
+        registration then goes instead)."""
         timeout = REMEMBERED_CONNECT_SECONDS if cached else CONNECT_TIMEOUT_SECONDS
-        spec, channel = self.spec, None
+        spec = self.spec
+        registration = Registration(
+            spec.consumer_id, spec.prefetch, spec.selector, spec.subscription
+        )
         try:
-            channel = await self._endpoint.connect(tuple(endpoint), timeout)
-            await channel.register(
-                spec.consumer_id, spec.prefetch, spec.selector, spec.subscription
-            )
+            # (A failed connect closes the channel itself.)
+            channel = await self._endpoint.connect(tuple(endpoint), timeout, registration)
         except BaseException as exc:
-            if channel is not None:
-                channel.close()
             if cached and isinstance(exc, WireBroken | NotLeader):
                 raise StaleEndpoint(tuple(endpoint), exc) from None
             if isinstance(exc, WireBroken):

@@ -89,6 +89,8 @@ class WireClient:
         self._ping_sent: float | None = None
         self._watch: asyncio.TimerHandle | None = None
         self._lost = self._loop.create_future()
+        #: The answer's future of the request ``connect`` wrote behind the hello.
+        self.first: asyncio.Future | None = None
 
     @classmethod
     async def connect(
@@ -99,17 +101,27 @@ class WireClient:
         *,
         timeout: float = CONNECT_TIMEOUT_SECONDS,
         patience: float | None = None,
+        first: tuple[str, list, float | None] | None = None,
     ) -> WireClient:
         """Connect to ``endpoint`` (its Unix socket when on this machine, else TCP) and
         say hello, within ``timeout`` seconds; ``WireBroken`` if that fails.
-        ``patience``: seconds (None: ``PATIENCE_SECONDS``, read now)."""
+        ``patience``: seconds (None: ``PATIENCE_SECONDS``, read now).
+
+        ``first``: an (op, args, within) request written right behind the hello, before
+        its answer (the server reads a connection's frames in order: a socket round
+        trip saved); its answer's future is ``client.first`` (see ``request``).
+        """
         host, port, secret = endpoint
         loop = asyncio.get_running_loop()
         client = cls(protocol, what, PATIENCE_SECONDS if patience is None else patience)
         try:
             async with asyncio.timeout(timeout):
                 await client._open(loop, host, port, secret)
-                answer = await client.request("hello", [secret, protocol, WIRE_VERSION], _id=0)
+                hello = client.request("hello", [secret, protocol, WIRE_VERSION], _id=0)
+                if first is not None:
+                    op, args, within = first
+                    client.first = client.request(op, args, within=within)
+                answer = await hello
         except (OSError, TimeoutError, WireBroken, ValueError) as exc:
             client.close()
             raise WireBroken(f"{what}: no {protocol} connection: {exc!r}") from exc

@@ -101,6 +101,17 @@ GiveBack = Callable[[str, np.ndarray, "str | None"], object]
 #: ``register(consumer_id, prefetch, selector, subscription)``: register a consumer
 #: (``QueueCore.register_consumer``, no watch); raises the queue's typed errors.
 Register = Callable[[str, int, "str | None", "str | None"], Awaitable[None]]
+
+
+class Registration(NamedTuple):
+    """A ``register`` request's arguments."""
+
+    consumer_id: str
+    prefetch: int
+    selector: str | None
+    subscription: str | None
+
+
 #: ``lost(registered)``: a connection ended; ``registered`` are the (consumer id,
 #: subscription) it registered.
 Lost = Callable[[list[tuple[str, "str | None"]]], None]
@@ -266,12 +277,27 @@ class FetchChannel:
         secret: str,
         queue: str,
         timeout: float = CONNECT_TIMEOUT_SECONDS,
+        register: Registration | None = None,
     ) -> FetchChannel:
-        """Connect and say hello within ``timeout`` seconds; ``WireBroken`` if not."""
+        """Connect and say hello within ``timeout`` seconds; ``WireBroken`` if not.
+
+        ``register``: a consumer registered as by ``register``, its request written
+        behind the hello (one round trip for both, not two); raises what ``register``
+        raises, the channel then closed."""
+        first = None
+        if register is not None:
+            first = ("register", list(register), ANSWER_MARGIN_SECONDS)
         client = await WireClient.connect(
-            (host, port, secret), PROTOCOL, f"queue {queue!r}", timeout=timeout
+            (host, port, secret), PROTOCOL, f"queue {queue!r}", timeout=timeout, first=first
         )
-        return cls(client, queue)
+        channel = cls(client, queue)
+        if client.first is not None:
+            try:
+                await client.first
+            except BaseException:
+                channel.close()
+                raise
+        return channel
 
     async def fetch(
         self,
