@@ -132,10 +132,14 @@ class RayQueueEndpoint:
             raise FetchFailed(error) from None
 
     async def connect(
-        self, endpoint: Endpoint, timeout: float, register: Registration | None = None
+        self,
+        endpoint: Endpoint,
+        timeout: float,
+        register: Registration | None = None,
+        fetch: tuple | None = None,
     ) -> FetchChannel:
         return await FetchChannel.connect(
-            *endpoint, self.spec.queue, timeout=timeout, register=register
+            *endpoint, self.spec.queue, timeout=timeout, register=register, fetch=fetch
         )
 
     async def fetch(self, args: tuple) -> tuple[Any, Any]:

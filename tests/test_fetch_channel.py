@@ -53,12 +53,15 @@ class Served:
         self.given_back: list[tuple[str, list[int], str | None]] = []
         self.gate = gate
         self.registered: list[tuple] = []
+        self.register_gate: asyncio.Event | None = None
         self.lost: list[list] = []
         self.server = FetchServer(
             self._fetch, self._give_back, "q", register=self._register, lost=self.lost.append
         )
 
     async def _register(self, *args):
+        if self.register_gate is not None:  # a registration that takes a while
+            await self.register_gate.wait()
         if args[2] == "bad =":
             raise SelectorError("malformed selector 'bad ='")
         self.registered.append(args)
@@ -76,10 +79,15 @@ class Served:
         self.given_back.append((consumer_id, offsets.tolist(), subscription))
 
     async def client(
-        self, secret: str | None = None, register: Registration | None = None
+        self,
+        secret: str | None = None,
+        register: Registration | None = None,
+        fetch: tuple | None = None,
     ) -> FetchChannel:
         host, port, real = await self.server.start("127.0.0.1")
-        return await FetchChannel.connect(host, port, secret or real, "q", register=register)
+        return await FetchChannel.connect(
+            host, port, secret or real, "q", register=register, fetch=fetch
+        )
 
 
 def run(coro):
@@ -271,6 +279,44 @@ def test_a_registration_behind_the_hello_raises_the_queues_typed_error_and_close
 
     served = run(main())
     assert served.registered == [] and served.lost == []  # nobody registered on it
+
+
+def test_a_fetch_written_behind_a_slow_registration_is_served_after_it():
+    async def main():
+        served = Served([delivery(0, 2)])
+        served.register_gate = asyncio.Event()
+        registration = Registration("c1", 100, None, "sub")
+        connecting = asyncio.ensure_future(
+            served.client(register=registration, fetch=("c1", 10, 0.5, 100, None, "sub"))
+        )
+        while not served.server.server.connections:  # hello, register and fetch written
+            await asyncio.sleep(0.001)
+        for _ in range(20):  # turns of the loop: the fetch is read, and must wait
+            await asyncio.sleep(0)
+        asked_before = list(served.asked)
+        served.register_gate.set()
+        channel = await connecting
+        got = await channel.pending_fetch
+        return served, asked_before, got
+
+    served, asked_before, got = run(main())
+    assert asked_before == []  # not fetched while the registration was under way
+    assert served.registered == [("c1", 100, None, "sub")]
+    assert got.batch.column("offset").to_pylist() == [0, 1]
+
+
+def test_a_fetch_written_behind_a_failed_registration_fetches_nothing():
+    async def main():
+        served = Served([delivery(0, 2)])
+        registration = Registration("c2", 100, "bad =", None)
+        with pytest.raises(SelectorError, match="bad ="):
+            await served.client(register=registration, fetch=("c2", 10, 0.5, 100, "bad =", None))
+        while served.server.server.connections:
+            await asyncio.sleep(0.001)
+        return served
+
+    served = run(main())
+    assert served.asked == [] and served.registered == []  # the queue never fetched for it
 
 
 def test_a_registration_behind_a_refused_hello_is_never_made():

@@ -86,6 +86,7 @@ class FakeQueue:
         self.finds = 0
         self.ray_fetches: list[tuple] = []
         self.channel_fetches = 0
+        self.pipelined_fetches = 0  # first fetches written behind a registration
         self.closed_with: list[int] | None = None
         self._resumed = asyncio.Event()
         self._resumed.set()
@@ -170,12 +171,15 @@ class FakeQueue:
         if self.state in ("dead", "moved"):
             self.recover()
 
-    async def connect(self, endpoint, timeout: float, register=None):
+    async def connect(self, endpoint, timeout: float, register=None, fetch=None):
         if self.state != "up" or endpoint != self._endpoint():
             raise WireBroken(f"queue 'q': {endpoint} refused the connection")
         channel = FakeChannel(self, self.process)
         if register is not None:
             await channel.register(*register)
+            if fetch is not None:  # as the real one: written behind the registration
+                self.pipelined_fetches += 1
+                channel.pending_fetch = asyncio.ensure_future(channel.fetch(*fetch, streams=True))
         return channel
 
     async def fetch(self, args: tuple):
@@ -225,6 +229,7 @@ class FakeChannel:
         self.process = process
         self.closed = False
         self.finished = False
+        self.pending_fetch: asyncio.Task | None = None
 
     def _check(self) -> None:
         q = self.queue
@@ -339,6 +344,8 @@ def test_a_consumer_with_the_endpoint_fetches_inline_and_is_watched_after_its_fi
     assert got == list(range(20)) and queue.stale_acks == 0
     assert queue.watched and stats.watched_by_queue
     assert stats.fetches_inline > 0 and stats.fetches_by_ray == 0 and not queue.ray_fetches
+    # The first fetch went behind the registration, and its answer was handed out.
+    assert queue.pipelined_fetches == 1
 
 
 def test_without_the_endpoint_the_first_fetch_goes_by_ray_without_waiting_then_the_channel():

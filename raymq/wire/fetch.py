@@ -41,6 +41,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import pyarrow as pa
 
+from raymq.errors import BrokerUnavailable
 from raymq.wire.client import WireClient
 from raymq.wire.errors import WireBroken
 from raymq.wire.ipc import from_ipc, to_ipc
@@ -184,12 +185,31 @@ class FetchServer(ProtocolServer):
 
     async def _answer_register(self, request: Request) -> None:
         consumer_id, prefetch, selector, subscription = request.args
-        await self._register(consumer_id, prefetch, selector, subscription)  # type: ignore[misc]
-        request.conn.state.setdefault("registered", []).append((consumer_id, subscription))
+        # A fetch written behind this request waits for it (``_answer_fetch``).
+        registering = request.conn.state.setdefault("registering", {})
+        done = registering[consumer_id] = asyncio.get_running_loop().create_future()
+        try:
+            await self._register(consumer_id, prefetch, selector, subscription)  # type: ignore[misc]
+            request.conn.state.setdefault("registered", []).append((consumer_id, subscription))
+            done.set_result(None)
+            # Answered before the fetch written behind it runs (its reading holds the
+            # loop for milliseconds, which the TargetList's start would wait out).
+            request.answer(None, now=True)
+        except Exception as exc:  # the fetch behind it fails alike
+            done.set_exception(exc)
+            raise
+        finally:
+            if not done.done():  # cancelled: the server is closing
+                done.set_exception(BrokerUnavailable(f"queue {self.queue!r} is closing"))
+            if done.exception() is None and registering.get(consumer_id) is done:
+                del registering[consumer_id]
 
     async def _answer_fetch(self, request: Request) -> object:
         consumer_id, max_messages, timeout, prefetch, selector, subscription, inline = request.args
         wait = min(float(timeout), MAX_WAIT_SECONDS)
+        registering = request.conn.state.get("registering", {}).get(consumer_id)
+        if registering is not None:  # written behind its registration: after it, or its error
+            await asyncio.shield(registering)
         try:
             delivery = await self._fetch(
                 consumer_id, max_messages, wait, prefetch, selector, subscription
@@ -263,6 +283,8 @@ class FetchChannel:
     def __init__(self, client: WireClient, queue: str):
         self.queue = queue
         self._client = client
+        #: The first fetch, written behind the registration by ``connect``.
+        self.pending_fetch: asyncio.Task | None = None
 
     @property
     def closed(self) -> bool:
@@ -278,12 +300,17 @@ class FetchChannel:
         queue: str,
         timeout: float = CONNECT_TIMEOUT_SECONDS,
         register: Registration | None = None,
+        fetch: tuple | None = None,
     ) -> FetchChannel:
         """Connect and say hello within ``timeout`` seconds; ``WireBroken`` if not.
 
         ``register``: a consumer registered as by ``register``, its request written
         behind the hello (one round trip for both, not two); raises what ``register``
-        raises, the channel then closed."""
+        raises, the channel then closed. ``fetch``: ``fetch``'s arguments (with
+        ``register``): that consumer's first fetch, written behind the registration,
+        which the queue answers once the registration is done; its answer's task is
+        ``pending_fetch`` (``fetch(..., streams=True)``'s), cancelled if the
+        registration fails."""
         first = None
         if register is not None:
             first = ("register", list(register), ANSWER_MARGIN_SECONDS)
@@ -292,10 +319,15 @@ class FetchChannel:
         )
         channel = cls(client, queue)
         if client.first is not None:
+            if fetch is not None:  # written as the task first runs: while we wait below
+                channel.pending_fetch = asyncio.ensure_future(channel.fetch(*fetch, streams=True))
             try:
                 await client.first
             except BaseException:
                 channel.close()
+                if channel.pending_fetch is not None:
+                    channel.pending_fetch.cancel()
+                    channel.pending_fetch = None
                 raise
         return channel
 

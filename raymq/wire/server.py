@@ -110,13 +110,20 @@ class Request:
         self.buffers = buffers
         self.answered = False
 
-    def answer(self, value: Any = None, buffers: Sequence[frames.Buffer] = ()) -> bool:
+    def answer(
+        self, value: Any = None, buffers: Sequence[frames.Buffer] = (), *, now: bool = False
+    ) -> bool:
         """Answer with ``value`` (msgpack) and raw ``buffers``; False if the connection
-        is closing (the client never reads it: its caller gives back what it took)."""
+        is closing (the client never reads it: its caller gives back what it took).
+        ``now``: written at once with what is queued, not at the end of this turn of
+        the event loop (ahead of work already waiting to run)."""
         if self.answered:
             return False
         self.answered = True
-        return self.conn.write(frames.encode([self.id, None, value], buffers))
+        written = self.conn.write(frames.encode([self.id, None, value], buffers))
+        if now and written:
+            self.conn.flush()
+        return written
 
     def fail(self, error: BaseException) -> bool:
         """Answer with ``error`` (its class name and message); False as ``answer``."""
@@ -234,6 +241,10 @@ class Connection(asyncio.BufferedProtocol):
             asyncio.get_running_loop().call_soon(self._flush)
         self._out.extend(parts)
         return True
+
+    def flush(self) -> None:
+        """Write what is queued now (``Request.answer(now=True)``)."""
+        self._flush()
 
     def _flush(self) -> None:
         out, self._out = self._out, []
