@@ -56,7 +56,7 @@ DEFER_SECONDS = 1.0
 UP_SECONDS = 120.0
 #: False within ``none_started``: ``warm`` starts nothing.
 _keeping = True
-_executor: _Makers | None = None
+_makers_here: _Makers | None = None
 
 
 class Spare(NamedTuple):
@@ -185,11 +185,11 @@ class _Makers:
 
 def _makers() -> _Makers:
     """This process's ``_Makers`` (made again in a forked child: threads do not fork)."""
-    global _executor
+    global _makers_here
     with _lock:
-        if _executor is None or _executor.pid != os.getpid():
-            _executor = _Makers()
-        return _executor
+        if _makers_here is None or _makers_here.pid != os.getpid():
+            _makers_here = _Makers()
+        return _makers_here
 
 
 def _connect(key: tuple[str, str], actor: object, ready: object) -> None:
