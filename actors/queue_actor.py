@@ -129,6 +129,7 @@ class QueueActor:
             broker.max_message_size,
             gather=not judged_whole,  # each client's send judged alone by its policy
             send_ids=self._channel_send_ids,
+            ack=self.ack,  # a consumer's pipelined acks (the same method as Ray's)
         )
         self._endpoint: tuple[str, int, str] | None = None
         #: Its last call, for the broker's hibernation (``idle_seconds``).

@@ -45,6 +45,53 @@ class AckingProcess:
         return os.getpid()
 
 
+@ray.remote(num_cpus=0)
+class ConsumingProcess:
+    """A worker process that only consumes: it has no send connection to the queue
+    until its first pipelined ack opens one in the background."""
+
+    def __init__(self, namespace: str, queue: str):
+        import raymq
+
+        self.q = raymq.connect(namespace=namespace).get_queue(queue)
+        self.c = self.q.consumer()
+
+    def ack_one_by_one(self, n: int) -> tuple[int, int]:
+        """Receive and ack ``n`` messages, each alone; returns (ack calls that went as
+        frames on the send connection, ack calls sent in all)."""
+        import time
+
+        got, calls = 0, 0
+        channel_deadline = None
+        while got < n:
+            msgs = self.c.receive(1, timeout=30)
+            assert msgs, f"only {got} of {n} came"
+            self.c.ack(msgs[0])
+            self.c.flush()  # one call each, answered
+            calls += 1
+            got += 1
+            if channel_deadline is None:
+                channel_deadline = time.monotonic() + 30
+                while self.q._ack_channel() is None:  # opening in the background
+                    assert time.monotonic() < channel_deadline, "no send connection in 30 s"
+                    time.sleep(0.01)
+        return self.c.acks_over_wire, calls
+
+    def close(self) -> None:
+        self.c.close()
+
+
+def test_a_consumer_only_process_acks_over_the_send_connection_once_open(broker):
+    q = broker.create_queue("wire-acks")
+    fill(q, 30)
+    worker = ConsumingProcess.remote(broker.namespace, "wire-acks")
+    over_wire, calls = ray.get(worker.ack_one_by_one.remote(30))
+    assert calls == 30
+    assert over_wire == 29  # the first went by Ray while the connection opened
+    ray.get(worker.close.remote())
+    assert q.stats()["depth"] == 0  # every ack applied, on either path
+
+
 def test_a_crash_between_a_pipelined_ack_and_its_flush_redelivers(broker):
     q = broker.create_queue("crash-acks")
     fill(q, 20)

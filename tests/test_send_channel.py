@@ -13,10 +13,11 @@ import time
 from concurrent.futures import Future
 
 import msgpack
+import numpy as np
 import pytest
 
 from raymq.batch import MessageBatch
-from raymq.errors import AddressFull
+from raymq.errors import AddressFull, InvalidAck
 from raymq.wire import frames
 from raymq.wire.errors import WireBroken
 from raymq.wire.send import SendChannel, SendServer
@@ -40,6 +41,7 @@ class Store:
         self.bodies: list[bytes] = []
         self.properties: list[bytes] = []  # msgpack, as stored
         self.batches: list[int] = []
+        self.acked: list[tuple[str, str | None, int]] = []  # (consumer, subscription, offset)
         self.release = asyncio.Event()
         self.hold = False
         self.started = threading.Event()  # a store call began
@@ -70,6 +72,15 @@ class Store:
         await asyncio.sleep(0.001)  # a group commit takes a while: others gather meanwhile
         return first, len(kept)
 
+    async def ack(self, consumer_id: str, offsets: np.ndarray, subscription: str | None) -> int:
+        """Acks as a queue takes them: a negative offset is refused (never delivered)."""
+        if (offsets < 0).any():
+            raise InvalidAck(f"queue 'q': consumer {consumer_id} never held {offsets.min()}")
+        new = [int(o) for o in offsets if (consumer_id, subscription, int(o)) not in self.acked]
+        self.acked.extend((consumer_id, subscription, o) for o in new)
+        await asyncio.sleep(0.001)  # durable a commit later
+        return len(new)
+
 
 @pytest.fixture
 def served():
@@ -91,7 +102,7 @@ def _serve(gather: bool):
 
     def run():
         asyncio.set_event_loop(loop)
-        server = SendServer(store.send_batch, "q", MAX_MESSAGE, gather=gather)
+        server = SendServer(store.send_batch, "q", MAX_MESSAGE, gather=gather, ack=store.ack)
         out["server"] = server
         out["endpoint"] = loop.run_until_complete(server.start("127.0.0.1"))
         ready.set()
@@ -161,6 +172,41 @@ def test_errors_come_back_typed_and_drops_as_none(served):
     assert channel.send(b"drop", b"", None) is None
     assert channel.send(b"kept", b"", None) == 0
     channel.close()
+
+
+def test_acks_are_answered_with_how_many_were_new_and_refusals_come_back_typed(served):
+    store, _, (host, port, secret), _ = served
+    channel = SendChannel(host, port, secret, "q")
+    futures = [Future() for _ in range(4)]
+    channel.submit_ack("c1", np.array([3, 1, 2]), None, futures[0])
+    channel.submit_ack("c1", np.array([2, 4], dtype=np.int64), None, futures[1])  # 2 again
+    channel.submit_ack("c2", np.array([1]), "sub", futures[2])
+    channel.submit_ack("c1", np.array([5, -1]), None, futures[3])
+    assert [f.result(timeout=10) for f in futures[:3]] == [3, 1, 1]
+    with pytest.raises(InvalidAck, match="never held -1"):
+        futures[3].result(timeout=10)
+    assert sorted(store.acked) == sorted(
+        [("c1", None, o) for o in (1, 2, 3, 4)] + [("c2", "sub", 1)]
+    )
+    channel.close()
+
+
+def test_a_malformed_ack_fails_alone(served):
+    store, _, (host, port, secret), _ = served
+    sock = raw_client(host, port, secret)
+    good = np.array([7], dtype="<i8").tobytes()
+    sock.sendall(
+        request(1, "ack", ["c", None], [good[:7]])  # not a whole int64
+        + request(2, "ack", [b"c", None], [good])  # consumer id as bytes
+        + request(3, "ack", ["c"], [good])  # no subscription
+        + request(4, "ack", ["c", None], [good])
+    )
+    answers = read_answers(sock, 4)
+    assert answers[1][0] == answers[3][0] == "ValueError"
+    assert answers[2][0] == "TypeError"
+    assert answers[4] == (None, 1)
+    assert store.acked == [("c", None, 7)]
+    sock.close()
 
 
 def test_a_wrong_secret_gets_no_channel(served):

@@ -47,6 +47,7 @@ from raymq.wire import delivery as delivery_channel
 from raymq.wire.delivery import BY_REFERENCE, INLINE_BYTES, DeliveryChannel
 from raymq.wire.errors import WireBroken
 from raymq.wire.fetch import STALE_FETCH_ENDPOINT
+from raymq.wire.send import MAX_ACK_OFFSETS, SendChannel
 
 if TYPE_CHECKING:  # imported where used: placement imports the actors
     from raymq.placement.spares import Spare
@@ -65,6 +66,7 @@ class ConsumedQueue(Protocol):
 
     def _invoke(self, method: str, *args: Any, answer_seconds: float | None = -1.0) -> Any: ...
     def _fetch_endpoint(self, fresh: bool = False) -> tuple[Any, bool]: ...
+    def _ack_channel(self) -> SendChannel | None: ...
     def _follow(self, failed: Any) -> None: ...
 
 
@@ -158,6 +160,9 @@ class Consumer(AsyncReceives):
         #: Pipelined acks sent again to the queue's current actor after their call
         #: failed with its old one (``_resend_acks``).
         self.acks_resent = 0
+        #: Pipelined ack calls sent as frames on this process's SendChannel to the queue's
+        #: actor (the others went by Ray call: no channel open yet, or too many offsets).
+        self.acks_over_wire = 0
         self._acks_failing_since: float | None = None  # monotonic seconds
         #: Failures of ``close`` giving back what the TargetList held (logged; the
         #: TargetList is killed anyway, and the queue delivers its messages again).
@@ -557,8 +562,20 @@ class Consumer(AsyncReceives):
         self._acks.collect(block=full, raise_errors=False)
 
     def _send_ack_call(self, offsets: np.ndarray) -> concurrent.futures.Future:
+        """One gathered ack call to the queue's actor: over this process's SendChannel
+        to it when open (a frame, not a Ray call), else by Ray."""
         actor = self._actor
-        fut = actor.ack.remote(self.consumer_id, offsets, self._subscription).future()
+        channel = self.queue._ack_channel() if len(offsets) <= MAX_ACK_OFFSETS else None
+        fut: concurrent.futures.Future | None = None
+        if channel is not None:
+            fut = concurrent.futures.Future()
+            try:
+                channel.submit_ack(self.consumer_id, offsets, self._subscription, fut)
+                self.acks_over_wire += 1
+            except WireBroken:  # known broken: Ray carries this one
+                fut = None
+        if fut is None:
+            fut = actor.ack.remote(self.consumer_id, offsets, self._subscription).future()
         fut.raymq_actor = actor  # (whom it went to: _resend_acks)
         return fut
 
@@ -584,21 +601,28 @@ class Consumer(AsyncReceives):
             if isinstance(exc.cause, _FAULTS):  # an actor the queue called: as ours
                 self._resend_acks(fut, parts, _reason(exc.cause))
                 return
-            error = _unwrap(exc)
-            if isinstance(error, InvalidAck):
-                # The queue refused the whole gathered call for some offsets it does not
-                # let us ack: apply the others, report the first refused one.
-                offsets = parts[0] if len(parts) == 1 else np.concatenate(parts)
-                if len(offsets) > 1:
-                    error = self._ack_apart(offsets) or error
-            if isinstance(error, NotLeader):
-                self._resend_acks(fut, parts, error)
-                return
-            raise error from None
+            error: BaseException = _unwrap(exc)
         except _FAULTS as exc:
             self._resend_acks(fut, parts, _reason(exc))
             return
-        self._acks_failing_since = None
+        except WireBroken as exc:  # the SendChannel broke: its outcome is unknown
+            self._resend_acks(fut, parts, exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - over the SendChannel: the queue's error
+            error = exc
+        else:
+            self._acks_failing_since = None
+            return
+        if isinstance(error, InvalidAck):
+            # The queue refused the whole gathered call for some offsets it does not
+            # let us ack: apply the others, report the first refused one.
+            offsets = parts[0] if len(parts) == 1 else np.concatenate(parts)
+            if len(offsets) > 1:
+                error = self._ack_apart(offsets) or error
+        if isinstance(error, NotLeader):
+            self._resend_acks(fut, parts, error)
+            return
+        raise error from None
 
     def _resend_acks(
         self, failed: concurrent.futures.Future, parts: list[np.ndarray], why: object

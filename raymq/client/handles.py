@@ -81,14 +81,50 @@ def _send_channel(queue: Queue, *, connect: bool = True) -> SendChannel | None:
     the queue has none, it is being opened, or opening it failed lately (single sends
     then go through Ray calls). ``connect=False``: only a channel open already (no
     blocking call: asyncio code opens one in a worker thread)."""
-    key = (ray.get_runtime_context().get_job_id(), queue._actor._actor_id.hex())
+    key = _channel_key(queue)
+    if connect and _reserve_channel(key):
+        return _connect_send_channel(queue, key)
+    return _open_channel(key)
+
+
+def _send_channel_soon(queue: Queue) -> SendChannel | None:
+    """The SendChannel to ``queue``'s actor if open, else None at once, and one is
+    opened in a daemon thread for the calls that follow (unless one is being opened,
+    or opening it failed lately). For callers that must not wait: a consumer's
+    pipelined acks, sent by the linger thread too."""
+    key = _channel_key(queue)
+    if _reserve_channel(key):
+        threading.Thread(
+            target=_connect_send_channel, args=(queue, key), name="raymq-send-channel", daemon=True
+        ).start()
+        return None
+    return _open_channel(key)
+
+
+def _channel_key(queue: Queue) -> tuple[str, str]:
+    return (ray.get_runtime_context().get_job_id(), queue._actor._actor_id.hex())
+
+
+def _open_channel(key: tuple[str, str]) -> SendChannel | None:
+    got = _channels.get(key)
+    return got if isinstance(got, SendChannel) and got.broken is None else None
+
+
+def _reserve_channel(key: tuple[str, str]) -> bool:
+    """True if the caller is to open the channel of ``key`` now (marked as being
+    opened): none is open, none is being opened and none failed lately."""
     with _channels_lock:
         got = _channels.get(key, 0.0)
         if isinstance(got, SendChannel) and got.broken is None:
-            return got
-        if not connect or got is None or (isinstance(got, float) and time.monotonic() < got):
-            return None
+            return False
+        if got is None or (isinstance(got, float) and time.monotonic() < got):
+            return False
         _channels[key] = None  # this thread connects; the others use Ray meanwhile
+        return True
+
+
+def _connect_send_channel(queue: Queue, key: tuple[str, str]) -> SendChannel | None:
+    """Open the SendChannel of ``key`` (reserved by ``_reserve_channel``)."""
     channel: SendChannel | None = None
     try:
         endpoint = queue._invoke("send_endpoint")  # follows a revived queue's new actor
@@ -538,6 +574,11 @@ class Queue:
         """Depth, bytes in memory and on disk, segment files, consumers and rates."""
         self._flush_acks()
         return self._invoke("stats", self.subscription_name).to_dict()
+
+    def _ack_channel(self) -> SendChannel | None:
+        """The SendChannel for a consumer's pipelined acks, without waiting
+        (``_send_channel_soon``)."""
+        return _send_channel_soon(self)
 
     def _fetch_endpoint(self, fresh: bool = False) -> tuple[tuple[str, int, str] | None, bool]:
         """The queue actor's FetchChannel (host, port, secret) for a new consumer's

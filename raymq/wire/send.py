@@ -17,6 +17,11 @@ Ops:
   on disk, one group commit), as a client's producer gathers its threads'.
 - ``send_batch [timeout]`` with four raw buffers (``MessageBatch.wire_buffers``),
   answered ``[first offset, count stored]``.
+- ``ack [consumer_id, subscription]`` with one raw buffer (the offsets, little-endian
+  int64): a consumer's pipelined acks, answered with how many were newly acked once
+  durable. Acks are data as sends are: a Ray call each cost the consumer's process
+  0.2-0.3 ms of CPU and the queue's actor its deserialisation (measured at 1k msg/s,
+  one ack a message), where a frame on the connection the process has costs little.
 
 A server that stopped serving (its queue hibernates or stops) answers ``NotLeader``
 (the client sends through Ray, which finds the queue's next actor) and closes once the
@@ -29,6 +34,8 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
+
+import numpy as np
 
 from raymq import errors
 from raymq.batch import MessageBatch
@@ -57,6 +64,12 @@ SendBatch = Callable[[MessageBatch, "float | None"], Awaitable[tuple[int, int]]]
 #: ``send_ids(batch, ids, timeout)``: store a batch of messages with producer ids (None:
 #: none), each message's offset (a duplicate's: the first one's; None: DROPped).
 SendIds = Callable[[MessageBatch, list, "float | None"], Awaitable[list]]
+#: ``ack(consumer_id, offsets, subscription)``: acknowledge, how many newly acked once
+#: durable (``QueueActor.ack``).
+Ack = Callable[[str, np.ndarray, "str | None"], Awaitable[int]]
+#: Offsets one ``ack`` carries at most: 64 KiB of them, within ``FRAME_OVERHEAD``, so
+#: under any ``max_message_size`` (more go by a Ray call).
+MAX_ACK_OFFSETS = FRAME_OVERHEAD // 8
 
 
 # -- the queue actor's side -------------------------------------------------------------
@@ -79,9 +92,11 @@ class SendServer(ProtocolServer):
         *,
         gather: bool = True,
         send_ids: SendIds | None = None,
+        ack: Ack | None = None,
     ):
         self._send_batch = send_batch
         self._send_ids = send_ids
+        self._ack = ack
         self._gathers = gather
         self._queue = queue
         self._max_message_size = max_message_size
@@ -89,12 +104,15 @@ class SendServer(ProtocolServer):
         # Single sends gathered since the last flush: (body, properties, timeout, request).
         self._gathered: list[tuple[bytes, bytes, float | None, Request]] = []
         limit = max_message_size + FRAME_OVERHEAD
+        ops = {
+            "send": Op(self._send, _check_send),
+            "send_batch": Op(self._batch, _check_batch, max_buffers=4),
+        }
+        if ack is not None:
+            ops["ack"] = Op(self._acks, _check_ack, max_buffers=1)
         protocol = Protocol(
             PROTOCOL,
-            {
-                "send": Op(self._send, _check_send),
-                "send_batch": Op(self._batch, _check_batch, max_buffers=4),
-            },
+            ops,
             request_limit=limit,
             payload_limit=limit,
             max_connections=MAX_CONNECTIONS,
@@ -143,6 +161,13 @@ class SendServer(ProtocolServer):
             return [first, count]
 
         return store()
+
+    def _acks(self, request: Request) -> Awaitable[int]:
+        consumer_id, subscription = request.args
+        # A copy: the frame's buffer is the connection's, reused for the next frames.
+        offsets = np.frombuffer(request.buffers[0], dtype="<i8").astype(np.int64)
+        assert self._ack is not None  # (the op exists only with it)
+        return self._ack(consumer_id, offsets, subscription)
 
     def _flush(self) -> None:
         gathered, self._gathered = self._gathered, []
@@ -199,6 +224,19 @@ def _check_batch(args: list, buffers: list) -> None:
     _check_timeout(args[0])
 
 
+def _check_ack(args: list, buffers: list) -> None:
+    if len(args) != 2 or len(buffers) != 1:
+        raise ValueError("ack takes [consumer_id, subscription] and one raw buffer")
+    consumer_id, subscription = args
+    if not isinstance(consumer_id, str) or not (
+        subscription is None or isinstance(subscription, str)
+    ):
+        raise TypeError("ack: consumer_id as a string, subscription as a string or nil")
+    size = memoryview(buffers[0]).nbytes
+    if size % 8 or size > MAX_ACK_OFFSETS * 8:
+        raise ValueError(f"ack: {size} bytes of offsets (int64 each, {MAX_ACK_OFFSETS} at most)")
+
+
 def _check_timeout(value: object) -> None:
     """None or a number of seconds >= 0 (not a bool)."""
     if value is None:
@@ -251,6 +289,16 @@ class SendChannel:
         stored])`` once durable, or ``reply.set_exception(error)``; errors as
         ``submit_one``."""
         self._client.submit("send_batch", [timeout], batch.wire_buffers(), _replier(reply))
+
+    def submit_ack(
+        self, consumer_id: str, offsets: np.ndarray, subscription: str | None, reply: Any
+    ) -> None:
+        """Acknowledge ``offsets`` (at most ``MAX_ACK_OFFSETS``) without waiting:
+        ``reply.set_result(newly acked)`` once durable, or ``reply.set_exception(error)``
+        (the queue's typed error such as ``InvalidAck``; ``WireBroken``: the outcome is
+        unknown). ``WireBroken`` at once if the connection is known broken."""
+        data = np.ascontiguousarray(offsets, dtype="<i8")
+        self._client.submit("ack", [consumer_id, subscription], (data,), _replier(reply))
 
     async def send_async(self, body: bytes, properties: bytes, timeout: float | None) -> int | None:
         """``send`` for asyncio code: awaits without blocking the loop."""
