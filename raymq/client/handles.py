@@ -70,6 +70,8 @@ _log = logging.getLogger("raymq.client")
 #: Seconds before a process tries again to open a queue's SendChannel after it failed
 #: to connect (a channel that broke after working is opened again at once).
 CHANNEL_RETRY_SECONDS = 30.0
+#: Longest a background opening of a SendChannel waits for the queue's actor (seconds).
+CHANNEL_OPEN_SECONDS = 30.0
 _channels_lock = threading.Lock()
 #: (job id, queue actor id) -> this process's SendChannel, the monotonic time to try
 #: connecting again, or None while a thread is connecting.
@@ -95,10 +97,30 @@ def _send_channel_soon(queue: Queue) -> SendChannel | None:
     key = _channel_key(queue)
     if _reserve_channel(key):
         threading.Thread(
-            target=_connect_send_channel, args=(queue, key), name="raymq-send-channel", daemon=True
+            target=_connect_in_background,
+            args=(queue, queue._actor, key),
+            name="raymq-send-channel",
+            daemon=True,
         ).start()
         return None
     return _open_channel(key)
+
+
+def _connect_in_background(queue: Queue, actor: Any, key: tuple[str, str]) -> None:
+    """Open the SendChannel of ``key`` (reserved) to ``actor``, the queue's actor when
+    it was reserved. The thread waits on a Python future, never inside a Ray call: a
+    process may end meanwhile (Ray's shutdown under a thread blocked in its C++ core
+    can crash the interpreter)."""
+    channel: SendChannel | None = None
+    try:
+        endpoint = actor.send_endpoint.remote().future().result(timeout=CHANNEL_OPEN_SECONDS)
+        if endpoint is not None:
+            channel = SendChannel(*endpoint, queue=queue.name)
+    except Exception as exc:  # noqa: BLE001 - the actor gone, a timeout...: Ray carries
+        # the acks, and the key must not stay None (connecting) for good
+        _log.info("queue %r: no send channel: %r", queue.name, exc)
+    with _channels_lock:
+        _channels[key] = channel or time.monotonic() + CHANNEL_RETRY_SECONDS
 
 
 def _channel_key(queue: Queue) -> tuple[str, str]:

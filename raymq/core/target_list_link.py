@@ -127,10 +127,6 @@ class FetchChannelLike(Protocol):
     #: The first fetch ``QueueEndpoint.connect`` wrote behind the registration.
     pending_fetch: asyncio.Task | None
 
-    async def register(
-        self, consumer_id: str, prefetch: int, selector: str | None, subscription: str | None
-    ) -> None: ...
-
     async def fetch(self, *args: Any, streams: bool = False) -> object: ...
 
     def finish(self) -> None: ...
@@ -163,7 +159,7 @@ class QueueEndpoint(Protocol):
     ) -> FetchChannelLike:
         """Open the FetchChannel at ``endpoint`` within ``timeout`` seconds; raises
         ``WireBroken``. ``register``: the consumer registered over it too, in the same
-        round trip (raises as ``FetchChannelLike.register``); ``fetch``: its first
+        round trip (raises as ``raymq.wire.fetch.FetchChannel.register``); ``fetch``: its first
         fetch's arguments, written behind the registration (its answer's task:
         ``pending_fetch``)."""
         ...
