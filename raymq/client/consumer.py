@@ -1,5 +1,6 @@
 """``Consumer``: receives through its TargetList actor (a DeliveryChannel, else
-Ray calls), acks through its ``AckPipeline`` to the queue's current actor."""
+Ray calls), acks through its ``AckPipeline`` to the queue's current actor (as frames
+on the process's SendChannel to it, else Ray calls)."""
 
 from __future__ import annotations
 
@@ -114,7 +115,7 @@ class Consumer(AsyncReceives):
         self._buffer_lock = threading.Lock()
         self._closed = False
         # ack(wait=False): gathered, one call per half prefetch. Each call costs the
-        # queue actor a Ray call and an fdatasync of its ack record: capped at 1,000
+        # queue actor a frame (or a Ray call) and an fdatasync of its ack record: capped at 1,000
         # offsets (fb9e006), a tuned receive_batch(1000) consumer made 5x the calls,
         # queue actor CPU 1.5 -> 2.0 µs and client 0.6 -> 0.9 µs a message (measured).
         self._acks = AckPipeline(
