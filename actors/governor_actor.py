@@ -5,9 +5,11 @@ round it asks every running queue actor for its usage (a ``QueueUsage`` record, 
 and its consumers, asks every consumer's TargetList actor for its usage (a
 ``ConsumerUsage``), lets ``raymq.core.budget.BudgetPlanner`` compute the shares (Qpid's
 proportional split, per node, with floors) and the linked-cache split (ActiveMQ), and
-pushes the budgets out. It holds no state that matters: after a restart
-the next round finds queues through the broker's registry and consumers through their
-queues, so nothing has to re-register; meanwhile everyone keeps its last budget.
+pushes the budgets out: every queue's each round (its actor may have restarted in
+place), a consumer's only when it changed (``PushedBudgets``). It holds no state that
+matters: after a restart the next round finds queues through the broker's registry and
+consumers through their queues (and pushes every budget once), so nothing has to
+re-register; meanwhile everyone keeps its last budget.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from raymq.placement.nodes import object_store_by_node
 
 from raymq import metrics
 from raymq.config import BrokerConfig
-from raymq.core.budget import BudgetPlanner, ConsumerUsage, Plan, QueueUsage
+from raymq.core.budget import BudgetPlanner, ConsumerUsage, Plan, PushedBudgets, QueueUsage
 
 log = logging.getLogger("raymq.governor")
 
@@ -43,6 +45,7 @@ class MemoryGovernorActor:
         self.round_finished = 0.0
         self.errors: list[str] = []
         self._usage: dict[str, QueueUsage] = {}  # of the last round, by queue name
+        self._pushed = PushedBudgets()  # consumers' budgets: pushed when they change
         self._lock = asyncio.Lock()
         self._task = asyncio.get_running_loop().create_task(self._run())
         self._metrics = asyncio.get_running_loop().create_task(self._export_metrics())
@@ -97,13 +100,20 @@ class MemoryGovernorActor:
         plan = self.planner.plan(usages, object_store_by_node())
         self._usage = {u.name: u for u in usages}
         pushes = {}
+        consumer_budgets: dict[str, tuple[int, int]] = {}
         for name, budget in plan.queues.items():
+            # Every round: a queue's actor restarts in place and must get it again.
             pushes[f"queue {name}"] = queues[name].set_budget.remote(budget.queue_bytes)
             for cid, direct in budget.direct.items():
-                pushes[f"consumer {cid}"] = consumer_handles[cid].set_budget.remote(
-                    direct, budget.pending.get(cid, 0)
-                )
-        await _gather(pushes, timeout)
+                consumer_budgets[cid] = (direct, budget.pending.get(cid, 0))
+        self._pushed.keep_only(consumer_usage)
+        for cid, wanted in consumer_budgets.items():
+            if self._pushed.due(cid, wanted):
+                pushes[f"consumer {cid}"] = consumer_handles[cid].set_budget.remote(*wanted)
+        answered = await _gather(pushes, timeout)
+        for cid, wanted in consumer_budgets.items():
+            if f"consumer {cid}" in answered:
+                self._pushed.took(cid, wanted)
         return plan
 
     async def _queue_handles(self) -> dict[str, object]:

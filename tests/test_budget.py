@@ -17,6 +17,7 @@ from raymq.core.budget import (
     BudgetPlanner,
     ConsumerUsage,
     Plan,
+    PushedBudgets,
     QueueMemory,
     QueueUsage,
     head_cache_want,
@@ -561,3 +562,14 @@ def test_the_head_cache_want_bounds_only_the_head_cache(budget) -> None:
     assert bounded.read_cache_bytes == free.read_cache_bytes
     assert bounded.head_cache_bytes == min(free.head_cache_bytes, 2 * MB)
     assert bounded.transient_bytes == free.transient_bytes == 0
+
+
+def test_a_consumer_budget_is_pushed_again_only_when_it_changes_or_was_not_taken():
+    pushed = PushedBudgets()
+    assert pushed.due("c1", (100, 10))  # never pushed
+    pushed.took("c1", (100, 10))
+    assert not pushed.due("c1", (100, 10))  # the same budget: not again
+    assert pushed.due("c1", (90, 10)) and pushed.due("c1", (100, 0))  # changed
+    assert pushed.due("c2", (100, 10))  # a push c2 did not answer is not taken
+    pushed.keep_only(["c2"])  # c1 closed (or unreported this round)
+    assert pushed.due("c1", (100, 10))  # seen again: pushed again
