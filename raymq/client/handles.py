@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -85,7 +85,10 @@ def _send_channel(queue: Queue, *, connect: bool = True) -> SendChannel | None:
     blocking call: asyncio code opens one in a worker thread)."""
     key = _channel_key(queue)
     if connect and _reserve_channel(key):
-        return _connect_send_channel(queue, key)
+        # follows a revived queue's new actor
+        return _connect_send_channel(
+            queue, key, lambda: (queue._invoke("send_endpoint"), queue._actor)
+        )
     return _open_channel(key)
 
 
@@ -96,31 +99,25 @@ def _send_channel_soon(queue: Queue) -> SendChannel | None:
     pipelined acks, sent by the linger thread too."""
     key = _channel_key(queue)
     if _reserve_channel(key):
+        actor = queue._actor
+        # The thread waits on a Python future, never inside a Ray call: a process may
+        # end meanwhile (Ray's shutdown under a thread blocked in its C++ core can
+        # crash the interpreter).
         threading.Thread(
-            target=_connect_in_background,
-            args=(queue, queue._actor, key),
+            target=_connect_send_channel,
+            args=(
+                queue,
+                key,
+                lambda: (
+                    actor.send_endpoint.remote().future().result(CHANNEL_OPEN_SECONDS),
+                    actor,
+                ),
+            ),
             name="raymq-send-channel",
             daemon=True,
         ).start()
         return None
     return _open_channel(key)
-
-
-def _connect_in_background(queue: Queue, actor: Any, key: tuple[str, str]) -> None:
-    """Open the SendChannel of ``key`` (reserved) to ``actor``, the queue's actor when
-    it was reserved. The thread waits on a Python future, never inside a Ray call: a
-    process may end meanwhile (Ray's shutdown under a thread blocked in its C++ core
-    can crash the interpreter)."""
-    channel: SendChannel | None = None
-    try:
-        endpoint = actor.send_endpoint.remote().future().result(timeout=CHANNEL_OPEN_SECONDS)
-        if endpoint is not None:
-            channel = SendChannel(*endpoint, queue=queue.name)
-    except Exception as exc:  # noqa: BLE001 - the actor gone, a timeout...: Ray carries
-        # the acks, and the key must not stay None (connecting) for good
-        _log.info("queue %r: no send channel: %r", queue.name, exc)
-    with _channels_lock:
-        _channels[key] = channel or time.monotonic() + CHANNEL_RETRY_SECONDS
 
 
 def _channel_key(queue: Queue) -> tuple[str, str]:
@@ -145,21 +142,27 @@ def _reserve_channel(key: tuple[str, str]) -> bool:
         return True
 
 
-def _connect_send_channel(queue: Queue, key: tuple[str, str]) -> SendChannel | None:
-    """Open the SendChannel of ``key`` (reserved by ``_reserve_channel``)."""
+def _connect_send_channel(
+    queue: Queue, key: tuple[str, str], ask_endpoint: Callable[[], tuple[Any, Any]]
+) -> SendChannel | None:
+    """Open the SendChannel of ``key`` (reserved by ``_reserve_channel``) to the
+    endpoint ``ask_endpoint`` returns with the actor that answered (the queue actor's
+    ``send_endpoint``), and record it, or when it failed the time to try again, under
+    ``key`` and under that actor (another after a revival)."""
     channel: SendChannel | None = None
+    new_key = key
     try:
-        endpoint = queue._invoke("send_endpoint")  # follows a revived queue's new actor
+        endpoint, actor = ask_endpoint()
+        new_key = (key[0], actor._actor_id.hex())
         if endpoint is not None:
             channel = SendChannel(*endpoint, queue=queue.name)
-    except Exception as exc:  # unreachable port, refused, the actor gone...: whatever it
-        # is, Ray carries the sends, and the key must not stay None (connecting) for good
+    except Exception as exc:  # noqa: BLE001 - unreachable port, refused, the actor
+        # gone, a timeout...: Ray carries the calls, and the key must not stay None
+        # (connecting) for good
         _log.info("queue %r: no send channel: %r", queue.name, exc)
-        channel = None
-    new_key = (key[0], queue._actor._actor_id.hex())
     with _channels_lock:
         _channels[key] = channel or time.monotonic() + CHANNEL_RETRY_SECONDS
-        _channels[new_key] = _channels[key]  # the queue's actor after a revival
+        _channels[new_key] = _channels[key]
     return channel
 
 
