@@ -989,6 +989,44 @@ def test_large_raw_buffers_cross_intact_both_ways():
         assert [bytes(b) for b in answer.buffers] == [bytes(memoryview(p))[::-1] for p in payloads]
 
 
+def test_an_answer_given_now_leaves_while_its_handler_still_holds_the_loop():
+    """``Request.answer(now=True)`` writes the answer at once, before the handler gives
+    the event loop back (the queue's register answers so before the fetch behind it
+    reads), where a plain answer would leave at the end of the loop's turn."""
+    seen = threading.Event()
+    held: list[bool] = []
+
+    def first(req):
+        req.answer("first", now=True)
+        # The loop is held here until the client has read the answer (a wedge if the
+        # answer waited for the loop: the wait then ends unseen after WAIT_SECONDS).
+        held.append(seen.wait(WAIT_SECONDS))
+        return wire_server.DEFERRED
+
+    protocol = Protocol("now", {"first": Op(first)})
+    answers: list[tuple] = []
+
+    def read(sock: socket.socket) -> None:
+        answers.append(read_frame(sock)[0])  # the hello's answer
+        answers.append(read_frame(sock)[0])
+        seen.set()
+
+    async def main():
+        wire = WireServer(protocol, "now")
+        host, port, secret = await wire.start("127.0.0.1")
+        sock = socket.create_connection((host, port))
+        reader = threading.Thread(target=read, args=(sock,))
+        reader.start()
+        sock.sendall(hello(secret, "now") + request(1, "first", []))
+        await asyncio.to_thread(reader.join, WAIT_SECONDS)
+        sock.close()
+        wire.close()
+
+    run(main())
+    assert held == [True], "the answer stayed queued while the handler held the loop"
+    assert answers[1][:3] == [1, None, "first"]
+
+
 def test_large_commits_and_deliveries_cross_intact():
     async def main():
         record = (bytes(range(256)) * (LARGE // 256 + 1))[:LARGE]
