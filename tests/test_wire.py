@@ -1014,13 +1014,15 @@ def test_an_answer_given_now_leaves_while_its_handler_still_holds_the_loop():
     async def main():
         wire = WireServer(protocol, "now")
         host, port, secret = await wire.start("127.0.0.1")
-        sock = socket.create_connection((host, port))
-        reader = threading.Thread(target=read, args=(sock,))
-        reader.start()
-        sock.sendall(hello(secret, "now") + request(1, "first", []))
-        await asyncio.to_thread(reader.join, WAIT_SECONDS)
-        sock.close()
-        wire.close()
+        sock = socket.create_connection((host, port), timeout=WAIT_SECONDS)
+        reader = threading.Thread(target=read, args=(sock,), daemon=True)
+        try:
+            reader.start()
+            sock.sendall(hello(secret, "now") + request(1, "first", []))
+            await asyncio.to_thread(reader.join, WAIT_SECONDS)
+        finally:
+            sock.close()  # a reader still blocked (a wedge) ends with an error
+            wire.close()
 
     run(main())
     assert held == [True], "the answer stayed queued while the handler held the loop"
