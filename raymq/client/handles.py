@@ -306,6 +306,8 @@ class Queue:
 
     def _with_times(self, properties, ttl, deliver_at, delay, priority) -> Any:
         """``properties`` with a message's lifetime properties (as they are if none)."""
+        if ttl is None and deliver_at is None and delay is None and priority is None:
+            return properties  # a plain send: no checks, no clock read (its hot path)
         times = self._times(ttl, deliver_at, delay, priority)
         return {**(properties or {}), **times} if times else properties
 
