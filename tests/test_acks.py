@@ -280,6 +280,29 @@ async def receive_the_rest(c: Consumer, got: list[int]) -> list[int]:
     return got
 
 
+def test_a_receive_sends_the_acks_first_only_when_the_target_list_needs_their_credit():
+    """A receive that waits sends the acks gathered before it only from a quarter of
+    the prefetch on (the TargetList may be short of credit); fewer go after their
+    linger, not as an ack frame and fsync of their own for each receive."""
+    sent_before_take: list[int] = []
+    offsets = iter(range(1_000))
+
+    def take_batch(wait: float, want: int = 1):
+        sent_before_take.append(sum(len(call) for call in fake.calls))
+        return delivery(next(offsets), 1)
+
+    c = fake_consumer(take_batch)
+    fake = c._acks._send_call.__self__
+    quarter = c.prefetch // 4
+    for _ in range(quarter + 2):
+        c.ack(c.receive(1, timeout=5), wait=False)
+    assert sent_before_take[:quarter] == [0] * quarter
+    assert sent_before_take[quarter] == quarter  # sent before that wait, in one call
+    assert [call.tolist() for call in fake.calls] == [list(range(quarter))]
+    c._acks.flush()
+    assert sorted(np.concatenate(fake.calls).tolist()) == list(range(quarter + 2))
+
+
 def test_a_cancelled_async_receive_loses_and_reorders_nothing():
     c, entered, release = held_consumer()
 

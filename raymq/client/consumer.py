@@ -335,7 +335,13 @@ class Consumer(AsyncReceives):
         """Messages from the TargetList for a receive of ``want``, waiting up to
         ``timeout`` seconds (None: until some come, or the consumer is closed: then
         ``ConsumerClosed``)."""
-        self._send_acks()  # the credit they return lets the TargetList load more
+        # The credit acks return lets the TargetList load more. Below a quarter of the
+        # prefetch unsent, it has credit enough: they go after their linger, not as an
+        # ack frame and fsync of their own for each receive that waits.
+        if self._acks.unsent >= max(self.prefetch // 4, 1):
+            self._send_acks()
+        else:
+            self._acks.collect(block=False, raise_errors=False)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             if self._closed:  # by another thread: its receive ends here
