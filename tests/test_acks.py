@@ -19,6 +19,7 @@ import pytest
 from raymq.batch import EMPTY_DELIVERY
 from raymq.client import Consumer, Message, Messages
 from raymq.client.acks import AckPipeline
+from raymq.client.consumer import TRICKLE_ACKS
 from raymq.errors import BrokerUnavailable, ConsumerClosed, InvalidAck
 
 
@@ -281,8 +282,8 @@ async def receive_the_rest(c: Consumer, got: list[int]) -> list[int]:
 
 
 def test_a_receive_sends_the_acks_first_only_when_the_target_list_needs_their_credit():
-    """A receive that waits sends the acks gathered before it only from a quarter of
-    the prefetch on (the TargetList may be short of credit); fewer go after their
+    """A receive that waits sends the acks gathered before it only from
+    ``TRICKLE_ACKS`` on (under a trickle of the prefetch); fewer go after their
     linger, not as an ack frame and fsync of their own for each receive."""
     sent_before_take: list[int] = []
     offsets = iter(range(1_000))
@@ -293,14 +294,14 @@ def test_a_receive_sends_the_acks_first_only_when_the_target_list_needs_their_cr
 
     c = fake_consumer(take_batch)
     fake = c._acks._send_call.__self__
-    quarter = c.prefetch // 4
-    for _ in range(quarter + 2):
+    trickle = min(c.prefetch // 4, TRICKLE_ACKS)
+    for _ in range(trickle + 2):
         c.ack(c.receive(1, timeout=5), wait=False)
-    assert sent_before_take[:quarter] == [0] * quarter
-    assert sent_before_take[quarter] == quarter  # sent before that wait, in one call
-    assert [call.tolist() for call in fake.calls] == [list(range(quarter))]
+    assert sent_before_take[:trickle] == [0] * trickle
+    assert sent_before_take[trickle] == trickle  # sent before that wait, in one call
+    assert [call.tolist() for call in fake.calls] == [list(range(trickle))]
     c._acks.flush()
-    assert sorted(np.concatenate(fake.calls).tolist()) == list(range(quarter + 2))
+    assert sorted(np.concatenate(fake.calls).tolist()) == list(range(trickle + 2))
 
 
 def test_a_cancelled_async_receive_loses_and_reorders_nothing():

@@ -77,6 +77,10 @@ _log = logging.getLogger("raymq.client")
 #: few receive()s' worth, and a deep queue's first message does not wait for a
 #: prefetch's worth to be read into this process (messages).
 CHANNEL_TAKE_MESSAGES = 128
+#: Fewer acks than this gathered when a receive waits for messages go after their linger
+#: (a consumer taking one message at a time would cost the queue an ack frame and an
+#: fsync for each); more go first, as their credit lets the TargetList load more.
+TRICKLE_ACKS = 16
 #: The delivery batches' properties column, by index (a lookup by name costs more).
 PROPERTIES_COLUMN = DELIVERY_SCHEMA.get_field_index("properties")
 #: (seconds); past it the TargetList is killed, and the queue, watching it, delivers
@@ -335,10 +339,8 @@ class Consumer(AsyncReceives):
         """Messages from the TargetList for a receive of ``want``, waiting up to
         ``timeout`` seconds (None: until some come, or the consumer is closed: then
         ``ConsumerClosed``)."""
-        # The credit acks return lets the TargetList load more. Below a quarter of the
-        # prefetch unsent, it has credit enough: they go after their linger, not as an
-        # ack frame and fsync of their own for each receive that waits.
-        if self._acks.unsent >= max(self.prefetch // 4, 1):
+        # A trickle (under a quarter of the prefetch: credit is not short) lingers.
+        if self._acks.unsent >= min(max(self.prefetch // 4, 1), TRICKLE_ACKS):
             self._send_acks()
         else:
             self._acks.collect(block=False, raise_errors=False)
