@@ -6,8 +6,9 @@ for the same reason. So ``Consumer.ack`` hands its offsets to this pipeline by d
 
 - offsets gather until ``batch_messages`` of them are waiting, or the oldest has waited
   ``linger_seconds`` (a process-wide thread sends those), or the consumer sends them
-  first (before asking for more messages, before ``nack``/``reject``, on ``flush`` and
-  ``close``): then they go out as ONE call, one ack record, one fsync;
+  first (before asking for more messages unless they are a trickle, before
+  ``nack``/``reject``, on ``flush`` and ``close``): then they go out as ONE call, one
+  ack record, one fsync;
 - at most ``max_in_flight`` calls are in flight; a further send waits for the oldest,
   at most ``answer_seconds`` (then ``BrokerUnavailable`` naming the queue);
 - a call's outcome is checked when a later call is sent and by ``flush``, which raise

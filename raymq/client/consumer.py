@@ -528,12 +528,12 @@ class Consumer(AsyncReceives):
         By default the ack is pipelined, as AMQP's are: it returns None at once and goes
         out with others as one call and one fsync when half the prefetch is gathered,
         after ``raymq.client.acks.ACK_LINGER_SECONDS``, before the consumer asks for more
-        messages, and on ``flush``, ``nack``, ``reject``, ``close`` and this queue handle's
-        ``stats``/``browse``. Its outcome is checked as later ones are sent and by
-        ``flush``/``close``, which raise the first error of an earlier one (such as
-        ``InvalidAck``). A message whose ack had not reached the queue when this process
-        died, or when the queue's actor died or moved, is delivered again (those are
-        counted in ``acks_lost`` and logged).
+        messages (from ``TRICKLE_ACKS`` gathered on), and on ``flush``, ``nack``,
+        ``reject``, ``close`` and this queue handle's ``stats``/``browse``. Its outcome
+        is checked as later ones are sent and by ``flush``/``close``, which raise the
+        first error of an earlier one (such as ``InvalidAck``). A message whose ack had
+        not reached the queue when this process died, or when the queue's actor died or
+        moved, is delivered again (those are counted in ``acks_lost`` and logged).
 
         A pipelined offset the queue refuses (``InvalidAck``: never delivered, or held by
         another consumer) is reported alone: the other offsets gathered into the same
