@@ -7,7 +7,7 @@ RayMQ rates of ``bench.throughput`` (its ray.util.queue baseline is skipped). It
 reports the CPU seconds the queue actor and the client process used per case.
 
     python bench/compare_commits.py A=/tmp/base-1dcee2e B=/work/main --rounds 2 \
-        [--cases durable,memory] [--parts batched,single] [--messages 200000] \
+        [--cases durable,memory] [--parts batched,single] [--messages 200000] [--single 50000] \
         [--setting LABEL:NAME=INT ...]
 
 ``--setting B:head_cache_bytes=2147483648`` passes a broker setting to ``raymq.connect``
@@ -171,7 +171,9 @@ def main() -> None:
     p.add_argument("--cases", default="durable,memory")
     p.add_argument("--parts", default="batched,single")
     p.add_argument("--messages", type=int, default=200_000)
-    p.add_argument("--single", type=int, default=16_000)
+    # 16,000 single sends were ~2 s, the first of them warming up: the runs' spread
+    # hid a 5 % difference (50,000: ~6 s at 8,000 msg/s).
+    p.add_argument("--single", type=int, default=50_000, help="messages per single-send run")
     p.add_argument(
         "--setting",
         action="append",
