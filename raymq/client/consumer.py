@@ -340,10 +340,7 @@ class Consumer(AsyncReceives):
         ``timeout`` seconds (None: until some come, or the consumer is closed: then
         ``ConsumerClosed``)."""
         # A trickle (under a quarter of the prefetch: credit is not short) lingers.
-        if self._acks.unsent >= min(max(self.prefetch // 4, 1), TRICKLE_ACKS):
-            self._send_acks()
-        else:
-            self._acks.collect(block=False, raise_errors=False)
+        self._send_acks(at_least=min(max(self.prefetch // 4, 1), TRICKLE_ACKS))
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             if self._closed:  # by another thread: its receive ends here
@@ -562,11 +559,13 @@ class Consumer(AsyncReceives):
         self._acks.add(offsets)
         return None
 
-    def _send_acks(self) -> None:
-        """Send the gathered pipelined acks as one call (not waiting for it), and check
-        the calls that finished (a failure is raised by the next ack, flush or close):
-        the linger thread only sends, so without this they would pile up."""
-        self._acks.send()
+    def _send_acks(self, at_least: int = 1) -> None:
+        """Send the gathered pipelined acks as one call (not waiting for it) if there
+        are ``at_least`` of them, and check the calls that finished (a failure is raised
+        by the next ack, flush or close): the linger thread only sends, so without this
+        they would pile up."""
+        if self._acks.unsent >= at_least:
+            self._acks.send()
         full = self._acks.in_flight > self._acks.max_in_flight
         self._acks.collect(block=full, raise_errors=False)
 
