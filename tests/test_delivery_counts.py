@@ -205,3 +205,54 @@ def test_counts_are_recorded_as_ranges_and_the_latest_wins(tmp_path):
         (2, [[3, 4]]),
         (0, [[1, 2]]),
     ]
+
+
+def test_a_sends_commit_leaves_the_counts_to_a_write_of_the_ack_log_within_the_linger(
+    tmp_path, monkeypatch
+):
+    """A take's count goes with the next commit that writes the ack log anyway, or
+    with the first one ``COUNTS_LINGER_SECONDS`` after the last counts written: a send
+    taken one at a time costs one fdatasync a commit, not two. A flush takes them."""
+    from raymq.core import group_commit
+
+    async def take_then_send(q, _dlq):
+        await send(q, 2)
+        q.register_consumer("c", 10)
+        await q.fetch("c", 1, 1.0, 10)
+        assert q.log.has_pending_acks  # the take's count
+        await send(q, 1)  # a send's commit within the linger: the count waits
+        waited = q.log.has_pending_acks
+        await q.flush_acks()
+        return waited, q.log.has_pending_acks
+
+    monkeypatch.setattr(group_commit, "COUNTS_LINGER_SECONDS", 3600.0)
+    assert _lived(tmp_path / "a", take_then_send, crash=False) == (True, False)
+    monkeypatch.setattr(group_commit, "COUNTS_LINGER_SECONDS", 0.0)
+    assert _lived(tmp_path / "b", take_then_send, crash=False) == (False, False)
+
+
+def test_counts_left_waiting_by_a_send_survive_a_crash_once_a_flush_took_them(
+    tmp_path, monkeypatch
+):
+    """The counts a send's commit left waiting are written by the next flush (a nack's,
+    an ack's): a crash after it keeps them."""
+    from raymq.core import group_commit
+
+    monkeypatch.setattr(group_commit, "COUNTS_LINGER_SECONDS", 3600.0)
+
+    async def take_send_flush(q, _dlq):
+        await send(q, 2)
+        q.register_consumer("c", 10)
+        first = _counts(await q.fetch("c", 1, 1.0, 10))
+        await send(q, 1)
+        await q.flush_acks()
+        return first
+
+    assert _lived(tmp_path, take_send_flush, crash=True) == {0: 1}
+
+    async def after(q, _dlq):
+        q.register_consumer("d", 10)
+        return _counts(await q.fetch("d", 10, 1.0, 10))
+
+    # Delivered once before the crash: its next delivery is its second.
+    assert _lived(tmp_path, after, crash=False) == {0: 2, 1: 1, 2: 1}

@@ -7,9 +7,10 @@ messages are delivered once and acknowledged, and cost nothing here); a message
 being delivered counts once more than its entry.
 
 A durable queue's counts survive a restart and a failover (docs/FORMAT.md, "Delivery
-counts"): each take and each give-back that is not a delivery goes to the ack log with
-the next group commit as (count, ranges) sections (no write of its own: a run of takes
-from the shared cursor is one range), every checkpoint carries the counts of what is
+counts"): each take and each give-back that is not a delivery goes to the ack log as
+(count, ranges) sections with the next group commit that writes it anyway, or at most
+``COUNTS_LINGER_SECONDS`` later (no write of its own: a run of takes from the shared
+cursor is one range), every checkpoint carries the counts of what is
 delivered and not acknowledged, and recovery gives them back (``restore``). Without it
 a crash started every count again at 1, and ``max_delivery_attempts=3`` let a poison
 message be delivered three more times after each one.

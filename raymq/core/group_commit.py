@@ -28,6 +28,11 @@ log = logging.getLogger("raymq.queue")
 
 #: Group commits up to this many bytes are written in the event loop (bytes).
 INLINE_WRITE_BYTES = 256 * 1024
+#: Longest delivery counts wait for a commit that writes the ack log anyway (seconds).
+#: Each take records one; if every send's commit also wrote them, a message taken one
+#: at a time would cost its queue two fdatasyncs a commit (segment and ack log). A
+#: crash loses at most this much of them (counted as fewer deliveries, never more).
+COUNTS_LINGER_SECONDS = 0.05
 
 
 class CommitHost(Protocol):
@@ -66,6 +71,8 @@ class GroupCommit:
         self.internal_errors = 0
         self.dirty_since_checkpoint = False
         self.last_checkpoint = time.monotonic()
+        #: When a commit last took the pending delivery counts (``time.monotonic``).
+        self.counts_written = self.last_checkpoint
         #: Callers of ``checkpoint``: answered by the next commit's checkpoint.
         self.checkpoint_waiters: list[asyncio.Future] = []
 
@@ -209,7 +216,17 @@ class GroupCommit:
         replicating: _Round | None = None
         try:
             batches = [b for b, _ in pending]
-            prepared = log_.prepare(batches, int(time.time() * 1e6), checkpoint=checkpoint)
+            now = time.monotonic()
+            # Counts ride along with a send's commit only every COUNTS_LINGER_SECONDS;
+            # a commit nobody's send waits for, or a flush, takes them at once.
+            counts = (
+                not batches or bool(waiters) or now - self.counts_written >= COUNTS_LINGER_SECONDS
+            )
+            prepared = log_.prepare(
+                batches, int(time.time() * 1e6), checkpoint=checkpoint, counts=counts
+            )
+            if prepared.deliveries:
+                self.counts_written = now
             if self.replicated is not None:
                 replicating = self.replicated.start(prepared)
             to_disk = any(item[2] for item in prepared.items)  # transient ones may flow
@@ -316,4 +333,4 @@ def _fail(pending: list, waiters: list[asyncio.Future], exc: BaseException) -> N
             fut.set_exception(exc)
 
 
-__all__ = ["INLINE_WRITE_BYTES", "CommitHost", "GroupCommit"]
+__all__ = ["COUNTS_LINGER_SECONDS", "INLINE_WRITE_BYTES", "CommitHost", "GroupCommit"]

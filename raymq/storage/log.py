@@ -188,11 +188,17 @@ class SegmentLog:
     # -- writing (see Writer) ---------------------------------------------------------
 
     def prepare(
-        self, batches: list[MessageBatch], now_us: int, *, checkpoint: bool = False
+        self,
+        batches: list[MessageBatch],
+        now_us: int,
+        *,
+        checkpoint: bool = False,
+        counts: bool = True,
     ) -> PreparedWrite:
         """Plan one group commit of ``batches``, pending acks and maybe a checkpoint
-        (event loop). Assigns offsets and timestamps (``now_us``, microseconds)."""
-        return self._writer.prepare(batches, now_us, checkpoint=checkpoint)
+        (event loop). Assigns offsets and timestamps (``now_us``, microseconds);
+        ``counts`` False lets delivery counts wait (see ``Writer.prepare``)."""
+        return self._writer.prepare(batches, now_us, checkpoint=checkpoint, counts=counts)
 
     def write(self, prepared: PreparedWrite) -> None:
         """The I/O of a prepared write (a worker thread may run it)."""

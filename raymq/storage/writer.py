@@ -218,14 +218,21 @@ class Writer:
     # -- prepare ---------------------------------------------------------------------
 
     def prepare(
-        self, batches: list[MessageBatch], now_us: int, *, checkpoint: bool = False
+        self,
+        batches: list[MessageBatch],
+        now_us: int,
+        *,
+        checkpoint: bool = False,
+        counts: bool = True,
     ) -> PreparedWrite:
         """Plan one group commit of ``batches``, pending acks and maybe a checkpoint.
 
         Assigns offsets and timestamps (``now_us``, microseconds since the epoch). If
         the records cannot be written (a failed write not yet cut back, or a segment
         file that cannot be created), ``records_error`` says why and ``write`` raises
-        it after writing the acks; a non-durable queue raises it here.
+        it after writing the acks; a non-durable queue raises it here. ``counts``
+        False: pending delivery counts wait for a later write unless this one writes
+        the ack log anyway (a send's commit then costs one fdatasync, not two).
         """
         prepared = PreparedWrite(previous_active=self._active, ack_high=self.next_offset)
         refused = self._repair()
@@ -236,7 +243,7 @@ class Writer:
                 raise refused
             prepared.records_error = refused
         if self.durable:
-            self._take_acks(prepared)
+            self._take_acks(prepared, counts or checkpoint or self.deferred is not None)
             if (checkpoint or self.deferred is not None) and refused is None:
                 self._plan_checkpoint(prepared)
         prepared.deletable = self._deletable(prepared)
@@ -262,19 +269,22 @@ class Writer:
             raise
         return None
 
-    def _take_acks(self, prepared: PreparedWrite) -> None:
+    def _take_acks(self, prepared: PreparedWrite, counts: bool) -> None:
         """Move the acks waiting for the ack log (the queue's, and an address's per
-        subscription) into ``prepared``, with the ack log they go to."""
+        subscription) into ``prepared``, with the ack log they go to; the delivery
+        counts too if ``counts`` or the ack log is written anyway (a checkpoint always
+        takes them: the ack log it retires must hold every count before it)."""
         prepared.ack_ranges = self.acks.take_pending()
         if self.subscriptions is not None:
             prepared.subscription_ranges = self.subscriptions.take_pending()
             if prepared.subscription_ranges and prepared.ack_ranges is None:
                 prepared.ack_ranges = np.zeros((0, 2), dtype=np.int64)
         prepared.delays, self.pending_delays = self.pending_delays, []
-        prepared.deliveries = [
-            (n, np.array(r, dtype=np.int64).reshape(-1, 2)) for n, r in self.pending_deliveries
-        ]
-        self.pending_deliveries = []
+        if counts or prepared.ack_ranges is not None or prepared.delays:
+            prepared.deliveries = [
+                (n, np.array(r, dtype=np.int64).reshape(-1, 2)) for n, r in self.pending_deliveries
+            ]
+            self.pending_deliveries = []
         if (prepared.delays or prepared.deliveries) and prepared.ack_ranges is None:
             prepared.ack_ranges = np.zeros((0, 2), dtype=np.int64)
         prepared.ack_log = self.ack_log
