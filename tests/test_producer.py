@@ -625,3 +625,57 @@ def test_a_batch_held_for_woken_senders_ships_without_them_after_the_linger(serv
     assert not second.is_alive() and sorted(offsets) == [0, 1]
     assert store.bodies == [b"1", b"2"]
     channel.close()
+
+
+def test_woken_senders_are_waited_for_only_while_they_come_back_within_the_linger(
+    monkeypatch,
+):
+    """After an answer wakes waiting senders, the next waiting send holds its batch for
+    them only within ``wait_linger`` of that answer and while woken senders have been
+    coming back that fast (threads sending back to back). A sender paced by a schedule
+    (back long after the answer) ships at once: holding it would only add latency."""
+    from raymq.client import producer as producer_module
+
+    now = [100.0]
+    monkeypatch.setattr(producer_module, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    stored: list[bytes] = []
+    channel = FakeChannel(stored)
+    producer = Producer("q", lambda: channel, lambda wire, timeout: (0, 0), wait_linger=0.001)
+
+    def answer_two_waited_senders() -> None:
+        """A batch of two waiting sends answered: two senders woken, nothing in flight."""
+        producer.send(b"w1", b"", None, waited=True)  # nothing in flight: ships
+        producer.send(b"w2", b"", None, waited=True)  # behind it (Nagle)...
+        producer.send(b"w3", b"", None, waited=True)  # ...with this one
+        channel.answer_all()  # w1's answer ships w2 and w3
+        channel.answer_all()  # theirs wakes both
+        assert not channel.waiting and producer._open is None
+
+    answer_two_waited_senders()
+    now[0] += 0.0001  # one of them is back at once: held for the other
+    producer.send(b"back-to-back", b"", None, waited=True)
+    assert producer._open is not None and not channel.waiting
+
+    flusher = threading.Thread(target=producer.flush)
+    flusher.start()  # ships it, then waits for its answer
+    until(lambda: channel.waiting, "the held batch shipped by a flush")
+    channel.answer_all()
+    flusher.join(30)
+    answer_two_waited_senders()
+    now[0] += 0.010  # back 10 ms after the answer: the linger is over, it goes now
+    producer.send(b"paced", b"", None, waited=True)
+    assert producer._open is None and [b for b, _ in channel.waiting] == [[b"paced"]]
+    channel.answer_all()
+
+    # Woken senders have not all come back before the next answer, again and again:
+    # the next answer's are not waited for, even by a sender back at once.
+    for _ in range(3):
+        answer_two_waited_senders()
+        now[0] += 0.010
+        producer.send(b"late", b"", None, waited=True)
+        channel.answer_all()
+    answer_two_waited_senders()
+    now[0] += 0.0001
+    producer.send(b"soon after", b"", None, waited=True)
+    assert producer._open is None and len(channel.waiting) == 1
+    channel.answer_all()

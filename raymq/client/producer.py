@@ -69,11 +69,16 @@ MAX_IN_FLIGHT_MESSAGES = 100_000
 #: unanswered (bytes; Kafka's ``buffer.memory`` is 32 MiB too).
 MAX_IN_FLIGHT_BYTES = 32 * 2**20
 #: Bytes a message is counted for beyond its body and properties (its two offsets).
-#: Longest a waiting send holds its batch for the other waiting senders woken by the last
-#: answer, when nothing is in flight (seconds): threads that wait on each send then keep
-#: sharing one batch, one frame and one commit, instead of splitting into cohorts.
-WAIT_LINGER_SECONDS = 0.001
 MESSAGE_OVERHEAD_BYTES = 16
+#: Longest a batch is held, counted from the answer that woke waiting senders, for those
+#: senders to send again, when nothing is in flight (seconds): threads that wait on each
+#: send then keep sharing one batch, one frame and one commit, instead of splitting into
+#: cohorts. Only while woken senders have been coming back within it (see
+#: ``RETURN_WEIGHT``): senders paced by a schedule would only be delayed by it.
+WAIT_LINGER_SECONDS = 0.001
+#: Weight of the newest in the moving average of how long the senders one answer woke
+#: took to send again: with the average over the linger, batches are no longer held.
+RETURN_WEIGHT = 0.25
 
 
 @dataclass(frozen=True)
@@ -231,6 +236,11 @@ class Producer:
         #: are, a waiting send holds the open batch for them (up to WAIT_LINGER_SECONDS)
         #: rather than ship it alone, so that the threads go on sharing one batch.
         self._returning = 0
+        self._woken = 0  # waiting senders the last answer woke
+        self._answered_at = 0.0  # when (time.monotonic)
+        #: Moving average of how long the senders an answer woke took to send again, all
+        #: of them, when it woke several (seconds; capped at twice the linger).
+        self._return_seconds = 0.0
         self._on_channel: set[int] = set()  # seqs of batches in flight on a channel
         self._lane: list[tuple[int, _Batch]] = []  # batches for Ray calls, by seq
         self._lane_busy = False  # the Ray worker thread runs
@@ -277,8 +287,11 @@ class Producer:
                 batch.waited += 1
                 if self._returning:  # one of the threads the last answer woke is back
                     self._returning -= 1
-                    # The others are coming: they go together.
-                    hold = self._returning > 0 and self.wait_linger > 0
+                    now = time.monotonic()
+                    if self._returning:  # the others are coming: they go together
+                        hold = self._holds(now)
+                    elif self._woken > 1:  # the last of them: how long they all took
+                        self._note_return(now - self._answered_at)
             self._pending_msgs += 1
             self._pending_bytes += size
             self._sent += 1
@@ -475,7 +488,10 @@ class Producer:
             if waiters:  # first: their wake-up overlaps the bookkeeping below
                 for waiter in waiters:  # only the threads waiting on this batch wake
                     waiter.release()
-            self._returning = batch.waited
+            if self._returning and self._woken > 1:  # the last answer's did not all return
+                self._note_return(2 * self.wait_linger)
+            self._returning = self._woken = batch.waited
+            self._answered_at = time.monotonic()
             if batch.on_channel:
                 batch.on_channel = False
                 self._on_channel.discard(batch.seq)
@@ -486,7 +502,7 @@ class Producer:
             self._pending_bytes -= batch.nbytes
             held = self._open
             if held is not None and not self._in_flight and not self._lane_busy:
-                if self._returning and held.waiters and self.wait_linger > 0:
+                if self._returning and held.waiters and self._holds(self._answered_at):
                     # Held for the waiting senders this answer woke, which join it; one
                     # of its own waiting threads wakes to keep the linger time.
                     held.waiters.pop(0).release()
@@ -505,7 +521,8 @@ class Producer:
         An open batch is not shipped for it while another is in flight: the answer to
         that one ships it (Nagle), with what else gathers. With nothing in flight it
         ships at once, unless waiting senders woken by the last answer are still to
-        send again: then it waits for them up to ``WAIT_LINGER_SECONDS`` (the last of
+        send again and such senders have been coming back within the linger: then it
+        waits for them until ``WAIT_LINGER_SECONDS`` after that answer (the last of
         them back ships it). A batch on a channel that went silent needs no watch here:
         the channel's wire client pings a server it has not heard from while requests
         wait, and breaks the connection when the ping goes unanswered; the batch then
@@ -519,8 +536,9 @@ class Producer:
                     return
                 wait = None  # until answered
                 if batch is self._open and not self._in_flight:
-                    if self._returning and not lingered and self.wait_linger > 0:
-                        wait, lingered = self.wait_linger, True
+                    now = time.monotonic()
+                    if self._returning and not lingered and self._holds(now):
+                        wait, lingered = self._answered_at + self.wait_linger - now, True
                     else:  # nobody else is coming (or came in time): it goes now
                         self._returning = 0
                         self._ship()
@@ -547,6 +565,19 @@ class Producer:
                     return
                 waiter = None  # woken to keep the linger time of a held batch: look again
             # else a linger or the deadline passed: looked at above
+
+    def _note_return(self, seconds: float) -> None:
+        """Add to the average how long an answer's woken senders took to send again
+        (capped: senders back much later must not stop holds for long)."""
+        took = min(seconds, 2 * self.wait_linger)
+        self._return_seconds += RETURN_WEIGHT * (took - self._return_seconds)
+
+    def _holds(self, now: float) -> bool:
+        """Whether the open batch waits for senders the last answer woke: the linger
+        from that answer (``now``, ``time.monotonic``) is not over, and woken senders
+        have been coming back within it."""
+        linger = self.wait_linger
+        return now < self._answered_at + linger and self._return_seconds < linger
 
     def _wait_for_room(self, size: int) -> None:
         """Block until the message of ``size`` bytes fits the in-flight bound."""
