@@ -51,6 +51,7 @@ from raymq.core.replication import ReplicationLeader
 from raymq.core.subscription import LEASE_PREFETCH, Delivery
 from raymq.core.target_list import FetchAnswer
 from raymq.errors import BrokerUnavailable, NotLeader, StorageError
+from raymq.heap import freeze_startup_heap
 from raymq.storage.retention import Position
 from raymq.storage.subscriptions import SubscriptionSpec
 from raymq.wire.fetch import FetchServer
@@ -175,6 +176,7 @@ class QueueActor:
             except OSError as exc:  # single sends then go through Ray calls
                 log.warning("queue %r: no send channel: %s", self.core.name, exc)
             self._started = True
+            freeze_startup_heap()  # no 50-75 ms full collections of it (raymq.heap)
 
     async def _begin_epoch(self) -> bool:
         """Lead in an epoch of its own, every (re)start: the controller gives the next

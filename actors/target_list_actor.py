@@ -47,6 +47,7 @@ from raymq.core.supervisor import Supervisor
 from raymq.core.target_list import TargetList
 from raymq.core.target_list_link import ConsumerSpec, StaleEndpoint, TargetListLink
 from raymq.errors import BrokerUnavailable, RayMQError, ray_reason
+from raymq.heap import freeze_startup_heap
 from raymq.wire.delivery import BY_REFERENCE, DeliveryServer, answer_of
 from raymq.wire.fetch import STALE_FETCH_ENDPOINT, InlineDelivery
 
@@ -91,7 +92,9 @@ class TargetListActor:
         port, secret), None if it could not listen. A spare is then warm: a consumer
         connects and starts it over the channel (``_channel_start``)."""
         self._own_handle()
-        return await self._listen()
+        endpoint = await self._listen()
+        freeze_startup_heap()  # no 50-75 ms full collections of it (raymq.heap)
+        return endpoint
 
     def _own_handle(self) -> Any:
         """This actor's handle (for the queue's death watch), asked of Ray once: it
@@ -196,6 +199,7 @@ class TargetListActor:
                     f"consumer {consumer_id}: queue {queue!r} could not register it: {exc}"
                 ) from None
             raise
+        freeze_startup_heap()  # and what the start imported (the queue's modules)
         return endpoint
 
     async def _channel_start(self, settings: dict) -> tuple[str, int, str] | str | None:

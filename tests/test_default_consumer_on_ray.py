@@ -247,3 +247,24 @@ def test_rows_of_an_answer_lost_mid_read_on_the_delivery_channel_come_back(broke
         assert c.stats()["delivery_channel_given_back"] >= 1
         c.ack(list(got), wait=True)
     assert q.stats()["depth"] == 0
+
+
+def _frozen(_actor) -> int:
+    import gc
+
+    return gc.get_freeze_count()
+
+
+def test_the_queue_and_target_list_processes_keep_their_start_up_heaps_out_of_full_gcs(
+    broker,
+):
+    """A full collection of a start-up heap pauses the process 50-75 ms (raymq.heap):
+    the queue's actor and a consumer's TargetList freeze theirs once started."""
+    q = broker.create_queue("frozen-heaps", durable=True)
+    q.send(b"one")
+    c = q.consumer()
+    assert [m.body for m in c.receive(timeout=30)] == [b"one"]
+    # Ray, pyarrow and numpy alone leave well over 50,000 objects after the imports.
+    assert ray.get(q._actor.__ray_call__.remote(_frozen)) > 50_000
+    assert ray.get(c.target_list.__ray_call__.remote(_frozen)) > 50_000
+    c.close()
