@@ -371,9 +371,11 @@ class Subscription(DeadLetterMover):
         read = read or self._read
         if not len(offsets):
             return EMPTY_DELIVERY
-        groups = np.split(
-            np.arange(len(offsets)), np.flatnonzero(np.diff(offsets) > MATERIALIZE_GAP) + 1
-        )
+        n = len(offsets)
+        if int(offsets[-1]) - int(offsets[0]) - (n - 1) <= MATERIALIZE_GAP:
+            groups = [np.arange(n)]  # no gap over MATERIALIZE_GAP: one range (a take's)
+        else:
+            groups = np.split(np.arange(n), np.flatnonzero(np.diff(offsets) > MATERIALIZE_GAP) + 1)
         parts = []
         for group in groups:
             wanted = offsets[group]
