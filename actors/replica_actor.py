@@ -23,6 +23,7 @@ import ray
 from raymq.actors.names import BROKER_ACTOR_NAME
 
 from raymq.core.replication import ReplicationFollower
+from raymq.heap import freeze_startup_heap
 from raymq.storage.mirror import MirrorState, MirrorWrite, ReplicaFiles
 from raymq.wire.errors import WireBroken
 from raymq.wire.replica import ReplicaChannel, ReplicaServer
@@ -70,6 +71,7 @@ class ReplicaActor:
         """What this copy holds, once its files are open."""
         self._ensure_watch()
         await self.endpoint()
+        freeze_startup_heap()  # a replicated commit waits on this process too (raymq.heap)
         return self.follower.files.state()
 
     async def endpoint(self) -> tuple[str, int, str] | None:

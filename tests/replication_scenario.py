@@ -114,6 +114,12 @@ class Producers:
             t.join(DEADLINE_SECONDS)
 
 
+def _frozen(_actor) -> int:
+    import gc
+
+    return gc.get_freeze_count()
+
+
 def wait_for(what: str, check, timeout: float = DEADLINE_SECONDS):
     deadline = time.monotonic() + timeout
     while True:
@@ -206,6 +212,13 @@ class Scenario:
         from raymq.actors.names import replica_actor_name
 
         return ray.get(ray.get_actor(replica_actor_name(name, rid), "replication").pid.remote())
+
+    def follower_frozen(self, name: str, rid: str) -> int:
+        """Objects the follower's process froze out of full collections (raymq.heap)."""
+        from raymq.actors.names import replica_actor_name
+
+        actor = ray.get_actor(replica_actor_name(name, rid), "replication")
+        return ray.get(actor.__ray_call__.remote(_frozen))
 
     def leader_loss(self) -> dict:
         q = self.create("leader")
@@ -343,6 +356,7 @@ class Scenario:
         producers = Producers(q, threads=2).start()
         wait_for("acks before the loss", lambda: producers.count() >= 1000)
         rid = next(r for r, node in rs["nodes"].items() if node == follower)
+        frozen = self.follower_frozen("follower", rid)
         removed_at = self.remove(follower, [self.follower_pid("follower", rid)])
         before = producers.count()
         wait_for("acks after the loss", lambda: producers.count() >= before + 2000)
@@ -351,6 +365,7 @@ class Scenario:
             "first_ack_seconds": producers.first_ack_after(removed_at),
             "errors": producers.errors,
             "first_error": producers.first_error,
+            "follower_frozen": frozen,
         }
         consumed = consume_all(q)
         out.update(check_bodies(producers.acked, consumed))

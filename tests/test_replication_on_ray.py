@@ -121,6 +121,9 @@ def test_sends_go_on_when_a_followers_node_is_lost(observed):
     assert r["lost"] == 0 and r["never_sent"] == 0
     assert r["first_ack_seconds"] < RESUME_SECONDS, r
     assert len(r["replicas"]) == 3 and all(x["in_sync"] for x in r["replicas"])
+    # A replicated commit waits on the follower's process: its start-up heap is frozen
+    # out of full collections (raymq.heap), as the queue actor's.
+    assert r["follower_frozen"] > 50_000
 
 
 def test_two_of_three_lost_refuses_sends_until_a_new_replica_caught_up(observed):
