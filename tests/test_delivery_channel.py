@@ -231,7 +231,7 @@ def test_a_dead_server_breaks_the_channel_for_good():
 def unwritable(args: list) -> SimpleNamespace:
     """A take whose connection closed: its answer cannot be written."""
 
-    def answer(value=None, buffers=()) -> bool:
+    def answer(value=None, buffers=(), *, now=False) -> bool:
         request.answered = True
         return False
 
@@ -449,3 +449,21 @@ def test_a_break_mid_answer_says_an_answer_was_pending_and_how_many_were_read():
 
     broken, read = run(main())
     assert broken.answer_pending and read == 1
+
+
+def test_a_take_is_written_at_once_not_at_the_end_of_the_loops_turn():
+    """A take's answer is flushed as soon as it is made: the application waits on it."""
+    seen: dict[str, bool] = {}
+
+    def answer(value=None, buffers=(), *, now=False) -> bool:
+        request.answered, seen["now"] = True, now
+        return True
+
+    request = SimpleNamespace(args=[10, 0.1], answered=False)
+    request.answer, request.conn = answer, SimpleNamespace(state={})
+
+    async def main():
+        await Served([delivery(7, 4)]).server._answer_take(request)
+
+    run(main())
+    assert seen == {"now": True}

@@ -34,7 +34,7 @@ class Connection:
         self.written: list = []
 
     def take(self, max_messages: int = 10, timeout: float = 0.1) -> SimpleNamespace:
-        def answer(value=None, buffers=()) -> bool:
+        def answer(value=None, buffers=(), *, now=False) -> bool:
             request.answered = True
             self.written.append(value)
             return True

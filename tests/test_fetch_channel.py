@@ -191,7 +191,7 @@ def test_a_cancelled_fetch_closes_the_channel():
 def unwritable(args: list) -> SimpleNamespace:
     """A request whose connection closed: its answer cannot be written."""
 
-    def answer(value=None, buffers=()) -> bool:
+    def answer(value=None, buffers=(), *, now=False) -> bool:
         request.answered = True
         return False
 
@@ -370,3 +370,21 @@ def test_offsets_of_reads_a_slice_s_offsets_without_pandas():
     assert offsets_of(batch).tolist() == list(range(100, 110))
     assert offsets_of(batch.slice(3, 4)).tolist() == [103, 104, 105, 106]
     assert offsets_of(EMPTY_DELIVERY).tolist() == []
+
+
+def test_a_delivery_is_written_at_once_not_at_the_end_of_the_loops_turn():
+    """A fetch's answer is flushed as soon as it is made: a consumer waits on it."""
+    seen: dict[str, bool] = {}
+
+    def answer(value=None, buffers=(), *, now=False) -> bool:
+        request.answered, seen["now"] = True, now
+        return True
+
+    request = SimpleNamespace(args=["c1", 10, 0.1, 10, None, "s", 10_000], answered=False)
+    request.answer, request.conn = answer, SimpleNamespace(state={})
+
+    async def main():
+        await Served([delivery(7, 4)]).server._answer_fetch(request)
+
+    run(main())
+    assert seen == {"now": True}

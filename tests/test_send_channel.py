@@ -511,3 +511,42 @@ def test_a_client_on_the_same_machine_connects_over_the_unix_socket_else_tcp(ser
 def family(channel: SendChannel) -> int:
     """The address family of ``channel``'s connection."""
     return channel._client._client._sock.family
+
+
+def test_stored_sends_are_written_when_stored_not_a_turn_of_the_loop_later():
+    """A stored send's answer is written (its connection flushed) as soon as the store
+    returns, not at the end of the event loop's next turn behind other work: its sender
+    waits on it. Single sends stored together flush each connection once."""
+    from raymq.wire.server import DEFERRED, Request
+
+    events: list[str] = []
+
+    class Conn:
+        closing = False
+
+        def write(self, parts) -> bool:
+            events.append("write")
+            return True
+
+        def flush(self) -> None:
+            events.append("flush")
+
+    async def send_batch(batch: MessageBatch, timeout) -> tuple[int, int]:
+        return 10, len(batch)
+
+    async def main() -> None:
+        server = SendServer(send_batch, "q", 2**20)
+        conn = Conn()
+        singles = [Request(conn, i, "send", [b"m", b"", None], []) for i in range(3)]
+        await server._store([(b"m", b"", None, r) for r in singles])
+        assert events == ["write"] * 3 + ["flush"]
+        events.clear()
+        bodies = MessageBatch.from_bodies(
+            [b"a", b"b"], [None, None], max_message_size=2**20, queue="q"
+        )
+        wire = [bytes(memoryview(b)) for b in bodies.wire_buffers()]
+        batch = Request(conn, 9, "send_batch", [None], wire)
+        assert await server._batch(batch) is DEFERRED
+        assert events == ["write", "flush"] and batch.answered
+
+    asyncio.run(main())

@@ -188,7 +188,7 @@ class DeliveryServer(ProtocolServer):
             self.by_reference += 1
             return BY_REFERENCE
         rows, data = (got.rows, got.stream) if isinstance(got, Encoded) else (got, to_ipc(got))
-        if not request.answer("ipc", [data]):
+        if not request.answer("ipc", [data], now=True):  # the application waits on it
             # Not handed to the application: the queue delivers them again (uncounted).
             self.given_back += rows.num_rows
             log.warning(

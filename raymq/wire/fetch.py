@@ -221,7 +221,8 @@ class FetchServer(ProtocolServer):
         if delivery.nbytes > inline:
             self.parked += 1
             return self._park(consumer_id, delivery)
-        if request.answer("ipc", [to_ipc(delivery.to_batch())]):
+        # Written now, not at the end of this turn of the loop: a consumer waits on it.
+        if request.answer("ipc", [to_ipc(delivery.to_batch())], now=True):
             self.answers += 1
             return DEFERRED
         # Not handed to the TargetList: the queue delivers them again (uncounted).

@@ -150,15 +150,18 @@ class SendServer(ProtocolServer):
         self._gathered.append((body, props, timeout, request))
         return DEFERRED
 
-    def _batch(self, request: Request) -> Awaitable[list[int]]:
+    def _batch(self, request: Request) -> Awaitable[object]:
         (timeout,) = request.args
         if self._gathered:  # single sends received before it are stored before it
             self._flush()
         batch = MessageBatch.from_wire(request.buffers, self._queue)  # ValueError: its answer
 
-        async def store() -> list[int]:
+        async def store() -> object:
             first, count = await self._send_batch(batch, timeout)
-            return [first, count]
+            # Written now, not two turns of the loop later (the task's end, then the
+            # connection's flush): its sender waits, maybe with more sends behind it.
+            request.answer([first, count], now=True)
+            return DEFERRED
 
         return store()
 
@@ -205,8 +208,12 @@ class SendServer(ProtocolServer):
             for *_, request in items:
                 request.fail(exc)
             return
+        connections = set()
         for offset, (*_, request) in zip(offsets, items, strict=True):
-            request.answer(offset)  # None: DROPped
+            if request.answer(offset):  # None: DROPped
+                connections.add(request.conn)
+        for conn in connections:  # now, not a turn of the loop later: the sender waits
+            conn.flush()
 
 
 def _check_send(args: list, buffers: list) -> None:
