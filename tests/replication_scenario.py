@@ -625,8 +625,17 @@ def readme(s: Scenario) -> dict:
     shown = io.StringIO()
     with contextlib.redirect_stdout(shown):  # `raymq status` as a pipe gets it
         code = raymq_command(["--namespace", "replication", "status"])
+    # The send was answered once 2 of the 3 copies had it: the third may still be
+    # catching up when the block ends (CI saw it), so wait for it as the follower
+    # scenario does.
+    replicas = wait_for(
+        "the third replica in sync",
+        lambda: (
+            (r := orders.stats()["replicas"]) and len(r) == 3 and all(x["in_sync"] for x in r) and r
+        ),
+    )
     return {
-        "replicas": orders.stats()["replicas"],
+        "replicas": replicas,
         "leader_node": s.broker.queue_nodes()["orders"],
         "consumed": [b.decode() for b in consume_all(orders)],
         "status_code": code,
