@@ -158,9 +158,10 @@ class SendServer(ProtocolServer):
 
         async def store() -> object:
             first, count = await self._send_batch(batch, timeout)
-            # Written now, not two turns of the loop later (the task's end, then the
-            # connection's flush): its sender waits, maybe with more sends behind it.
-            request.answer([first, count], now=True)
+            # Answered here, not when the task's end is seen a turn of the loop later:
+            # its sender waits. Flushed at the end of this turn, with the answers of the
+            # other batches the same commit stored (a pipelining producer has several).
+            request.answer([first, count])
             return DEFERRED
 
         return store()
