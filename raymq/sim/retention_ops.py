@@ -82,7 +82,9 @@ class RetentionOps:
             # Sent before it existed, or routed nowhere: its own now, if selected.
             if name not in m.routes and (m.offset < at or not select(props)):
                 continue
-            if m.offset < at:
+            # Below the offset, or one its filter rejects (a seek routes the backlog
+            # again: one an in-doubt create left it may be dropped now).
+            if m.offset < at or not select(props):
                 m.routes[name] = "yes"
             else:
                 m.routes[name] = "" if self._certainly_stored(m, name) else "doubt"
