@@ -211,6 +211,13 @@ def _connect(key: tuple[str, str], actor: object, ready: object) -> None:
     channel.close()
 
 
+def kept() -> list[str]:
+    """Ids of the nodes this process keeps a warm spare on, or is making one for."""
+    job = ray.get_runtime_context().get_job_id()
+    with _lock:
+        return sorted({node for job_id, node in [*_spares, *_making] if job_id == job})
+
+
 def wait_warm(timeout: float | None = None) -> bool:
     """Wait up to ``timeout`` seconds (None: for ever) until every spare of this
     process is up; True if they all are.

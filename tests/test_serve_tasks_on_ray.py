@@ -90,6 +90,12 @@ def deploy(config: TaskProcessorConfig, app: str) -> None:
         def add(self, a, b):
             return {"sum": a + b, "pid": os.getpid()}
 
+        @task_handler(name="spares")
+        def spares(self):
+            from raymq.placement import spares
+
+            return spares.kept()
+
         @task_handler(name="boom")
         def boom(self):
             raise KeyError("boom")
@@ -163,6 +169,15 @@ def test_a_task_reaches_the_deployment_and_its_result_is_stored(shared):
     record = ray.get(broker.task_results().get.remote(sent.id))
     assert record.runs == 1
     wait_for("queue drained", lambda: broker.get_queue(config.queue_name).stats()["depth"] == 0)
+
+
+def test_a_replica_keeps_no_warm_spare_target_list(shared):
+    """A replica makes one consumer (its TargetList, made when it starts): a warm spare
+    beside it would be an idle Ray worker per replica, ~0.6 % of a core each."""
+    producer = shared[2]
+    # (A spare is kept, or its creation put off, from the moment a consumer starts.)
+    done = status_of(producer, producer.enqueue_task_sync("spares").id, SUCCESS)
+    assert done.result == []
 
 
 def test_a_failing_task_runs_one_plus_max_retries_times_then_is_dead_lettered(shared):
