@@ -18,6 +18,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from typing import Any
 
 import ray
 from raymq.actors.names import BROKER_ACTOR_NAME, queue_actor_name
@@ -28,6 +29,12 @@ from raymq.config import BrokerConfig
 from raymq.core.budget import BudgetPlanner, ConsumerUsage, Plan, PushedBudgets, QueueUsage
 
 log = logging.getLogger("raymq.governor")
+
+#: Longest a round reuses the nodes' object-store sizes before asking Ray's GCS again
+#: (seconds); a queue reporting a node not among them asks at once. Nodes come and go
+#: seldom, and every round asking (with a name lookup per queue) was most of what the
+#: GCS did for a broker at rest.
+NODES_REFRESH_SECONDS = 10.0
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=100)
@@ -46,6 +53,14 @@ class MemoryGovernorActor:
         self.errors: list[str] = []
         self._usage: dict[str, QueueUsage] = {}  # of the last round, by queue name
         self._pushed = PushedBudgets()  # consumers' budgets: pushed when they change
+        # Handles kept between rounds (a name lookup is a GCS call): the broker's, and
+        # each running queue actor's, dropped when it does not answer (deleted and made
+        # again, it is another actor) so that the next round looks it up anew.
+        self._broker: Any = None
+        self._queues: dict[str, Any] = {}
+        self._nodes: dict[str, int] = {}  # object store bytes by node id
+        self._nodes_at = float("-inf")  # monotonic seconds of that listing
+        self.lookups = 0  # GCS lookups the rounds made: actor names and node listings
         self._lock = asyncio.Lock()
         self._task = asyncio.get_running_loop().create_task(self._run())
         self._metrics = asyncio.get_running_loop().create_task(self._export_metrics())
@@ -62,15 +77,18 @@ class MemoryGovernorActor:
     async def _run(self) -> None:
         while True:
             try:
-                await self.rebalance()
+                await self.rebalance(fresh=False)
             except Exception as exc:  # keep governing; the error is in stats
                 log.exception("memory governor round failed")
                 self.errors = [*self.errors[-9:], f"{type(exc).__name__}: {exc}"]
             await asyncio.sleep(self.config.housekeeping_period)
 
-    async def rebalance(self) -> dict:
-        """Run one round now; returns the plan as a dict."""
+    async def rebalance(self, fresh: bool = True) -> dict:
+        """Run one round now; returns the plan as a dict. ``fresh``: with every queue
+        actor and the nodes looked up again (the periodic rounds reuse them)."""
         async with self._lock:
+            if fresh:
+                self._broker, self._queues, self._nodes_at = None, {}, float("-inf")
             t0, started = time.perf_counter(), time.time()
             plan = await self._round()
             self.plan = plan
@@ -84,6 +102,9 @@ class MemoryGovernorActor:
         queues = await self._queue_handles()
         # Each queue actor answers (QueueUsage, [(consumer id, TargetList handle)]).
         reports = await _gather({name: h.usage.remote() for name, h in queues.items()}, timeout)
+        for name in queues.keys() - reports.keys():
+            self._queues.pop(name, None)
+            self._nodes_at = float("-inf")  # its node may be gone: listed again
         consumer_handles = {cid: h for _u, consumers in reports.values() for cid, h in consumers}
         consumer_usage: dict[str, ConsumerUsage] = await _gather(
             {cid: h.usage.remote() for cid, h in consumer_handles.items()}, timeout
@@ -97,7 +118,7 @@ class MemoryGovernorActor:
             )
             for usage, consumers in reports.values()
         ]
-        plan = self.planner.plan(usages, object_store_by_node())
+        plan = self.planner.plan(usages, self._object_stores(usages))
         self._usage = {u.name: u for u in usages}
         pushes = {}
         consumer_budgets: dict[str, tuple[int, int]] = {}
@@ -117,19 +138,39 @@ class MemoryGovernorActor:
         return plan
 
     async def _queue_handles(self) -> dict[str, object]:
-        """Handles of the broker's running queue actors (stopped ones are not started)."""
-        try:
-            broker = ray.get_actor(BROKER_ACTOR_NAME, namespace=self.namespace)
-        except ValueError:
-            return {}
-        names = await broker.list_running.remote()  # hibernated ones have no actor
-        out = {}
-        for name in names:
+        """Handles of the broker's running queue actors (stopped ones are not started),
+        looked up by name only when not kept from an earlier round."""
+        if self._broker is None:
+            self.lookups += 1
             try:
-                out[name] = ray.get_actor(queue_actor_name(name), namespace=self.namespace)
+                self._broker = ray.get_actor(BROKER_ACTOR_NAME, namespace=self.namespace)
+            except ValueError:
+                return {}
+        try:
+            names = await self._broker.list_running.remote()  # hibernated: no actor
+        except ray.exceptions.RayActorError:
+            self._broker = None  # stopped, or another broker now: looked up next round
+            raise
+        self._queues = {n: h for n, h in self._queues.items() if n in names}
+        for name in names:
+            if name in self._queues:
+                continue
+            self.lookups += 1
+            try:
+                self._queues[name] = ray.get_actor(queue_actor_name(name), namespace=self.namespace)
             except ValueError:
                 continue
-        return out
+        return dict(self._queues)
+
+    def _object_stores(self, usages: list[QueueUsage]) -> dict[str, int]:
+        """Object store bytes by node id, listed again past ``NODES_REFRESH_SECONDS``
+        or when a queue is on a node not listed."""
+        now = time.monotonic()
+        unknown = any(u.node_id not in self._nodes for u in usages)
+        if unknown or now - self._nodes_at > NODES_REFRESH_SECONDS:
+            self.lookups += 1
+            self._nodes, self._nodes_at = object_store_by_node(), now
+        return self._nodes
 
     def stats(self) -> dict:
         """Threshold, per-node thresholds, per-queue budgets and usage, round timing."""
@@ -142,6 +183,7 @@ class MemoryGovernorActor:
             "plan": None if self.plan is None else self.plan.to_dict(),
             "usage": {name: u.to_dict() for name, u in self._usage.items()},
             "errors": list(self.errors),
+            "lookups": self.lookups,
         }
 
 

@@ -164,3 +164,41 @@ def test_fail_and_block_reach_the_producer_as_address_full(broker):
     assert 50 <= len(stored) < 64 and stored == list(range(len(stored)))
     assert drop.send(b"x" * KIB) is None
     assert drop.stats()["messages_dropped"] == 100 - len(stored) + 1
+
+
+def _rounds_after(broker, started: float, rounds: int) -> dict:
+    """Governor stats once ``rounds`` periodic rounds started after ``started`` (wall
+    clock seconds) have finished."""
+    first = None
+    deadline = time.monotonic() + DEADLINE_SECONDS
+    while True:
+        stats = broker.governor_stats()
+        if stats["round_started"] > started:
+            first = stats["rounds"] if first is None else first
+            if stats["rounds"] - first >= rounds:
+                return stats
+        assert time.monotonic() < deadline, f"no {rounds} rounds in {DEADLINE_SECONDS} s"
+        time.sleep(0.05)
+
+
+def test_periodic_rounds_reuse_handles_and_find_a_queue_made_again(broker_factory):
+    """A round looks up the broker, each queue actor and the nodes (GCS calls) only when
+    it has none kept: once per queue, and the nodes every NODES_REFRESH_SECONDS; a queue
+    deleted and made again (another actor) is found again by the next rounds."""
+    from raymq.actors.governor_actor import NODES_REFRESH_SECONDS
+
+    broker = broker_factory(housekeeping_period=0.1)
+    broker.create_queue("q")
+    before = _rounds_after(broker, time.time(), 2)
+    t0 = time.monotonic()
+    after = _rounds_after(broker, time.time(), 10)
+    elapsed = time.monotonic() - t0
+    # Asked anew every round, the broker, the queue and the nodes: 3 a round.
+    assert after["lookups"] - before["lookups"] <= 1 + elapsed / NODES_REFRESH_SECONDS
+    assert after["rounds"] - before["rounds"] >= 10
+    broker.delete_queue("q")
+    broker.create_queue("q")
+    made = time.time()
+    stats = _rounds_after(broker, made, 2)
+    assert "q" in stats["usage"]  # from the new actor: the old one is gone
+    assert "q" in stats["plan"]["queues"]
