@@ -168,6 +168,8 @@ def test_a_task_reaches_the_deployment_and_its_result_is_stored(shared):
     assert after["status_read_failures"] == 0
     record = ray.get(broker.task_results().get.remote(sent.id))
     assert record.runs == 1
+    # Its start and finish came over the wire's results protocol, not as Ray calls.
+    assert ray.get(broker.task_results().counts.remote())["wire_calls"] >= 2
     wait_for("queue drained", lambda: broker.get_queue(config.queue_name).stats()["depth"] == 0)
 
 
@@ -368,6 +370,15 @@ def test_results_outlive_their_store_actor_which_is_found_again(shared):
     assert (again.status, again.result["sum"]) == (SUCCESS, 42)
     later = producer.enqueue_task_sync("add", args=[1, 1])  # and the replica's too
     assert status_of(producer, later.id, SUCCESS).result["sum"] == 2
+    # Its broken results connection went through Ray meanwhile, then connects again
+    # (within WIRE_RETRY_SECONDS of the break) to the new store.
+
+    def over_the_wire_again():
+        task = producer.enqueue_task_sync("add", args=[2, 2])
+        assert status_of(producer, task.id, SUCCESS).result["sum"] == 4
+        return ray.get(broker.task_results().counts.remote())["wire_calls"] > 0
+
+    wait_for("the replica's results connection again", over_the_wire_again)
 
 
 @pytest.mark.parametrize(

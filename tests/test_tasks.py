@@ -181,3 +181,62 @@ def test_the_store_is_private_whatever_the_umask(tmp_path):
     assert os.stat(tmp_path / ".tasks").st_mode & 0o777 == 0o700
     for name in os.listdir(tmp_path / ".tasks"):  # the file, its -wal and -shm
         assert os.stat(tmp_path / ".tasks" / name).st_mode & 0o777 == 0o600, name
+
+
+@pytest.fixture
+def results_served(tmp_path):
+    """A ``ResultsServer`` over a real ``TaskResults`` (its calls applied one at a time,
+    as the actor's commits apply them), on an event loop of its own; a client of it."""
+    import asyncio
+    import threading
+
+    from raymq.wire.blocking import BlockingClient
+    from raymq.wire.results import PROTOCOL, ResultsServer
+
+    store = TaskResults(str(tmp_path / "tasks"))
+    loop = asyncio.new_event_loop()
+    ready, out = threading.Event(), {}
+
+    async def call(name, args):
+        [answer] = store.apply([(name, args)])
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    def run():
+        asyncio.set_event_loop(loop)
+        out["endpoint"] = loop.run_until_complete(ResultsServer(call).start("127.0.0.1"))
+        ready.set()
+        loop.run_forever()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    assert ready.wait(30)
+    client = BlockingClient(out["endpoint"], PROTOCOL, "task results")
+    yield store, client
+    client.close()
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(30)
+    store.close()
+
+
+def test_a_tasks_start_and_finish_over_the_wire_are_the_stores(results_served):
+    from raymq.wire.results import finish_args, start_record
+
+    store, client = results_served
+    started = start_record(client.call("start", ["t1", "add", 60.0]).value)
+    assert (started.id, started.status, started.name, started.runs) == ("t1", STARTED, "add", 1)
+    # Any msgpack value arrives as sent: a map with int keys, bytes, nesting.
+    value = {1: [b"\x00", {"k": None}], "s": 2.5}
+    assert client.call("finish", finish_args("t1", "add", 60.0, SUCCESS, value)).value is None
+    done = store.get("t1")
+    assert (done.status, done.result, done.runs) == (SUCCESS, value, 1)
+    # Ended: a start (a redelivery) changes nothing and says so.
+    again = start_record(client.call("start", ["t1", "add", 60.0]).value)
+    assert (again.status, again.runs) == (SUCCESS, 1)
+    # The store's own refusal comes back typed; the connection goes on.
+    with pytest.raises(ValueError, match="final"):
+        client.call("finish", finish_args("t2", "add", 60.0, STARTED))
+    with pytest.raises(TypeError, match="task t3.*msgpack"):
+        finish_args("t3", "add", 60.0, SUCCESS, object())
+    assert client.broken is None and store.get("t2") is None

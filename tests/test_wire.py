@@ -33,6 +33,7 @@ from hypothesis import strategies as st
 from raymq.batch import EMPTY_DELIVERY, MessageBatch
 from raymq.core.replication import Fenced
 from raymq.core.subscription import Delivery
+from raymq.core.tasks import FAILURE, STARTED, SUCCESS, TaskRecord
 from raymq.errors import NotLeader, RayMQError
 from raymq.wire import frames
 from raymq.wire import server as wire_server
@@ -42,6 +43,7 @@ from raymq.wire.errors import WireBroken
 from raymq.wire.fetch import FetchServer
 from raymq.wire.ipc import from_ipc
 from raymq.wire.replica import ReplicaServer
+from raymq.wire.results import ResultsServer, finish_args
 from raymq.wire.send import SendServer
 from raymq.wire.server import Op, Protocol, Reply, WireServer
 from tests.wire_helpers import MutePeer, closed_by_peer, hello, read_frame, request
@@ -169,10 +171,28 @@ class ReplicaBackend(Backend):
         return ReplicaServer(self, "rq")
 
 
+class ResultsBackend(Backend):
+    """A task-result store: a start answers a STARTED record, a finish nothing."""
+
+    async def call(self, name: str, args: tuple) -> Any:
+        self.calls.append((name, *args))
+        await self.held()
+        if name == "start":
+            return TaskRecord(args[0], STARTED, args[1], 1.0, 2.0, runs=1)
+        return None
+
+    def server(self) -> ResultsServer:
+        return ResultsServer(self.call)
+
+
 def _ipc_rows(n: int) -> Callable[[Any], bool]:
     return lambda a: (
         a.value == "ipc" and len(a.buffers) == 1 and from_ipc(a.buffers[0]).num_rows == n
     )
+
+
+def _nil(answer: Any) -> bool:
+    return answer.value is None
 
 
 BATCH = MessageBatch.from_bodies([b"a", b"b"], max_message_size=MAX_MESSAGE)
@@ -285,6 +305,37 @@ SPECS = {
             ("apply", [1, 1, 3, [["f", 0, 4, 1]], None, [], False], [b"abc"], ValueError),
         ],
         None,
+    ),
+    "results": Spec(
+        "results",
+        ResultsBackend,
+        [
+            (
+                "start",
+                ["t", "add", 60.0],
+                [],
+                lambda a: a.value == ["t", STARTED, "add", 1.0, 2.0, 1],
+            ),
+            (
+                "finish",
+                finish_args("t", "add", 60, SUCCESS, {1: [b"x"]}),
+                [],
+                lambda a: a.value is None,
+            ),
+            ("finish", finish_args("t", "add", 1.5, FAILURE, None, "E", "e", "tb"), [], _nil),
+        ],
+        [
+            ("start", ["t", "add"], [], TypeError),
+            ("start", [1, "add", 60.0], [], TypeError),
+            ("start", ["t", "add", 0], [], ValueError),
+            ("start", ["t", "add", True], [], TypeError),
+            ("start", ["t", "add", float("inf")], [], TypeError),
+            ("finish", ["t", "add", 60.0, SUCCESS, None, None, None, None], [], TypeError),
+            ("finish", ["t", "add", 60.0, SUCCESS, b"\xc1", None, None, None], [], ValueError),
+            ("finish", ["t", "add", 60.0, SUCCESS, b"\xc0", 1, None, None], [], TypeError),
+            ("finish", ["t", "add", 60.0, SUCCESS], [], TypeError),
+        ],
+        ("start", ["held", "add", 60.0], []),
     ),
 }
 PROTOCOLS = list(SPECS)

@@ -5,8 +5,10 @@ adapter_config=RayMQAdapterConfig())`` makes a deployment's replicas take tasks 
 RayMQ queue ``queue_name`` of the running broker. Each replica runs
 ``consumer_concurrency`` handler threads over one consumer whose prefetch is that many
 (times ``prefetch_multiplier``; with more than 1, outcomes are stored and tasks
-acknowledged by completion threads while the handler threads go on). The threads'
-calls to the result store share actor calls (``raymq.core.call_batcher``). A task is
+acknowledged by completion threads while the handler threads go on). A task's start
+and finish reach the result store over the wire's results protocol
+(``raymq.wire.results``), a tenth of a Ray call's CPU; through Ray when that connection
+is broken, the threads' calls sharing actor calls (``raymq.core.call_batcher``). A task is
 acknowledged after its handler returned and its outcome is on disk, so a
 replica that dies mid-task has it delivered again to another (RayMQ never times a task
 out, however long it runs). Statuses and results are kept by the broker's
@@ -67,6 +69,10 @@ from raymq.core.tasks import (
 from raymq.errors import ConsumerClosed, InvalidSetting, QueueNotFound, RayMQError
 from raymq.placement import spares
 from raymq.serve.status_reads import NOT_LOCAL, StatusReads
+from raymq.wire.blocking import BlockingClient
+from raymq.wire.errors import WireBroken
+from raymq.wire.results import PROTOCOL as RESULTS_PROTOCOL
+from raymq.wire.results import finish_args, start_record
 
 log = logging.getLogger("raymq.serve")
 
@@ -78,6 +84,12 @@ UNKNOWN_TASK = "unknown task"
 FAILED = "failed"
 #: Consumer concurrency when Serve gives none (Serve's own default is 5).
 DEFAULT_CONCURRENCY = 5
+#: The result store's calls made over the wire's results protocol (every task's two):
+#: a tenth of a Ray call's CPU (``raymq.wire.results``).
+WIRE_OPS = ("start", "finish")
+#: After the results connection failed, calls go through Ray for this long before it is
+#: opened again (seconds).
+WIRE_RETRY_SECONDS = 1.0
 
 
 class RayMQAdapterConfig(BaseModel):
@@ -169,6 +181,9 @@ class RayMQTaskProcessorAdapter(TaskProcessorAdapter):
         self._completions: ThreadPoolExecutor | None = None  # made by start_consumer
         self._pending: set[futures.Future] = set()  # completions not done yet
         self._batcher = CallBatcher(lambda calls: self._store_call("batch", calls))
+        self._wire: BlockingClient | None = None  # the results connection (``_results_wire``)
+        self._wire_lock = threading.Lock()
+        self._wire_retry_at = 0.0  # monotonic seconds
         self._lock = threading.Lock()
         self.counts = TaskCounts()
 
@@ -575,10 +590,48 @@ class RayMQTaskProcessorAdapter(TaskProcessorAdapter):
         """Call ``op`` of the broker's TaskResultsActor: its typed errors raised, a
         restart waited out (``raymq.client.calls._call``), the actor found again by the
         broker if it was ended (a broker restarted), ``BrokerUnavailable`` past that.
-        A task's start and finish from all threads share calls (``CallBatcher``)."""
+        A task's start and finish go over the wire (``WIRE_OPS``); through Ray, when it
+        is broken, they share calls from all threads (``CallBatcher``)."""
+        if op in WIRE_OPS and retry:
+            client = self._results_wire()
+            if client is not None:
+                try:
+                    if op == "start":
+                        return start_record(client.call("start", list(args)).value)
+                    client.call("finish", finish_args(*args))
+                    return None
+                except WireBroken as exc:  # through Ray below (a lost start counts twice)
+                    self._wire_broke(client, exc)
         if op in BATCHED and retry:
             return self._batcher.call(op, args)
         return self._store_call(op, *args, retry=retry)
+
+    def _results_wire(self) -> BlockingClient | None:
+        """The results connection to the store, opened on first use and after it broke
+        (not within ``WIRE_RETRY_SECONDS`` of a failure); None: use Ray calls."""
+        with self._wire_lock:
+            client = self._wire
+            if client is not None and client.broken is None:
+                return client
+            if time.monotonic() < self._wire_retry_at:
+                return None
+            try:
+                endpoint = self._store_call("results_endpoint")
+                client = BlockingClient(tuple(endpoint), RESULTS_PROTOCOL, "task results")
+            except (WireBroken, RayMQError) as exc:
+                self._wire_retry_at = time.monotonic() + WIRE_RETRY_SECONDS
+                log.info("queue %r: task results through Ray: %r", self._config.queue_name, exc)
+                return None
+            self._wire = client
+            return client
+
+    def _wire_broke(self, client: BlockingClient, exc: WireBroken) -> None:
+        log.info("queue %r: the task results connection broke: %r", self._config.queue_name, exc)
+        client.close()
+        with self._wire_lock:
+            if self._wire is client:
+                self._wire = None
+                self._wire_retry_at = time.monotonic() + WIRE_RETRY_SECONDS
 
     def _store_call(self, op: str, *args: Any, retry: bool = True) -> Any:
         def again() -> Any:
