@@ -618,7 +618,7 @@ class RayMQTaskProcessorAdapter(TaskProcessorAdapter):
             try:
                 endpoint = self._store_call("results_endpoint")
                 client = BlockingClient(tuple(endpoint), RESULTS_PROTOCOL, "task results")
-            except (WireBroken, RayMQError) as exc:
+            except Exception as exc:  # noqa: BLE001 - Ray calls then; they raise what persists
                 self._wire_retry_at = time.monotonic() + WIRE_RETRY_SECONDS
                 log.info("queue %r: task results through Ray: %r", self._config.queue_name, exc)
                 return None
