@@ -147,6 +147,18 @@ class TaskRecord:
     traceback: str | None = None
 
 
+def pack_result(task_id: str, result: Any) -> bytes:
+    """A task's result as the store keeps it (msgpack); ``TypeError`` naming the task
+    if it is not a msgpack value."""
+    try:
+        return msgpack.packb(result, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise TypeError(
+            f"task {task_id}: its result must be a msgpack value, not"
+            f" {type(result).__name__}: {exc}"
+        ) from None
+
+
 def replicas_for_backlog(backlog: int, target_backlog_per_replica: float) -> int:
     """Replicas a task-consumer deployment wants for ``backlog`` tasks (waiting plus
     running): enough that each has at most ``target_backlog_per_replica``, and none

@@ -27,7 +27,15 @@ from typing import Any
 
 import msgpack
 
-from raymq.core.tasks import CANCELLED, FINAL, PENDING, STARTED, STATUSES, TaskRecord
+from raymq.core.tasks import (
+    CANCELLED,
+    FINAL,
+    PENDING,
+    STARTED,
+    STATUSES,
+    TaskRecord,
+    pack_result,
+)
 from raymq.errors import StorageError
 
 #: The store's directory in the broker's paging directory: a name no queue can have (a
@@ -149,13 +157,7 @@ class TaskResults:
         ``ValueError`` for a status that is not final (nothing is written then)."""
         if status not in FINAL:
             raise ValueError(f"finish: {status!r} is not a final status")
-        try:
-            blob = msgpack.packb(result, use_bin_type=True)
-        except (TypeError, ValueError, OverflowError) as exc:
-            raise TypeError(
-                f"task {task_id}: its result must be a msgpack value, not"
-                f" {type(result).__name__}: {exc}"
-            ) from None
+        blob = pack_result(task_id, result)
         now = self._clock()
         self._write(
             "INSERT INTO tasks (id, status, name, created_at, updated_at, runs, ttl, result,"

@@ -31,7 +31,7 @@ from typing import Any
 
 import msgpack
 
-from raymq.core.tasks import TaskRecord
+from raymq.core.tasks import TaskRecord, pack_result
 from raymq.wire.server import Op, Protocol, ProtocolServer, Request, WireServer
 
 #: The protocol's name in the hello.
@@ -98,13 +98,7 @@ def finish_args(
 ) -> list:
     """A finish's arguments as the wire carries them; ``TypeError`` if ``result`` is
     not a msgpack value (as the store's ``finish`` says)."""
-    try:
-        blob = msgpack.packb(result, use_bin_type=True)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise TypeError(
-            f"task {task_id}: its result must be a msgpack value, not"
-            f" {type(result).__name__}: {exc}"
-        ) from None
+    blob = pack_result(task_id, result)
     return [task_id, name, ttl_seconds, status, blob, error_type, error, traceback]
 
 
