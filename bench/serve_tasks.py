@@ -23,10 +23,12 @@ which Ray restarts in place), counting the tasks that never ended SUCCESS within
 
 ``--kill-replica-every S`` instead runs ``--tasks`` RayMQ tasks while a replica is
 SIGKILLed every S seconds, and counts that every task ended SUCCESS and how many ran
-twice (issue 29: 10,000 tasks, a kill every 30 s).
+twice (issue 29: 10,000 tasks, a kill every 30 s; ``--task-seconds`` makes each task
+run that long, so that the run outlasts several kills).
 
     python -m bench.serve_tasks [--tasks 2000] [--replicas 1,4,16] [--concurrency 4]
-    python -m bench.serve_tasks --kill-replica-every 30 --tasks 10000 --replicas 2
+    python -m bench.serve_tasks --kill-replica-every 30 --tasks 10000 --replicas 2 \
+        --task-seconds 0.1 --grace 600
 """
 
 from __future__ import annotations
@@ -131,7 +133,12 @@ def config_for(kind: str, queue: str, namespace: str) -> TaskProcessorConfig:
     )
 
 
-def deploy(config: TaskProcessorConfig, replicas: int, concurrency: int) -> None:
+def deploy(
+    config: TaskProcessorConfig, replicas: int, concurrency: int, task_seconds: float = 0.0
+) -> None:
+    """The bench's deployment: a handler that reports when it started, then runs
+    ``task_seconds`` (a sleep)."""
+
     @serve.deployment(
         num_replicas=replicas,
         max_ongoing_requests=concurrency,
@@ -147,6 +154,8 @@ def deploy(config: TaskProcessorConfig, replicas: int, concurrency: int) -> None
             # (Celery's adapter answered SUCCESS with result None here: the start time
             # goes to an actor instead, alike for both brokers.)
             self.starts.add.remote(sent_at, time.time(), os.getpid())
+            if task_seconds:
+                time.sleep(task_seconds)
 
     serve.run(Work.bind(), name=APP, route_prefix=None)
 
@@ -276,6 +285,9 @@ def main() -> None:
     parser.add_argument("--tasks", type=int, default=2000)
     parser.add_argument("--replicas", default="1,4,16")
     parser.add_argument("--concurrency", type=int, default=4, help="handler threads a replica")
+    parser.add_argument(
+        "--task-seconds", type=float, default=0.0, help="how long each task runs (a sleep)"
+    )
     parser.add_argument("--grace", type=float, default=120.0, help="seconds for the last results")
     parser.add_argument("--kill-replica-every", type=float, default=None)
     parser.add_argument(
@@ -304,7 +316,7 @@ def main() -> None:
                     redis_server.start()
                 queue = f"bench-{kind}-{replicas}"
                 config = config_for(kind, queue, broker.namespace)
-                deploy(config, replicas, args.concurrency)
+                deploy(config, replicas, args.concurrency, args.task_seconds)
                 producer = instantiate_adapter_from_config(config)
                 warm = producer.enqueue_task_sync("work", args=[time.time()])
                 while producer.get_task_status_sync(warm.id).status != "SUCCESS":
@@ -362,7 +374,7 @@ def main() -> None:
                 redis_server.start()
             queue = f"bench-{kind}-loss"
             config = config_for(kind, queue, broker.namespace)
-            deploy(config, 1, args.concurrency)
+            deploy(config, 1, args.concurrency, args.task_seconds)
             producer = instantiate_adapter_from_config(config)
 
             def kill(kind: str = kind, queue: str = queue) -> None:
@@ -403,7 +415,7 @@ def replica_chaos(broker, args) -> None:
     must end SUCCESS; the result store tells how many ran more than once."""
     queue = "bench-replica-chaos"
     config = config_for("raymq", queue, broker.namespace)
-    deploy(config, int(args.replicas.split(",")[0]), args.concurrency)
+    deploy(config, int(args.replicas.split(",")[0]), args.concurrency, args.task_seconds)
     producer = instantiate_adapter_from_config(config)
     stop = threading.Event()
     kills: list[int] = []
