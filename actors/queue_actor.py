@@ -618,8 +618,7 @@ class QueueActor:
         await self._ensure_started()
         self._liveness.heard_from(consumer_id, subscription)
         n = self.core.nack(consumer_id, offsets, subscription=subscription, delay=delay)
-        if self.core.log.has_pending_acks and self.core.config.durable:
-            await self.core.flush_acks()
+        await self._counts_durable()
         return n
 
     async def reject(
@@ -645,10 +644,21 @@ class QueueActor:
         not_received: np.ndarray | None,
         subscription: str | None = None,
     ) -> int:
-        """Remove a consumer; what it held is delivered again."""
+        """Remove a consumer; what it held is delivered again, and what it never
+        received (``not_received``) does not count as delivered: on disk once answered."""
         await self._ensure_started()
         self._act(self._liveness.closed(consumer_id, subscription))
-        return self.core.close_consumer(consumer_id, not_received, subscription=subscription)
+        n = self.core.close_consumer(consumer_id, not_received, subscription=subscription)
+        # A take of what it never received may be on disk already (counts go with the
+        # next commit): its give-back must be too, or a crash now counts that delivery.
+        await self._counts_durable()
+        return n
+
+    async def _counts_durable(self) -> None:
+        """Write the delivery counts and delays waiting for the next commit now (a
+        durable queue's), so that the caller's answer says they are on disk."""
+        if self.core.log.has_pending_acks and self.core.config.durable:
+            await self.core.flush_acks()
 
     # -- an address's subscriptions ----------------------------------------------------
 

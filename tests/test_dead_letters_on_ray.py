@@ -132,6 +132,32 @@ def test_closing_right_after_a_nack_does_not_count_an_unseen_delivery(broker):
     assert q.stats()["messages_dead_lettered"] == 0
 
 
+def test_what_a_closed_consumer_never_received_does_not_count_after_a_sigkill(broker):
+    """The consumer's TargetList had taken the message again (that take's count on
+    disk with the next commit) when the consumer closed without receiving it: close is
+    answered once its give-back is on disk too, so a SIGKILL right after leaves one
+    delivery counted, not two (a count too many dead-letters a message early)."""
+    q = broker.create_queue("uncounted", max_delivery_attempts=2)
+    q.send(b"poison")
+    pid = _call(q._actor.pid)
+    with q.consumer(prefetch=1) as c:
+        [m] = c.receive(1, timeout=60)
+        c.nack(m, delay=0)  # answered once its count is on disk
+        wait_for(lambda: c.stats()["delivered"] == 2, "taken again by the TargetList")
+        q.send(b"other")
+        with q.consumer(prefetch=1) as other:  # its waited ack writes the take's count
+            [o] = other.receive(1, timeout=60)
+            assert o.body == b"other"
+            assert other.ack(o, wait=True) == 1
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: _call(q._actor.pid) != pid, "restart")
+    with q.consumer(prefetch=1) as c:
+        got = c.receive(1, timeout=30)
+        dead = q.stats()["messages_dead_lettered"]
+        assert [(m.body, m.delivery_count) for m in got] == [(b"poison", 2)], f"{dead} dead"
+        assert c.ack(got, wait=True) == 1
+
+
 def test_a_delivery_count_survives_a_sigkill_of_the_queue(broker):
     """Nacked twice, then the queue's process SIGKILLed: the third delivery says 3, and
     a fourth never comes (the message is in the DLQ). Before delivery counts were
