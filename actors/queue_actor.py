@@ -131,6 +131,8 @@ class QueueActor:
             gather=not judged_whole,  # each client's send judged alone by its policy
             send_ids=self._channel_send_ids,
             ack=self.ack,  # a consumer's pipelined acks (the same method as Ray's)
+            nack=self.nack,
+            reject=self.reject,
         )
         self._endpoint: tuple[str, int, str] | None = None
         #: Its last call, for the broker's hibernation (``idle_seconds``).

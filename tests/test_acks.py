@@ -20,7 +20,10 @@ from raymq.batch import EMPTY_DELIVERY
 from raymq.client import Consumer, Message, Messages
 from raymq.client.acks import AckPipeline
 from raymq.client.consumer import TRICKLE_ACKS
-from raymq.errors import BrokerUnavailable, ConsumerClosed, InvalidAck
+from raymq.client.consumer_acks import ConsumerAcks
+from raymq.errors import BrokerUnavailable, ConsumerClosed, InvalidAck, NotLeader
+from raymq.wire.errors import WireBroken
+from raymq.wire.send import MAX_ACK_OFFSETS
 
 
 class FakeQueue:
@@ -475,3 +478,103 @@ def test_acks_of_a_call_that_did_not_reach_the_queue_are_sent_again():
     calls = [c.tolist() for c in q.calls]
     assert len(calls) >= 3 and all(c == [1, 2, 3] for c in calls)  # sent again, twice+
     assert p.unsent == 0 and p.in_flight == 0
+
+
+class WaitedChannel:
+    """A SendChannel's ``consumer_call``: answers how many, or raises ``error``."""
+
+    def __init__(self, error: BaseException | None = None, ops=("ack", "nack", "reject")):
+        self.error = error
+        self.ops = ops
+        self.calls: list[tuple] = []
+
+    def serves(self, op: str) -> bool:
+        return op in self.ops
+
+    def consumer_call(self, op, consumer_id, offsets, subscription, *more) -> int:
+        self.calls.append((op, consumer_id, offsets.tolist(), subscription, *more))
+        if self.error is not None:
+            raise self.error
+        return len(offsets)
+
+
+class WaitedQueue:
+    """A queue handle: its open SendChannel (or None) and its Ray calls' answer."""
+
+    name = "q"
+
+    def __init__(self, channel: WaitedChannel | None, ray_answer: object = 5):
+        self.channel = channel
+        self.ray_answer = ray_answer
+        self.ray_calls: list[tuple] = []
+
+    def _ack_channel(self) -> WaitedChannel | None:
+        return self.channel
+
+    def _invoke(self, op, consumer_id, offsets, subscription, *more):
+        self.ray_calls.append((op, consumer_id, offsets.tolist(), subscription, *more))
+        if isinstance(self.ray_answer, BaseException):
+            raise self.ray_answer
+        return self.ray_answer
+
+
+def waited(channel: WaitedChannel | None, ray_answer: object = 5) -> ConsumerAcks:
+    """A consumer's acks (the mixin alone) over ``channel``, Ray answering ``ray_answer``."""
+    settle = ConsumerAcks()
+    settle.queue = WaitedQueue(channel, ray_answer)  # type: ignore[assignment]
+    settle.consumer_id, settle._subscription = "c", "s"
+    settle.calls_over_wire = settle.calls_in_doubt = 0
+    return settle
+
+
+def broken(pending: bool) -> WireBroken:
+    exc = WireBroken("queue 'q': connection lost")
+    exc.answer_pending = pending
+    return exc
+
+
+def test_waited_acks_nacks_and_rejects_go_over_an_open_channel_else_through_ray():
+    offsets = np.array([3, 4], dtype=np.int64)
+    settle = waited(WaitedChannel())
+    assert settle._waited_call("nack", offsets, 1.5) == 2
+    assert settle._waited_call("reject", offsets) == 2
+    assert settle.queue.channel.calls == [
+        ("nack", "c", [3, 4], "s", 1.5),
+        ("reject", "c", [3, 4], "s"),
+    ]
+    assert settle.queue.ray_calls == [] and settle.calls_over_wire == 2
+
+    settle = waited(None)  # no channel open (yet): Ray
+    assert settle._waited_call("ack", offsets) == 5
+    assert settle.queue.ray_calls == [("ack", "c", [3, 4], "s")] and settle.calls_over_wire == 0
+
+    settle = waited(WaitedChannel(ops=("ack",)))  # an older queue actor: no nack op
+    assert settle._waited_call("nack", offsets, None) == 5
+    assert settle.queue.channel.calls == [] and len(settle.queue.ray_calls) == 1
+
+    settle = waited(WaitedChannel())  # more offsets than a frame carries: Ray
+    assert settle._waited_call("ack", np.arange(MAX_ACK_OFFSETS + 1)) == 5
+    assert settle.queue.channel.calls == [] and len(settle.queue.ray_calls) == 1
+
+
+@pytest.mark.parametrize("refusal", [broken(False), NotLeader("queue 'q' hibernates")])
+def test_a_waited_call_the_channel_did_not_carry_goes_through_ray_and_raises_its_refusal(refusal):
+    """Known broken before it was written, or refused unread (``NotLeader``): Ray carries
+    it, and the queue's refusal there is the application's to see."""
+    settle = waited(WaitedChannel(refusal), ray_answer=InvalidAck("queue 'q': never held 3"))
+    with pytest.raises(InvalidAck, match="never held 3"):
+        settle._waited_call("nack", np.array([3]), None)
+    assert settle.queue.ray_calls == [("nack", "c", [3], "s", None)]
+    assert settle.calls_in_doubt == 0
+
+
+def test_a_waited_call_lost_with_its_connection_and_refused_through_ray_counts_as_done():
+    """Written before the connection broke: the queue may have done it then, so a
+    refusal of the same call through Ray is not the application's error (answered 0,
+    counted); another answer through Ray is returned as it is."""
+    settle = waited(WaitedChannel(broken(True)), ray_answer=InvalidAck("never held 3"))
+    assert settle._waited_call("reject", np.array([3])) == 0
+    assert settle.calls_in_doubt == 1 and len(settle.queue.ray_calls) == 1
+    settle = waited(WaitedChannel(broken(True)), ray_answer=1)
+    assert settle._waited_call("ack", np.array([3])) == 1
+    assert settle.calls_in_doubt == 0

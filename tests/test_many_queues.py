@@ -248,7 +248,7 @@ def test_a_queue_written_only_over_its_send_channel_is_not_idle(broker):
 def test_async_sends_through_ray_calls_follow_a_hibernated_queue(broker):
     """``send_async``/``send_batch_async`` without a SendChannel (it could not connect)
     go through Ray calls that follow the queue to its revived actor, as ``send`` does."""
-    from raymq.client import handles as client
+    from raymq.client import send_channels as client
 
     q = broker.create_queue("asleep")
     key = (ray.get_runtime_context().get_job_id(), q._actor._actor_id.hex())

@@ -261,7 +261,7 @@ def test_sigkill_of_the_queue_actor_loses_no_acknowledged_send(broker):
 
 
 def test_single_sends_go_over_the_send_channel_and_survive_a_sigkill(broker):
-    from raymq.client import handles as client
+    from raymq.client import send_channels as client
     from raymq.wire.send import SendChannel
 
     q = broker.create_queue("crash-single")
@@ -340,6 +340,55 @@ def test_ack_of_foreign_or_unknown_offsets_is_refused(broker):
         assert c1.ack(m1, wait=True) == 1
         with pytest.raises(TypeError):
             c1.ack("0")
+
+
+def test_waited_acks_nacks_and_rejects_go_over_the_send_channel_then_ray_if_it_broke(broker):
+    """On a real queue actor: ``ack(wait=True)``, ``nack`` and ``reject`` are answered
+    on the process's SendChannel once it is open (counted), with their effects; after
+    that connection broke they go through Ray with the same effects."""
+    from raymq.client.send_channels import _channel_key, _open_channel
+
+    q = broker.create_queue("settle", redelivery_delay_s=0)
+    q.send_batch([b"a", b"b", b"c", b"d", b"e"])
+    q.send(b"f")  # opens this process's SendChannel to the queue's actor
+    channel = _open_channel(_channel_key(q))
+    assert channel is not None
+    with q.consumer(prefetch=10) as c:
+        got = {m.body: m for m in c.receive(max_messages=6, timeout=10)}
+        while len(got) < 6:
+            got.update({m.body: m for m in c.receive(max_messages=6, timeout=10)})
+        assert c.ack(got[b"a"], wait=True) == 1
+        assert c.nack(got[b"b"], delay=0) == 1
+        assert c.reject(got[b"c"]) == 1
+        with pytest.raises(raymq.errors.InvalidAck):  # refused typed, the channel goes on
+            c.ack(got[b"a"].offset + 100, wait=True)
+        with pytest.raises(raymq.errors.InvalidSetting, match="delay"):
+            c.nack(got[b"d"], delay=-1)
+        assert c.calls_over_wire == 3 and channel.broken is None
+        again = c.receive(timeout=10)
+        assert [(m.body, m.delivery_count) for m in again] == [(b"b", 2)]
+
+        channel.close()  # broken: the next call goes through Ray, a new one opens
+        deadline = time.monotonic() + 10
+        while channel.broken is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert c.nack(got[b"d"], delay=0) == 1
+        assert c.calls_over_wire == 3  # not over the broken channel
+        while _open_channel(_channel_key(q)) is None and time.monotonic() < deadline:
+            time.sleep(0.01)  # opened meanwhile, in the background
+        assert c.reject(got[b"e"]) == 1
+        assert c.ack(again, wait=True) == 1
+        assert c.calls_over_wire == 5  # over the new channel
+        assert [(m.body, m.delivery_count) for m in c.receive(timeout=10)] == [(b"d", 2)]
+    deadline = time.monotonic() + 30
+    while q.stats()["messages_dead_lettered"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    dlq = broker.get_queue("settle.DLQ")
+    with dlq.consumer() as d:
+        dead = sorted(m.body for m in d.receive(max_messages=10, timeout=10))
+        while len(dead) < 2:
+            dead += [m.body for m in d.receive(max_messages=10, timeout=10)]
+    assert sorted(dead) == [b"c", b"e"]
 
 
 def test_actor_layout(broker):

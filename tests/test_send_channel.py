@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from raymq.batch import MessageBatch
-from raymq.errors import AddressFull, InvalidAck
+from raymq.errors import AddressFull, InvalidAck, InvalidSetting
 from raymq.wire import frames
 from raymq.wire.errors import WireBroken
 from raymq.wire.send import SendChannel, SendServer
@@ -42,6 +42,7 @@ class Store:
         self.properties: list[bytes] = []  # msgpack, as stored
         self.batches: list[int] = []
         self.acked: list[tuple[str, str | None, int]] = []  # (consumer, subscription, offset)
+        self.settled: list[tuple] = []  # nacks and rejects, as received
         self.release = asyncio.Event()
         self.hold = False
         self.started = threading.Event()  # a store call began
@@ -81,6 +82,19 @@ class Store:
         await asyncio.sleep(0.001)  # durable a commit later
         return len(new)
 
+    async def nack(self, consumer_id, offsets, subscription, delay) -> int:
+        """Nacks as a queue takes them: a delay out of range refused by the queue."""
+        if delay is not None and not 0 <= delay <= 10:
+            raise InvalidSetting(f"delay={delay!r} for queue 'q' must be seconds from 0 to 10")
+        self.settled.append(("nack", consumer_id, subscription, offsets.tolist(), delay))
+        return len(offsets)
+
+    async def reject(self, consumer_id, offsets, subscription) -> int:
+        if (offsets < 0).any():
+            raise InvalidAck(f"queue 'q': consumer {consumer_id} never held {offsets.min()}")
+        self.settled.append(("reject", consumer_id, subscription, offsets.tolist()))
+        return len(offsets)
+
 
 @pytest.fixture
 def served():
@@ -102,7 +116,15 @@ def _serve(gather: bool):
 
     def run():
         asyncio.set_event_loop(loop)
-        server = SendServer(store.send_batch, "q", MAX_MESSAGE, gather=gather, ack=store.ack)
+        server = SendServer(
+            store.send_batch,
+            "q",
+            MAX_MESSAGE,
+            gather=gather,
+            ack=store.ack,
+            nack=store.nack,
+            reject=store.reject,
+        )
         out["server"] = server
         out["endpoint"] = loop.run_until_complete(server.start("127.0.0.1"))
         ready.set()
@@ -188,6 +210,30 @@ def test_acks_are_answered_with_how_many_were_new_and_refusals_come_back_typed(s
     assert sorted(store.acked) == sorted(
         [("c1", None, o) for o in (1, 2, 3, 4)] + [("c2", "sub", 1)]
     )
+    channel.close()
+
+
+def test_a_consumers_waited_ack_nack_and_reject_are_answered_on_the_channel(served):
+    """``consumer_call`` waits for each answer; the queue's refusals come back typed and
+    the connection goes on; offsets, subscription and delay arrive as sent."""
+    store, _, (host, port, secret), _ = served
+    channel = SendChannel(host, port, secret, "q")
+    assert channel.consumer_call("ack", "c1", np.array([7, 8]), None) == 2
+    assert channel.consumer_call("ack", "c1", np.array([8]), None) == 0  # again: none new
+    assert channel.consumer_call("nack", "c1", np.array([3, 1]), "sub", 2.5) == 2
+    assert channel.consumer_call("nack", "c1", np.array([4]), None, None) == 1
+    with pytest.raises(InvalidSetting, match="delay=99"):
+        channel.consumer_call("nack", "c1", np.array([5]), None, 99)
+    assert channel.consumer_call("reject", "c2", np.array([6]), "sub") == 1
+    with pytest.raises(InvalidAck, match="never held -2"):
+        channel.consumer_call("reject", "c2", np.array([-2, 6]), None)
+    assert store.settled == [
+        ("nack", "c1", "sub", [3, 1], 2.5),
+        ("nack", "c1", None, [4], None),
+        ("reject", "c2", "sub", [6]),
+    ]
+    assert sorted(store.acked) == [("c1", None, 7), ("c1", None, 8)]
+    assert channel.broken is None
     channel.close()
 
 

@@ -114,8 +114,22 @@ class SendBackend(Backend):
         self.bodies.extend(batch.body(i) for i in range(len(batch)))
         return first, len(batch)
 
+    async def ack(self, consumer_id, offsets, subscription) -> int:
+        self.calls.append(("ack", consumer_id, offsets.tolist(), subscription))
+        return len(offsets)
+
+    async def nack(self, consumer_id, offsets, subscription, delay) -> int:
+        self.calls.append(("nack", consumer_id, offsets.tolist(), subscription, delay))
+        return len(offsets)
+
+    async def reject(self, consumer_id, offsets, subscription) -> int:
+        self.calls.append(("reject", consumer_id, offsets.tolist(), subscription))
+        return len(offsets)
+
     def server(self) -> SendServer:
-        return SendServer(self.send_batch, "q", MAX_MESSAGE)
+        return SendServer(
+            self.send_batch, "q", MAX_MESSAGE, ack=self.ack, nack=self.nack, reject=self.reject
+        )
 
 
 class FetchBackend(Backend):
@@ -195,6 +209,8 @@ def _nil(answer: Any) -> bool:
     return answer.value is None
 
 
+#: Three offsets as an ack (nack, reject) carries them: little-endian int64.
+OFFSETS = np.array([4, 5, 9], dtype="<i8").tobytes()
 BATCH = MessageBatch.from_bodies([b"a", b"b"], max_message_size=MAX_MESSAGE)
 FOUR = [b"\0" * 8] * 4  # four raw buffers that are not a batch
 
@@ -220,6 +236,10 @@ SPECS = {
             ("send", [b"m", b"", None], [], lambda a: type(a.value) is int),
             ("send", [b"m", msgpack.packb({"k": 1}), 2.5], [], lambda a: type(a.value) is int),
             ("send_batch", [None], BATCH.wire_buffers(), lambda a: a.value[1] == 2),
+            ("ack", ["c", None], [OFFSETS], lambda a: a.value == 3),
+            ("nack", ["c", "s", 0.5], [OFFSETS], lambda a: a.value == 3),
+            ("nack", ["c", None, None], [OFFSETS[:8]], lambda a: a.value == 1),
+            ("reject", ["c", None], [OFFSETS], lambda a: a.value == 3),
         ],
         [
             ("send", [b"m"], [], ValueError),
@@ -234,6 +254,14 @@ SPECS = {
             ("send_batch", ["x"], BATCH.wire_buffers(), TypeError),
             ("send_batch", [float("nan")], BATCH.wire_buffers(), TypeError),
             ("send_batch", [None], FOUR, ValueError),  # offsets that do not fit the data
+            ("ack", ["c", None], [OFFSETS[:7]], ValueError),  # not whole int64s
+            ("nack", ["c", None], [OFFSETS], ValueError),  # no delay
+            ("nack", ["c", None, "soon"], [OFFSETS], TypeError),
+            ("nack", ["c", None, True], [OFFSETS], TypeError),
+            ("nack", [b"c", None, 1.0], [OFFSETS], TypeError),
+            ("nack", ["c", None, 1.0], [], ValueError),
+            ("reject", ["c"], [OFFSETS], ValueError),
+            ("reject", ["c", 7], [OFFSETS], TypeError),
         ],
         ("send", [b"held", b"", None], []),
     ),

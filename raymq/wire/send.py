@@ -22,6 +22,12 @@ Ops:
   durable. Acks are data as sends are: a Ray call each cost the consumer's process
   0.2-0.3 ms of CPU and the queue's actor its deserialisation (measured at 1k msg/s,
   one ack a message), where a frame on the connection the process has costs little.
+  ``Consumer.ack(wait=True)`` uses it too, waiting for the answer.
+- ``nack [consumer_id, subscription, delay]`` and ``reject [consumer_id, subscription]``
+  with the offsets as ``ack``'s: a consumer gives messages back (delivered again after
+  ``delay`` seconds, nil: the queue's ``redelivery_delay_s``) or dead-letters them,
+  answered with how many (a nack's delay durable when answered). Through Ray each was a
+  2.8 ms round trip here (``bench/consumer_calls.py``).
 
 A server that stopped serving (its queue hibernates or stops) answers ``NotLeader``
 (the client sends through Ray, which finds the queue's next actor) and closes once the
@@ -67,8 +73,14 @@ SendIds = Callable[[MessageBatch, list, "float | None"], Awaitable[list]]
 #: ``ack(consumer_id, offsets, subscription)``: acknowledge, how many newly acked once
 #: durable (``QueueActor.ack``).
 Ack = Callable[[str, np.ndarray, "str | None"], Awaitable[int]]
-#: Offsets one ``ack`` carries at most: 64 KiB of them, within ``FRAME_OVERHEAD``, so
-#: under any ``max_message_size`` (more go by a Ray call).
+#: ``nack(consumer_id, offsets, subscription, delay)``: give back for redelivery after
+#: ``delay`` seconds (None: the queue's), how many (``QueueActor.nack``).
+Nack = Callable[[str, np.ndarray, "str | None", "float | None"], Awaitable[int]]
+#: ``reject(consumer_id, offsets, subscription)``: dead-letter, how many
+#: (``QueueActor.reject``).
+Reject = Callable[[str, np.ndarray, "str | None"], Awaitable[int]]
+#: Offsets one ``ack`` (``nack``, ``reject``) carries at most: 64 KiB of them, within
+#: ``FRAME_OVERHEAD``, so under any ``max_message_size`` (more go by a Ray call).
 MAX_ACK_OFFSETS = FRAME_OVERHEAD // 8
 
 
@@ -93,10 +105,14 @@ class SendServer(ProtocolServer):
         gather: bool = True,
         send_ids: SendIds | None = None,
         ack: Ack | None = None,
+        nack: Nack | None = None,
+        reject: Reject | None = None,
     ):
         self._send_batch = send_batch
         self._send_ids = send_ids
         self._ack = ack
+        self._nack = nack
+        self._reject = reject
         self._gathers = gather
         self._queue = queue
         self._max_message_size = max_message_size
@@ -110,6 +126,10 @@ class SendServer(ProtocolServer):
         }
         if ack is not None:
             ops["ack"] = Op(self._acks, _check_ack, max_buffers=1)
+        if nack is not None:
+            ops["nack"] = Op(self._nacks, _check_nack, max_buffers=1)
+        if reject is not None:
+            ops["reject"] = Op(self._rejects, _check_reject, max_buffers=1)
         protocol = Protocol(
             PROTOCOL,
             ops,
@@ -168,10 +188,18 @@ class SendServer(ProtocolServer):
 
     def _acks(self, request: Request) -> Awaitable[int]:
         consumer_id, subscription = request.args
-        # A copy: the frame's buffer is the connection's, reused for the next frames.
-        offsets = np.frombuffer(request.buffers[0], dtype="<i8").astype(np.int64)
         assert self._ack is not None  # (the op exists only with it)
-        return self._ack(consumer_id, offsets, subscription)
+        return self._ack(consumer_id, _offsets(request), subscription)
+
+    def _nacks(self, request: Request) -> Awaitable[int]:
+        consumer_id, subscription, delay = request.args
+        assert self._nack is not None
+        return self._nack(consumer_id, _offsets(request), subscription, delay)
+
+    def _rejects(self, request: Request) -> Awaitable[int]:
+        consumer_id, subscription = request.args
+        assert self._reject is not None
+        return self._reject(consumer_id, _offsets(request), subscription)
 
     def _flush(self) -> None:
         gathered, self._gathered = self._gathered, []
@@ -232,17 +260,46 @@ def _check_batch(args: list, buffers: list) -> None:
     _check_timeout(args[0])
 
 
+def _offsets(request: Request) -> np.ndarray:
+    """An ``ack``'s (``nack``'s, ``reject``'s) offsets; a copy: the frame's buffer is
+    the connection's, reused for the next frames."""
+    return np.frombuffer(request.buffers[0], dtype="<i8").astype(np.int64)
+
+
 def _check_ack(args: list, buffers: list) -> None:
+    """``ack``: ``[consumer_id, subscription]`` and the offsets."""
     if len(args) != 2 or len(buffers) != 1:
         raise ValueError("ack takes [consumer_id, subscription] and one raw buffer")
-    consumer_id, subscription = args
+    _check_consumer_offsets("ack", args, buffers)
+
+
+def _check_reject(args: list, buffers: list) -> None:
+    """``reject``: as ``ack``."""
+    if len(args) != 2 or len(buffers) != 1:
+        raise ValueError("reject takes [consumer_id, subscription] and one raw buffer")
+    _check_consumer_offsets("reject", args, buffers)
+
+
+def _check_nack(args: list, buffers: list) -> None:
+    """``nack``: ``[consumer_id, subscription, delay]`` and the offsets; the delay's
+    range is the queue's to judge (``InvalidSetting`` naming it)."""
+    if len(args) != 3 or len(buffers) != 1:
+        raise ValueError("nack takes [consumer_id, subscription, delay] and one raw buffer")
+    delay = args[2]
+    if delay is not None and (isinstance(delay, bool) or not isinstance(delay, int | float)):
+        raise TypeError(f"nack: delay {delay!r:.40} is not a number of seconds or nil")
+    _check_consumer_offsets("nack", args, buffers)
+
+
+def _check_consumer_offsets(op: str, args: list, buffers: list) -> None:
+    consumer_id, subscription = args[:2]
     if not isinstance(consumer_id, str) or not (
         subscription is None or isinstance(subscription, str)
     ):
-        raise TypeError("ack: consumer_id as a string, subscription as a string or nil")
+        raise TypeError(f"{op}: consumer_id as a string, subscription as a string or nil")
     size = memoryview(buffers[0]).nbytes
     if size % 8 or size > MAX_ACK_OFFSETS * 8:
-        raise ValueError(f"ack: {size} bytes of offsets (int64 each, {MAX_ACK_OFFSETS} at most)")
+        raise ValueError(f"{op}: {size} bytes of offsets (int64 each, {MAX_ACK_OFFSETS} at most)")
 
 
 def _check_timeout(value: object) -> None:
@@ -307,6 +364,27 @@ class SendChannel:
         unknown). ``WireBroken`` at once if the connection is known broken."""
         data = np.ascontiguousarray(offsets, dtype="<i8")
         self._client.submit("ack", [consumer_id, subscription], (data,), _replier(reply))
+
+    def serves(self, op: str) -> bool:
+        """Whether the server has ``op`` (its hello's ``ops``: an older queue actor may
+        lack a newer op, which then goes through Ray)."""
+        return op in self._client.caps.get("ops", ())
+
+    def consumer_call(
+        self,
+        op: str,
+        consumer_id: str,
+        offsets: np.ndarray,
+        subscription: str | None,
+        *more: Any,
+    ) -> int:
+        """A consumer's ``ack`` (waiting), ``nack`` (``more``: the delay, seconds or
+        None) or ``reject`` of ``offsets`` (at most ``MAX_ACK_OFFSETS``), answered with
+        how many once durable. Raises the queue's typed error (``InvalidAck``,
+        ``InvalidSetting``), or ``WireBroken`` (``answer_pending``: the outcome is
+        unknown)."""
+        data = np.ascontiguousarray(offsets, dtype="<i8")
+        return self._client.call(op, [consumer_id, subscription, *more], (data,)).value
 
     async def send_async(self, body: bytes, properties: bytes, timeout: float | None) -> int | None:
         """``send`` for asyncio code: awaits without blocking the loop."""
