@@ -48,6 +48,8 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=1000, help="calls per op, path and round")
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
+    if args.calls < 1 or args.rounds < 1:
+        parser.error("--calls and --rounds must be at least 1")
     broker = start_broker("raymq-bench-consumer-calls")
     try:
         q = broker.create_queue("bench-calls", durable=True, redelivery_delay_s=0)
