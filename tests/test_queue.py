@@ -365,6 +365,7 @@ def test_waited_acks_nacks_and_rejects_go_over_the_send_channel_then_ray_if_it_b
         with pytest.raises(raymq.errors.InvalidSetting, match="delay"):
             c.nack(got[b"d"], delay=-1)
         assert c.calls_over_wire == 3 and channel.broken is None
+        assert c.stats()["calls_over_wire"] == 3 and c.stats()["calls_in_doubt"] == 0
         again = c.receive(timeout=10)
         assert [(m.body, m.delivery_count) for m in again] == [(b"b", 2)]
 

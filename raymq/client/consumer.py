@@ -65,6 +65,14 @@ PROPERTIES_COLUMN = DELIVERY_SCHEMA.get_field_index("properties")
 #: (seconds); past it the TargetList is killed, and the queue, watching it, delivers
 #: again what it held.
 CLOSE_TIMEOUT_SECONDS = 60.0
+#: The consumer's own counters ``stats()`` adds to its TargetList's.
+CLIENT_ACK_COUNTERS = (
+    "acks_lost",
+    "acks_resent",
+    "acks_over_wire",
+    "calls_over_wire",
+    "calls_in_doubt",
+)
 
 
 class Consumer(AsyncReceives, ConsumerAcks):
@@ -521,10 +529,14 @@ class Consumer(AsyncReceives, ConsumerAcks):
         bytes, PendingCache bytes, hits and misses, and what the consumer holds; and
         ``client_buffered``: messages this client took from the TargetList (counted in
         its ``handed_out``) that no receive has returned yet (a receive over the
-        DeliveryChannel takes up to ``CHANNEL_TAKE_MESSAGES`` at once)."""
+        DeliveryChannel takes up to ``CHANNEL_TAKE_MESSAGES`` at once); and this
+        client's ack counters (``acks_lost``, ``acks_resent``, ``acks_over_wire``,
+        ``calls_over_wire``, ``calls_in_doubt``: ``ConsumerAcks``)."""
         s = _call(self.target_list.stats, retry=False, about=self._about)
         buffer = self._buffer
         s["client_buffered"] = 0 if buffer is None else buffer.num_rows
+        for name in CLIENT_ACK_COUNTERS:
+            s[name] = getattr(self, name)
         return s
 
     def close(self) -> None:
