@@ -377,6 +377,16 @@ def offsets_of(batch: pa.RecordBatch) -> np.ndarray:
     return numpy_view(batch.column(0), np.int64)
 
 
+def stored_in(batches: Sequence[MessageBatch], offsets: np.ndarray) -> np.ndarray:
+    """Which of sorted ``offsets`` lie in one of ``batches`` (stored batches, with their
+    offsets): those a read did not skip as damaged."""
+    found = np.zeros(len(offsets), dtype=np.bool_)
+    for b in batches:
+        lo, hi = np.searchsorted(offsets, [b.first_offset, b.end_offset])
+        found[lo:hi] = True
+    return found
+
+
 @functools.cache
 def warm_arrow_conversions() -> None:
     """Make pyarrow load what its NumPy conversions need (it imports pandas on the first

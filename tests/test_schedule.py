@@ -17,6 +17,7 @@ from raymq.core.expiry import EXPIRATION_PROPERTY
 from raymq.core.queue import QueueCore
 from raymq.core.schedule import SCHEDULED_PROPERTY, ScheduleIndex, delivery_time
 from raymq.errors import InvalidSetting
+from tests.storage_helpers import flip
 from tests.test_expiry import T0, Clock
 
 ms = 1000  # milliseconds in a second
@@ -174,3 +175,42 @@ def test_a_message_that_expires_before_its_time_is_never_delivered(tmp_path, clo
     early, late, stats = asyncio.run(scenario())
     assert (early, late) == (0, 0)
     assert stats.messages_expired == 1 and stats.depth == 0 and stats.scheduled == 0
+
+
+def test_a_record_found_damaged_while_its_delivery_time_is_read_is_not_delivered(tmp_path, clock):
+    """Simulator seed 2500544: a fetch took a redelivered message (below the
+    HeadQueueCache) and a record the cache held; the properties read for their delivery
+    times went to disk for the whole range and found the record damaged. The record was
+    quarantined, but its messages, with no delivery time read, were then served from
+    the cache's intact copy: one before its time. They are out of delivery for good."""
+
+    async def scenario():
+        core = _core(tmp_path)
+        try:
+            await core.send_batch(_batch([b"stale"], ttl_at=T0 + 5))
+            later = {SCHEDULED_PROPERTY: int((T0 + 60) * ms)}
+            await core.send_batch(
+                MessageBatch.from_bodies(
+                    [b"a", b"later", b"b"], [None, later, None], max_message_size=2**20
+                )
+            )
+            core.register_consumer("first", 1)
+            taken = await core.fetch("first", 1, 0.0, 1)
+            core.housekeeping()  # the HeadQueueCache holds what is undelivered: 1..3
+            cached = core.head_cache.get(1, 4) is not None
+            core.close_consumer("first")  # "stale" is given back, below the cache
+            seg = core.log.segments.holding(1)
+            flip(seg.path, int(seg.positions[seg.record_index(1)]))  # the record's header
+            clock.now += 6  # "stale" expires
+            core.register_consumer("second", 10)
+            rows = await core.fetch("second", 10, 0.0, 10)
+            clock.now += 60
+            after = await core.fetch("second", 10, 0.0, 10)
+            return _bodies(taken), cached, _bodies(rows), _bodies(after), core.stats()
+        finally:
+            await core.close()
+
+    taken, cached, rows, after, stats = asyncio.run(scenario())
+    assert taken == [b"stale"] and cached  # the scenario
+    assert rows == [] and after == []
+    assert stats.damaged_messages == 3 and stats.in_flight == 0

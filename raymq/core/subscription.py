@@ -26,7 +26,14 @@ from typing import Protocol
 import numpy as np
 import pyarrow as pa
 
-from raymq.batch import EMPTY_DELIVERY, MessageBatch, PropertyGroups, fixed_array, offsets_of
+from raymq.batch import (
+    EMPTY_DELIVERY,
+    MessageBatch,
+    PropertyGroups,
+    fixed_array,
+    offsets_of,
+    stored_in,
+)
 from raymq.config import QueueConfig
 from raymq.core.dead_letter import (
     MOVE_BATCH_MESSAGES,
@@ -605,6 +612,13 @@ class Subscription(DeadLetterMover):
         due yet are set aside until their time."""
         now = now_ms(self.host.now())
         batches = self._stored_properties(offsets)
+        found = stored_in(batches, offsets)
+        if not found.all():
+            # A record found damaged just now (quarantined): its messages are out of
+            # delivery for good, even where the HeadQueueCache still holds a copy; its
+            # delivery time and expiry were not read, so it must not go out.
+            offsets, counts = offsets[found], counts[found]
+            self.host.forget_damaged()
         expired = expired_offsets(batches, offsets, now)
         if expired.any():
             self.area.dead_letter(consumer_id, offsets[expired], REASON_EXPIRED)
