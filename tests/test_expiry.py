@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+import msgpack
 import pyarrow as pa
 import pytest
 
@@ -27,8 +28,10 @@ from raymq.core.expiry import (
     with_expiration,
 )
 from raymq.core.queue import QueueCore
+from raymq.core.schedule import SCHEDULED_PROPERTY
 from raymq.errors import InvalidQueueName, InvalidSetting
 from raymq.properties import decode_properties, encode_properties
+from tests.storage_helpers import flip
 
 T0 = 1_800_000_000.0
 
@@ -371,3 +374,57 @@ def test_on_an_address_a_message_expires_for_every_subscription(tmp_path, clock)
     got, expired, depth = asyncio.run(scenario())
     assert got == {"a": [b"new"], "b": [b"new"]}
     assert expired == {"a": 1, "b": 1} and depth == 0
+
+
+def _rot_a_time(path: str, value: int, bit: int) -> None:
+    """Flip ``bit`` of the msgpack uint64 ``value`` stored in the file at ``path``."""
+    packed = msgpack.packb(value)
+    assert packed[0] == 0xCF  # a uint64: 8 big-endian bytes follow
+    with open(path, "rb") as f:
+        at = f.read().index(packed)
+    flip(path, at + 1 + 7 - bit // 8, 1 << (bit % 8))
+
+
+#: (property, its value, the bit flipped): an expiry far off rotted into the past, and
+#: a delivery time past rotted into the far future.
+ROTTED_TIMES = [
+    (EXPIRATION_PROPERTY, int((T0 + 3600) * 1000), int(T0 * 1000).bit_length() - 1),
+    (SCHEDULED_PROPERTY, int((T0 - 1) * 1000), int(T0 * 1000).bit_length()),
+]
+
+
+@pytest.mark.parametrize("path", ["fetch", "pass"])
+@pytest.mark.parametrize(("prop", "value", "bit"), ROTTED_TIMES)
+def test_rot_in_a_time_read_without_its_checksum_holds_nothing_back(
+    tmp_path, clock, path, prop, value, bit
+):
+    """A message's expiry or delivery time read from disk for a take or the background
+    pass is not checksummed (only its properties are read). A flipped bit in a delivery
+    time made a message wait for a time centuries off (set aside, never counted): the
+    record is read checked before a message is set aside now. An expiry was confirmed
+    already: the mover reads what it drops, checked. Either way the record fails, and
+    is counted as damaged, not as expired or scheduled."""
+
+    async def scenario():
+        core = _core(tmp_path)
+        core.start()
+        try:
+            await core.send_batch(_batch([b"rotten"], props={prop: value}))
+            await core.send_batch(_batch([b"fine"]))
+            core.set_budget(0)  # no copy in memory: its properties come from the file
+            cached = core.head_cache.get(0, 1) is not None
+            _rot_a_time(core.log.segment_of(0).path, value, bit)
+            core.register_consumer("c", 10)
+            if path == "pass":
+                await core.expiry_pass()
+            got = await core.fetch("c", 10, 0.0, 10)
+            await core.dead_letters_settled()  # an expired one dropped by the mover
+            return cached, _bodies(got), core.stats()
+        finally:
+            await core.close()
+
+    cached, got, stats = asyncio.run(scenario())
+    assert not cached  # the scenario
+    assert got == [b"fine"]
+    assert stats.damaged_messages == 1
+    assert stats.messages_expired == 0 and stats.scheduled == 0

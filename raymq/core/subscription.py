@@ -611,36 +611,49 @@ class Subscription(DeadLetterMover):
         counts): the expired ones go to the expiry queue (or are dropped), those not
         due yet are set aside until their time."""
         now = now_ms(self.host.now())
-        batches = self._stored_properties(offsets)
-        found = stored_in(batches, offsets)
-        if not found.all():
-            # A record found damaged just now (quarantined): its messages are out of
-            # delivery for good, even where the HeadQueueCache still holds a copy; its
-            # delivery time and expiry were not read, so it must not go out.
-            offsets, counts = offsets[found], counts[found]
-            self.host.forget_damaged()
+        batches, unchecked = self._stored_properties(offsets)
         expired = expired_offsets(batches, offsets, now)
+        dues = due_times(batches, offsets)
+        later = np.zeros(len(offsets), dtype=np.bool_) if dues is None else (dues > now) & ~expired
+        # Out of delivery for good: a record a read found damaged just now (even where
+        # the HeadQueueCache holds a copy: its times were not read), and one whose
+        # properties, read without their checksum, would set a message aside: rot must
+        # not pass for a delivery time. (An expiry is confirmed by the mover's checked
+        # read, ``_move_dead_letter_batch``.)
+        gone = ~stored_in(batches, offsets)
+        doubtful = later & unchecked & ~gone
+        if doubtful.any():
+            gone[doubtful] = ~self.log.confirm(offsets[doubtful])
+        if gone.any():
+            expired &= ~gone
+            later &= ~gone
+            self.host.forget_damaged()
         if expired.any():
             self.area.dead_letter(consumer_id, offsets[expired], REASON_EXPIRED)
             self._signal_dead_letters()
-        dues = due_times(batches, offsets)
-        later = np.zeros(len(offsets), dtype=np.bool_) if dues is None else (dues > now) & ~expired
         if later.any():
             self.area.set_aside(consumer_id, offsets[later], dues[later])
             self._schedule_kick.set()
-        keep = ~(expired | later)
+        keep = ~(expired | later | gone)
         return offsets[keep], counts[keep]
 
-    def _stored_properties(self, offsets: np.ndarray) -> list[MessageBatch]:
+    def _stored_properties(self, offsets: np.ndarray) -> tuple[list[MessageBatch], np.ndarray]:
         """The stored batches holding sorted ``offsets``, properties at least: from the
-        HeadQueueCache where it has them, else the log's properties."""
+        HeadQueueCache where it has them, else the log's properties; and which offsets'
+        came from the log (read without the payload's checksum)."""
         groups = np.split(offsets, np.flatnonzero(np.diff(offsets) > MATERIALIZE_GAP) + 1)
         batches: list[MessageBatch] = []
+        unchecked = np.zeros(len(offsets), dtype=np.bool_)
+        at = 0
         for group in groups:
             start, end = int(group[0]), int(group[-1]) + 1
             cached = self.host.head_cache.get(start, end) if self.host.config.durable else None
-            batches.extend(cached if cached is not None else self.log.properties(start, end))
-        return batches
+            if cached is None:
+                cached = self.log.properties(start, end)
+                unchecked[at : at + len(group)] = True
+            batches.extend(cached)
+            at += len(group)
+        return batches, unchecked
 
     def release_scheduled(self) -> int:
         """Make the messages whose delivery time came deliverable; returns how many."""
@@ -700,8 +713,13 @@ class Subscription(DeadLetterMover):
             now = now_ms(self.host.now())
             expired_mask = expired_offsets(batches, got, now)
             dues = due_times(batches, got)
-            later = None if dues is None else (dues > now) & ~expired_mask
-            if later is not None and self.area.set_aside_unheld(got[later], dues[later]):
+            later = np.zeros(len(got), np.bool_) if dues is None else (dues > now) & ~expired_mask
+            if later.any():  # read without the checksum: rot must not set one aside
+                rotten = np.flatnonzero(later)[~self.log.confirm(got[later])]
+                if len(rotten):
+                    expired_mask[rotten] = later[rotten] = False
+                    self.host.forget_damaged()
+            if later.any() and self.area.set_aside_unheld(got[later], dues[later]):
                 self._schedule_kick.set()
             expired = got[expired_mask]
             taken = self.area.hold_expired(expired)

@@ -270,6 +270,11 @@ class SegmentLog:
         """Like ``read`` but with empty bodies: timestamps and properties only."""
         return self._reader.properties(start, end)
 
+    def confirm(self, offsets: np.ndarray) -> np.ndarray:
+        """Which of sorted ``offsets`` pass their records' checks (see
+        ``Reader.confirm``): before acting on properties read unchecked."""
+        return self._reader.confirm(offsets)
+
     def segment_of(self, offset: int) -> Segment | None:
         """The live segment holding ``offset``, if any."""
         return self.segments.holding(offset)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
+
 from raymq.batch import MessageBatch
 from raymq.storage.damage import Quarantine
 from raymq.storage.files import storage_error
@@ -41,6 +43,40 @@ class Reader:
         For a durable queue the bodies are not read from disk (unless cached already).
         """
         return self._collect(start, end, self._record_properties)
+
+    def confirm(self, offsets: np.ndarray) -> np.ndarray:
+        """Which of sorted ``offsets`` are in records that pass every check, for a
+        decision taken on their properties alone (read without the payload CRC): each
+        record on disk not in the read cache is read whole once and checked; one that
+        fails is quarantined. Offsets in no live record are not confirmed."""
+        ok = np.zeros(len(offsets), dtype=np.bool_)
+        i = 0
+        while i < len(offsets):
+            offset = int(offsets[i])
+            seg = self.segments.holding(offset)
+            if seg is None:
+                i += 1
+                continue
+            k = seg.record_index(offset)
+            end = seg.record_offsets(k)[1]
+            j = i + int(np.searchsorted(offsets[i:], end))
+            ok[i:j] = self._record_passes(seg, k)
+            i = j
+        return ok
+
+    def _record_passes(self, seg: Segment, k: int) -> bool:
+        if seg.is_damaged(k):
+            return False
+        if seg.fd is None or self.cache.peek((seg.base_offset, k)) is not None:
+            return True  # in memory: written or read checked
+        try:
+            seg.verify_record(k)
+        except CorruptRecord as exc:
+            self.quarantine.take_out(seg, k, str(exc))
+            return False
+        except OSError as exc:
+            raise storage_error(self.queue, "reading", seg.path, exc) from exc
+        return True
 
     def _collect(
         self, start: int, end: int, reader: Callable[[Segment, int], MessageBatch | None]

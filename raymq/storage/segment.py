@@ -360,7 +360,8 @@ class Segment:
         Two preads skip the bodies. The header is checked (its CRC, salt and position),
         and the offset arrays for consistency, but the payload CRC covers the whole
         payload, so these bytes are not checksummed: they only decide matching;
-        delivery reads and checks the whole record.
+        delivery reads and checks the whole record, and so does a decision to hold a
+        message back (a delivery time: ``Reader.confirm``; an expiry: the mover).
         """
         if self.fd is None:
             return self.batches[k]

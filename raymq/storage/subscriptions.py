@@ -377,6 +377,10 @@ class SubscriptionLog:
         """Timestamps and properties of offsets [start, end)."""
         return self._log.properties(start, end)
 
+    def confirm(self, offsets: np.ndarray) -> np.ndarray:
+        """Which of sorted ``offsets`` pass their records' checks, as the log checks."""
+        return self._log.confirm(offsets)
+
     def is_acked(self, offsets: np.ndarray) -> np.ndarray:
         """Ack flag per offset for this subscription. The log's flags too: what it
         acknowledged but the subscription does not know yet (a record a read found
