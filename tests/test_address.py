@@ -28,6 +28,7 @@ from raymq.errors import (
 from raymq.properties import decode_properties
 from raymq.storage.format import SEGMENT_SUFFIX
 from raymq.storage.subscriptions import MANIFEST_NAME
+from tests.storage_helpers import flip
 
 PAGE = 16 * 1024  # small segments: deletion of middle ones shows
 
@@ -636,3 +637,30 @@ def test_routing_in_an_ack_record_lost_to_rot_is_done_again(tmp_path):
         await core.close()
 
     run(main())
+
+
+def test_rot_that_makes_a_new_subscriptions_filter_reject_a_message_is_counted(tmp_path):
+    """An "earliest" subscription's filter reads the stored properties without their
+    record's CRC; a flipped bit made it reject a message it should get, which was
+    acknowledged as routed away (a loss nobody counted). What it rejects is read
+    checked first: the damaged record is quarantined and counted."""
+
+    async def main():
+        core = open_address(tmp_path)
+        await core.create_subscription("all")
+        await send(core, 5, "blue")
+        await send(core, 1, "red", start=5)  # alone in its record
+        red = await send(core, 5, "red", start=6)
+        path = core.log.segment_of(5).path
+        with open(path, "rb") as f:
+            at = f.read().index(b"\xa3red")  # the first red's color, as msgpack packs it
+        flip(path, at + 3)  # "red" -> "rec": the filter rejects it
+        await core.create_subscription("red", filter="color = 'red'", start="earliest")
+        got = await drain(core, "red")
+        stats = core.stats()
+        await core.close()
+        return red, got, stats
+
+    red, got, stats = run(main())
+    assert got == red
+    assert stats.damaged_messages == 1

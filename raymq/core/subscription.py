@@ -214,11 +214,9 @@ class Subscription(DeadLetterMover):
         """Of sorted ``offsets`` whose properties were read without their record's CRC,
         those a checked read finds intact: a damaged record is quarantined and counted
         as damage, not taken for a routing decision on rotten properties."""
-        runs = np.split(offsets, np.flatnonzero(np.diff(offsets) != 1) + 1)
-        for run in runs:
-            self.log.read(int(run[0]), int(run[-1]) + 1, cache=False)
+        intact = self.log.confirm(offsets)
         self.host.forget_damaged()
-        return offsets[~self.log.is_acked(offsets)]
+        return offsets[intact]
 
     def forget(self, damaged: np.ndarray) -> None:
         """Take offsets lost to damage out of delivery (nobody holds or waits for them)."""
