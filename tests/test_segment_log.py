@@ -434,3 +434,21 @@ def test_a_new_segment_torn_at_creation_is_removed(tmp_path):
         assert report.lost_messages == 0 and read_all(log) == {0: b"kept"}
         assert commit(log, [b"next"]) == [1]  # the name is free again
         log.close()
+
+
+def test_confirm_reads_a_record_checked_and_quarantines_it_if_it_fails(tmp_path):
+    """``SegmentLog.confirm``: before a decision taken on properties read without the
+    payload CRC, each record holding the offsets is read whole and checked."""
+    log, _ = open_log(tmp_path)
+    for i in range(3):
+        commit(log, [f"c{i}-{j}".encode() for j in range(4)])
+    seg = log.segments[0]
+    flip(seg.path, seg.positions[1] + RECORD_HEADER.size + 20)  # record 1's payload
+    assert log.confirm(np.array([0, 3, 5, 6, 9, 12, 40])).tolist() == [
+        True, True, False, False, True, False, False,
+    ]  # fmt: skip
+    assert log.damaged_messages == 4  # record 1, quarantined and counted once
+    assert log.confirm(np.array([4, 8])).tolist() == [False, True]
+    assert log.damaged_messages == 4
+    assert sorted(read_all(log)) == [0, 1, 2, 3, 8, 9, 10, 11]
+    log.close()

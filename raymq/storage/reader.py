@@ -54,10 +54,10 @@ class Reader:
         while i < len(offsets):
             offset = int(offsets[i])
             seg = self.segments.holding(offset)
-            if seg is None:
+            k = -1 if seg is None else seg.record_index(offset)
+            if k < 0:
                 i += 1
                 continue
-            k = seg.record_index(offset)
             end = seg.record_offsets(k)[1]
             j = i + int(np.searchsorted(offsets[i:], end))
             ok[i:j] = self._record_passes(seg, k)
