@@ -428,3 +428,40 @@ def test_rot_in_a_time_read_without_its_checksum_holds_nothing_back(
     assert got == [b"fine"]
     assert stats.damaged_messages == 1
     assert stats.messages_expired == 0 and stats.scheduled == 0
+
+
+def test_a_pass_that_finds_rot_takes_the_expired_beside_it_out_as_damage(tmp_path, clock):
+    """Found in review: a pass confirmed a message it would set aside; its record
+    failed and was quarantined, but the expired message beside it in the same record
+    went on to the mover as a dead letter, which could not read it: with an expiry
+    queue it failed for ever (every later dead letter waiting behind it), without one
+    it was counted as expired as well as damaged."""
+    moved: list[str] = []
+
+    async def sink(name: str, batch: MessageBatch) -> None:
+        moved.append(name)
+
+    async def scenario():
+        core = _core(tmp_path, sink, expiry_queue="orders.expired")
+        core.start()
+        try:
+            soon, future = int((T0 + 1) * 1000), int((T0 + 3600) * 1000)
+            props = [{EXPIRATION_PROPERTY: soon}, {SCHEDULED_PROPERTY: future}]
+            await core.send_batch(_batch([b"expired-body", b"later-body"], props=props))
+            await core.send_batch(_batch([b"stale"], ttl=1.0))  # a dead letter after them
+            core.set_budget(0)  # no copy in memory: its properties come from the file
+            path = core.log.segment_of(0).path
+            with open(path, "rb") as f:
+                at = f.read().index(b"expired-body")
+            flip(path, at)  # a body byte: the properties still read well
+            clock.now += 2
+            await core.expiry_pass()
+            await asyncio.wait_for(core.dead_letters_settled(), 10)
+            return core.stats()
+        finally:
+            await core.close()
+
+    stats = asyncio.run(scenario())
+    assert stats.damaged_messages == 2
+    assert stats.messages_expired == 1 and moved == ["orders.expired"]  # "stale" only
+    assert stats.depth == 0 and stats.scheduled == 0 and stats.dead_letters_pending == 0

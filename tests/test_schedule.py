@@ -214,3 +214,16 @@ def test_a_record_found_damaged_while_its_delivery_time_is_read_is_not_delivered
     assert taken == [b"stale"] and cached  # the scenario
     assert rows == [] and after == []
     assert stats.damaged_messages == 3 and stats.in_flight == 0
+
+
+def test_the_index_lets_offsets_lost_to_damage_go():
+    index = ScheduleIndex()
+    index.add(np.arange(10, 20), np.full(10, 500))
+    index.add(np.array([30, 31]), np.array([100, 100]))
+    assert index.discard(np.array([5, 10, 14, 15, 19, 31, 40])) == 5
+    assert index.count == 7
+    assert index.contains(np.arange(9, 33)).nonzero()[0].tolist() == [
+        o - 9 for o in (11, 12, 13, 16, 17, 18, 30)
+    ]
+    assert index.discard(np.array([10])) == 0 and index.next_due() == 100
+    assert index.pop_due(500).tolist() == [11, 12, 13, 16, 17, 18, 30] and not index

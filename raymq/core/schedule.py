@@ -125,6 +125,28 @@ class ScheduleIndex:
         self._ends = np.concatenate((self._ends, ends))[order]
         self.count += len(offsets)
 
+    def discard(self, offsets: np.ndarray) -> int:
+        """Take sorted ``offsets`` out of their runs (lost to damage: never released);
+        returns how many were set aside. Rare: the runs are rebuilt."""
+        offsets = offsets[self.contains(offsets)]
+        if not len(offsets):
+            return 0
+        heap: list[tuple[int, int, int]] = []
+        for due, start, end in self._heap:
+            lo, hi = np.searchsorted(offsets, [start, end]).tolist()
+            cuts = offsets[lo:hi].tolist()
+            # The pieces of [start, end) between the offsets taken out.
+            for a, b in zip([start, *(c + 1 for c in cuts)], [*cuts, end], strict=True):
+                if b > a:
+                    heap.append((due, a, b))
+        heapq.heapify(heap)
+        self._heap = heap
+        runs = sorted((s, e) for _, s, e in heap)
+        self._starts = np.array([s for s, _ in runs], dtype=np.int64)
+        self._ends = np.array([e for _, e in runs], dtype=np.int64)
+        self.count -= len(offsets)
+        return len(offsets)
+
     def next_due(self) -> int | None:
         """The earliest time of a run (ms since the epoch), or None."""
         return self._heap[0][0] if self._heap else None

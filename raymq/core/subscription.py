@@ -712,11 +712,13 @@ class Subscription(DeadLetterMover):
             expired_mask = expired_offsets(batches, got, now)
             dues = due_times(batches, got)
             later = np.zeros(len(got), np.bool_) if dues is None else (dues > now) & ~expired_mask
-            if later.any():  # read without the checksum: rot must not set one aside
-                rotten = np.flatnonzero(later)[~self.log.confirm(got[later])]
-                if len(rotten):
-                    expired_mask[rotten] = later[rotten] = False
-                    self.host.forget_damaged()
+            if later.any() and not self.log.confirm(got[later]).all():
+                # Read without the checksum, and rot: the records quarantined, all
+                # their messages out of delivery (the expired beside them too).
+                self.host.forget_damaged()
+                lost = self.log.is_acked(got)
+                expired_mask &= ~lost
+                later &= ~lost
             if later.any() and self.area.set_aside_unheld(got[later], dues[later]):
                 self._schedule_kick.set()
             expired = got[expired_mask]

@@ -740,7 +740,8 @@ class TargetArea:
 
     def forget(self, offsets: np.ndarray) -> None:
         """Take damaged offsets out of delivery: released from whoever holds them (not
-        counted as a delivery), out of the dead letters and every selector's candidates.
+        counted as a delivery), out of the dead letters, the messages set aside until
+        their time and every selector's candidates.
         The log counts them as damaged and acknowledged."""
         listed = offsets.tolist()
         for o in listed:
@@ -751,6 +752,8 @@ class TargetArea:
             self.dead_letters.pop(o, None)
             self.delayed.pop(o, None)
         self.deliveries.forget(listed)
+        if self.scheduled:
+            self.scheduled.discard(offsets)
         for t in self.selective:
             t.candidates.discard(offsets)
         if self.priorities:
