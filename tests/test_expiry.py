@@ -400,7 +400,7 @@ def test_rot_in_a_time_read_without_its_checksum_holds_nothing_back(
 ):
     """A message's expiry or delivery time read from disk for a take or the background
     pass is not checksummed (only its properties are read). A flipped bit in a delivery
-    time made a message wait for a time centuries off (set aside, never counted): the
+    time made a message wait for a time decades off (set aside, never counted): the
     record is read checked before a message is set aside now. An expiry was confirmed
     already: the mover reads what it drops, checked. Either way the record fails, and
     is counted as damaged, not as expired or scheduled."""
