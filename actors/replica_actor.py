@@ -48,6 +48,10 @@ class ReplicaActor:
         self._channel = ReplicaServer(self.follower, queue)
         self._endpoint: tuple[str, int, str] | None = None
         self._channel_started = False
+        # Here, not only in ready(): a process Ray restarts after a crash runs this
+        # again, but nobody may call its ready() (the controller's wake went to the
+        # process that died).
+        freeze_startup_heap()
 
     def _ensure_watch(self) -> None:
         if self._watch is None:

@@ -13,6 +13,7 @@ import ray
 
 from raymq.errors import ConsumerClosed, InvalidAck
 from raymq.wire.errors import WireBroken
+from tests.consumer_helpers import wait_for
 
 
 def fill(q, n: int) -> None:
@@ -268,3 +269,27 @@ def test_the_queue_and_target_list_processes_keep_their_start_up_heaps_out_of_fu
     assert ray.get(q._actor.__ray_call__.remote(_frozen)) > 50_000
     assert ray.get(c.target_list.__ray_call__.remote(_frozen)) > 50_000
     c.close()
+
+
+def test_a_follower_process_freezes_its_start_up_heap_though_nobody_calls_it(ray_session, tmp_path):
+    """A follower's process freezes its start-up heap when it starts, not when the
+    controller's ``ready()`` reaches it: Ray restarts a killed follower in a new process,
+    whose ``ready()`` nobody calls (the controller's went to the one that died)."""
+    from raymq.actors.replica_actor import ReplicaActor
+
+    actor = ReplicaActor.remote("frozen-follower", "r1", str(tmp_path / "r1"), 1, "raymq-frozen")
+    try:
+        first = ray.get(actor.pid.remote())
+        assert ray.get(actor.__ray_call__.remote(_frozen)) > 50_000
+        os.kill(first, signal.SIGKILL)
+
+        def restarted() -> bool:
+            try:
+                return ray.get(actor.pid.remote(), timeout=30) != first
+            except ray.exceptions.RayActorError:  # (the call reached the dying process)
+                return False
+
+        wait_for(restarted, "the follower's process restarted")
+        assert ray.get(actor.__ray_call__.remote(_frozen)) > 50_000
+    finally:
+        ray.kill(actor)
