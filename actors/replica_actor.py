@@ -46,8 +46,8 @@ class ReplicaActor:
         self.follower = ReplicationFollower(ReplicaFiles(directory, queue), epoch)
         self._watch: asyncio.Task | None = None
         self._channel = ReplicaServer(self.follower, queue)
-        self._endpoint: tuple[str, int, str] | None = None
-        self._channel_started = False
+        #: The channel's start, once asked (its endpoint, or None: no channel).
+        self._channel_start: asyncio.Future | None = None
         # Here, not only in ready(): a process Ray restarts after a crash runs this
         # again, but nobody may call its ready() (the controller's wake went to the
         # process that died).
@@ -80,16 +80,19 @@ class ReplicaActor:
 
     async def endpoint(self) -> tuple[str, int, str] | None:
         """(host, port, secret) of this follower's ReplicaChannel (None: it has none;
-        its leader then writes through Ray calls)."""
-        if not self._channel_started:
-            self._channel_started = True
-            try:
-                self._endpoint = await self._channel.start(ray.util.get_node_ip_address())
-            except OSError as exc:
-                log.warning(
-                    "queue %r: replica %s has no channel: %s", self.queue, self.replica_id, exc
-                )
-        return self._endpoint
+        its leader then writes through Ray calls). Calls made while it starts wait for
+        it: the controller's ``ready()`` and the leader's first write come together, and
+        a None to the leader would keep it on Ray calls for good."""
+        if self._channel_start is None:
+            self._channel_start = asyncio.ensure_future(self._start_channel())
+        return await asyncio.shield(self._channel_start)
+
+    async def _start_channel(self) -> tuple[str, int, str] | None:
+        try:
+            return await self._channel.start(ray.util.get_node_ip_address())
+        except OSError as exc:
+            log.warning("queue %r: replica %s has no channel: %s", self.queue, self.replica_id, exc)
+            return None
 
     def ping(self) -> int:
         """The epoch this follower knows (for the controller's liveness checks)."""

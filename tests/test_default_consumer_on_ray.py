@@ -293,3 +293,31 @@ def test_a_follower_process_freezes_its_start_up_heap_though_nobody_calls_it(ray
         assert ray.get(actor.__ray_call__.remote(_frozen)) > 50_000
     finally:
         ray.kill(actor)
+
+
+def _slow_channel_start(actor) -> None:
+    """Make the follower's channel take 0.5 s to start: calls made meanwhile overlap it."""
+    import asyncio
+
+    start = actor._channel.start
+
+    async def slow(host: str):
+        await asyncio.sleep(0.5)
+        return await start(host)
+
+    actor._channel.start = slow
+
+
+def test_a_followers_channel_answers_every_caller_that_asks_while_it_starts(ray_session, tmp_path):
+    """The controller's ``ready()`` and the leader's first write reach a new follower
+    together: whichever asks while the channel starts gets its endpoint too, not None
+    (which would keep the leader on Ray calls for good)."""
+    from raymq.actors.replica_actor import ReplicaActor
+
+    actor = ReplicaActor.remote("two-askers", "r1", str(tmp_path / "r1"), 1, "raymq-askers")
+    try:
+        ray.get(actor.__ray_call__.remote(_slow_channel_start))
+        first, second = ray.get([actor.endpoint.remote(), actor.endpoint.remote()])
+        assert first is not None and second == first
+    finally:
+        ray.kill(actor)
