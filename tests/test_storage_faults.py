@@ -977,3 +977,34 @@ def test_an_address_that_fails_to_open_counts_its_damage_at_the_next_open(
     report = asyncio.run(reopen())
     assert report.damaged == 8, report.damage
     assert asyncio.run(reopen()).damaged == 0  # counted once its open succeeded
+
+
+def test_a_take_that_finds_its_record_damaged_delivers_none_of_it_even_from_the_cache(tmp_path):
+    """A selector's matches 10 and 150 of one 200-message record, the HeadQueueCache
+    holding only its first part: 10 was materialized from the cache's intact copy, then
+    the read of 150 from disk found the record damaged and quarantined it. 10 was
+    delivered all the same, though counted damaged (and acknowledged) with the rest."""
+
+    async def scenario():
+        broker = BrokerConfig(paging_directory=str(tmp_path), head_cache_bytes=100 * 1024)
+        q = QueueCore(QueueConfig("q"), broker)
+        q.start()
+        try:
+            n, body = 200, b"x" * 1024
+            props = [{"k": 1} if i in (10, 150) else None for i in range(n)]
+            await q.send_batch(MessageBatch.from_bodies([body] * n, props, max_message_size=2**20))
+            q.housekeeping()  # the refill: what fits of the record
+            cached = q.head_cache.covers(10, 11) and not q.head_cache.covers(150, 151)
+            seg = q.log.segments[0]
+            pos = int(seg.positions[0]) + RECORD_HEADER.size + 8 * n + 2 * 8 * (n + 1)
+            flip(seg.path, pos + 150 * len(body) + 5)  # a byte of 150's body
+            q.register_consumer("c", 10, "k = 1")
+            rows = await q.fetch("c", 10, 0.0, 10)
+            return cached, rows.column("offset").to_pylist(), q.stats()
+        finally:
+            await q.close()
+
+    cached, delivered, stats = asyncio.run(scenario())
+    assert cached  # the scenario
+    assert delivered == []
+    assert stats.damaged_messages == 200 and stats.in_flight == 0

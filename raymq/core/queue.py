@@ -402,6 +402,10 @@ class QueueCore(QueueMemory, AddressPart):
         if self.scrubber.step(seconds):
             self.forget_damaged()
 
+    def found_damaged(self) -> np.ndarray:
+        """Offsets the log found damaged that ``forget_damaged`` has not released yet."""
+        return self.log.found_damaged()
+
     def forget_damaged(self) -> None:
         """Take offsets the log found damaged out of delivery: nobody holds or waits for
         them any more (they are counted in ``damaged_messages``)."""

@@ -62,6 +62,7 @@ class SubscriptionHost(Protocol):
     def shares_deliveries(self) -> bool: ...
     def supervise(self, name: str, run: Callable[[], Awaitable[None]]) -> asyncio.Task: ...
     def forget_damaged(self) -> None: ...
+    def found_damaged(self) -> np.ndarray: ...
     def count(self, counter: str, n: int) -> None: ...
     def shared_delivery(self, start: int, end: int) -> list[SharedPart]: ...
     def signal_freed(self) -> None: ...
@@ -310,6 +311,8 @@ class Subscription(DeadLetterMover):
                     self.wake()
                     raise
                 self.host.forget_damaged()  # what could not be read is not held by anyone
+                if not len(delivery.offsets):
+                    continue  # all of it found damaged: take again
                 self._count("out", len(delivery.offsets))
                 self._count("bytes_out", delivery.nbytes)
                 return delivery
@@ -333,7 +336,21 @@ class Subscription(DeadLetterMover):
     def _deliver(self, offsets: np.ndarray, counts: np.ndarray) -> Delivery:
         """The messages of sorted ``offsets`` (taken, with their delivery counts) as a
         Delivery: on an address, a first delivery of a run the HeadQueueCache holds is
-        shared rows (as far as it holds them); anything else is materialized."""
+        shared rows (as far as it holds them); anything else is materialized. None of
+        a record found damaged meanwhile: a read from disk for one part of a take can
+        find the record whose other part was taken from the HeadQueueCache's intact
+        copy, and its messages are out of delivery (counted damaged) from then on."""
+        while True:
+            delivery = self._deliver_once(offsets, counts)
+            damaged = self.host.found_damaged()
+            if not len(damaged) or not np.isin(delivery.offsets, damaged).any():
+                return delivery
+            keep = ~np.isin(offsets, damaged)  # each round drops some: it ends
+            offsets, counts = offsets[keep], counts[keep]
+            if not len(offsets):
+                return NOTHING
+
+    def _deliver_once(self, offsets: np.ndarray, counts: np.ndarray) -> Delivery:
         n = len(offsets)
         first, end = int(offsets[0]), int(offsets[-1]) + 1
         parts: list[SharedPart] = []

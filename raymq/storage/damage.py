@@ -59,10 +59,17 @@ class Quarantine:
         )
         return fresh
 
+    def found(self) -> np.ndarray:
+        """Offsets quarantined since the last ``drain``, sorted, left to it."""
+        if not self._found:
+            return np.zeros(0, dtype=np.int64)
+        return np.unique(np.concatenate(self._found))
+
     def drain(self) -> np.ndarray:
         """Offsets quarantined since the last call, sorted (the queue releases them from
         their holders: nobody will ever receive them)."""
         if not self._found:
             return np.zeros(0, dtype=np.int64)
-        found, self._found = self._found, []
-        return np.unique(np.concatenate(found))
+        found = self.found()
+        self._found = []
+        return found

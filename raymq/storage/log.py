@@ -296,6 +296,10 @@ class SegmentLog:
         files moved aside) and found since, by reads and the scrub."""
         return self._recovered_lost + self._quarantine.damaged_messages
 
+    def found_damaged(self) -> np.ndarray:
+        """``drain_damaged``'s offsets so far, without taking them (sorted)."""
+        return self._quarantine.found()
+
     def drain_damaged(self) -> np.ndarray:
         """Offsets taken out of delivery as damaged since the last call (sorted). The
         queue must release them from whoever holds them: they will never be received,
