@@ -90,8 +90,8 @@ class ReplicaActor:
     async def _start_channel(self) -> tuple[str, int, str] | None:
         try:
             return await self._channel.start(ray.util.get_node_ip_address())
-        except OSError as exc:
-            log.warning("queue %r: replica %s has no channel: %s", self.queue, self.replica_id, exc)
+        except Exception as exc:  # shared by every caller: a None, never a stored error
+            log.warning("queue %r: replica %s has no channel: %r", self.queue, self.replica_id, exc)
             return None
 
     def ping(self) -> int:

@@ -321,3 +321,28 @@ def test_a_followers_channel_answers_every_caller_that_asks_while_it_starts(ray_
         assert first is not None and second == first
     finally:
         ray.kill(actor)
+
+
+def _failing_channel_start(actor) -> None:
+    """Make the follower's channel start fail with an error that is not an OSError."""
+
+    async def fail(host: str):
+        raise RuntimeError("no channel today")
+
+    actor._channel.start = fail
+
+
+def test_a_followers_channel_that_fails_to_start_answers_none_to_every_caller(
+    ray_session, tmp_path
+):
+    """Its start is shared by every caller: a failure is a None (the leader then writes
+    through Ray calls), never an error stored for each later caller to raise."""
+    from raymq.actors.replica_actor import ReplicaActor
+
+    actor = ReplicaActor.remote("no-channel", "r1", str(tmp_path / "r1"), 1, "raymq-no-channel")
+    try:
+        ray.get(actor.__ray_call__.remote(_failing_channel_start))
+        assert ray.get([actor.endpoint.remote(), actor.endpoint.remote()]) == [None, None]
+        assert ray.get(actor.endpoint.remote()) is None and ray.get(actor.ping.remote()) == 1
+    finally:
+        ray.kill(actor)

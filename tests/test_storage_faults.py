@@ -979,11 +979,15 @@ def test_an_address_that_fails_to_open_counts_its_damage_at_the_next_open(
     assert asyncio.run(reopen()).damaged == 0  # counted once its open succeeded
 
 
-def test_a_take_that_finds_its_record_damaged_delivers_none_of_it_even_from_the_cache(tmp_path):
+@pytest.mark.parametrize("how", ["fetch", "lease"])
+def test_a_take_that_finds_its_record_damaged_delivers_none_of_it_even_from_the_cache(
+    tmp_path, how
+):
     """A selector's matches 10 and 150 of one 200-message record, the HeadQueueCache
     holding only its first part: 10 was materialized from the cache's intact copy, then
     the read of 150 from disk found the record damaged and quarantined it. 10 was
-    delivered all the same, though counted damaged (and acknowledged) with the rest."""
+    delivered all the same (by a fetch, or a lease's read), though counted damaged (and
+    acknowledged) with the rest."""
 
     async def scenario():
         broker = BrokerConfig(paging_directory=str(tmp_path), head_cache_bytes=100 * 1024)
@@ -998,8 +1002,13 @@ def test_a_take_that_finds_its_record_damaged_delivers_none_of_it_even_from_the_
             seg = q.log.segments[0]
             pos = int(seg.positions[0]) + RECORD_HEADER.size + 8 * n + 2 * 8 * (n + 1)
             flip(seg.path, pos + 150 * len(body) + 5)  # a byte of 150's body
-            q.register_consumer("c", 10, "k = 1")
-            rows = await q.fetch("c", 10, 0.0, 10)
+            if how == "fetch":
+                q.register_consumer("c", 10, "k = 1")
+                rows = await q.fetch("c", 10, 0.0, 10)
+            else:
+                leased, _ = await q.lease("c", 10, "k = 1")
+                assert leased.tolist() == [10, 150]  # (the properties read does not check)
+                rows = q.read_leased("c", leased)
             return cached, rows.column("offset").to_pylist(), q.stats()
         finally:
             await q.close()

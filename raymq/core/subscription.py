@@ -311,8 +311,9 @@ class Subscription(DeadLetterMover):
                     self.wake()
                     raise
                 self.host.forget_damaged()  # what could not be read is not held by anyone
-                if not len(delivery.offsets):
-                    continue  # all of it found damaged: take again
+                if not len(delivery.offsets):  # all of it found damaged: take again
+                    await asyncio.sleep(0)  # (each take reads: others go in between)
+                    continue
                 self._count("out", len(delivery.offsets))
                 self._count("bytes_out", delivery.nbytes)
                 return delivery
@@ -505,6 +506,11 @@ class Subscription(DeadLetterMover):
         offsets = np.sort(self._offsets(offsets))
         self.area.check_ack(consumer_id, offsets)
         batch = self._materialize(offsets, self.area.previous_deliveries(offsets))
+        damaged = self.host.found_damaged()
+        if len(damaged):  # none of a record found damaged, even from the cache (_deliver)
+            kept = np.flatnonzero(~np.isin(offsets_of(batch), damaged))
+            if len(kept) < batch.num_rows:
+                batch = batch.take(fixed_array(pa.int64(), kept))
         self.host.forget_damaged()
         return batch
 
