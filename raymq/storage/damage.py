@@ -68,8 +68,6 @@ class Quarantine:
     def drain(self) -> np.ndarray:
         """Offsets quarantined since the last call, sorted (the queue releases them from
         their holders: nobody will ever receive them)."""
-        if not self._found:
-            return np.zeros(0, dtype=np.int64)
         found = self.found()
         self._found = []
         return found
