@@ -90,6 +90,11 @@ class FakeActor:
     #: A leader's in-sync set the controller was not told yet (it answers no send
     #: until it was: ``ReplicationLeader._report_in_sync``).
     unreported: bool = False
+    #: Its start, once its epoch is begun, outlasts a ping (it surveys its followers):
+    #: pings go unanswered until a wait for it (``leader_ready``) sees it end.
+    slow_start: bool = False
+    #: It has its epoch from the controller and has not ended its start.
+    mid_start: bool = False
     id: str = field(default_factory=lambda: f"actor-{next(_ids)}")
 
 
@@ -173,19 +178,23 @@ class FakeCluster:
 
     # -- the leaders, as the queue actor behaves towards the controller ----------------
 
-    def _start(self, leader: FakeActor) -> None:
+    def _start(self, leader: FakeActor, end: bool = True) -> None:
         """A leader's start: its epoch from the controller (saved first), then its
-        followers caught up."""
+        followers caught up (not if ``end`` is False and its start is slow)."""
         if leader.begun:
             return
-        epoch, followers = self.controller.begin_epoch(leader.queue, leader.rid)
-        if self.saved[leader.queue]["epoch"] < epoch:
-            self.violations.append(f"epoch {epoch} given before it was saved")
-        holders = self.leaders_of_epoch.setdefault((leader.queue, epoch), [])
-        holders.append(leader.id)
-        if len(holders) > 1:
-            self.violations.append(f"two leaders in epoch {epoch}: {holders}")
-        leader.epoch, leader.followers, leader.begun = epoch, followers, True
+        if not leader.mid_start:
+            epoch, followers = self.controller.begin_epoch(leader.queue, leader.rid)
+            if self.saved[leader.queue]["epoch"] < epoch:
+                self.violations.append(f"epoch {epoch} given before it was saved")
+            holders = self.leaders_of_epoch.setdefault((leader.queue, epoch), [])
+            holders.append(leader.id)
+            if len(holders) > 1:
+                self.violations.append(f"two leaders in epoch {epoch}: {holders}")
+            leader.epoch, leader.followers, leader.mid_start = epoch, followers, True
+        if leader.slow_start and not end:
+            return
+        leader.mid_start, leader.begun = False, True
         leader.in_sync = [leader.rid]
         self._sync(leader)
 
@@ -320,7 +329,9 @@ class FakeCluster:
             return None
         if handle.kind == "follower":
             return handle.epoch
-        self._start(handle)
+        self._start(handle, end=False)
+        if handle.mid_start:
+            return None  # (its start outlasts the ping)
         return -1 if handle.fenced else handle.epoch
 
     async def fence(self, handle: FakeActor, epoch: int) -> int:
@@ -851,6 +862,56 @@ def test_a_client_that_cannot_reach_the_leader_starts_the_failover():
         assert s.controller.queues[QUEUE].replicas.leader == "r1"
         assert await s.controller.suspect_leader(QUEUE, dead.id)  # no second failover
         assert len(s.controller.failovers) == 1
+
+    asyncio.run(main())
+
+
+def _restarted_in_place_slowly(s: Scenario) -> FakeActor:
+    """The leader's process replaced by Ray in place: the same replica, a start that
+    outlasts a ping."""
+    old = s.cluster.leader_of(QUEUE)
+    new = FakeActor("leader", QUEUE, old.rid, old.node, old.epoch, old.followers)
+    new.slow_start = True
+    old.ended = True
+    s.cluster.actors[("leader", QUEUE)] = new
+    return new
+
+
+def test_a_leader_that_began_its_epoch_is_given_time_to_end_its_start():
+    # CI (a loaded 2-core machine): a leader restarted in place took over the ping's
+    # 1 s to survey its followers; the controller failed it over mid-start, killing it.
+    async def main():
+        s = await _created()
+        leader = _restarted_in_place_slowly(s)
+        epoch = s.controller.queues[QUEUE].replicas.epoch
+        await s.controller.check_leader(QUEUE)
+        assert s.controller.failovers == [] and "leader_ready" in s.cluster.calls
+        assert leader.begun and leader.epoch == epoch + 1
+        assert s.cluster.leader_of(QUEUE) is leader
+        _check_whole(s)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("why", ["node lost", "start too long"])
+def test_a_starting_leader_is_failed_over_without_a_wait_once_its_node_or_its_time_is_gone(why):
+    from raymq.core.replication_controller import LEADER_START_SECONDS
+
+    async def main():
+        s = await _created()
+        leader = _restarted_in_place_slowly(s)
+        s.cluster._start(leader, end=False)  # it began its epoch, and goes on starting
+        if why == "node lost":
+            s.cluster.kill_node(leader.node)
+        else:
+            s.clock.advance(LEADER_START_SECONDS)
+        s.cluster.calls = []
+        await s.controller.check_leader(QUEUE)
+        assert "leader_ready" not in s.cluster.calls[: s.cluster.calls.index("fence")]
+        assert len(s.controller.failovers) == 1
+        assert s.controller.queues[QUEUE].replicas.leader != leader.rid
+        await _retry(s, rounds=2)
+        _check_whole(s)
 
     asyncio.run(main())
 

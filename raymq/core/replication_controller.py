@@ -69,6 +69,12 @@ REJOIN_SECONDS = 120.0
 #: for lost, could hold no replica for LOST_NODE_SECONDS. One whose actor or node is
 #: gone is replaced at its second missed round.
 FOLLOWER_SILENCE_SECONDS = 20.0
+#: How long a leader that began its epoch may take to end its start (seconds) before
+#: an unanswered ping fails it over: its start surveys the followers (at most
+#: ``FOLLOWER_TIMEOUT_SECONDS``, 3 s) and asks this controller twice, and it answers no
+#: ping meanwhile. A restart in place on a loaded 2-core machine took over the ping's
+#: 1 s: the controller failed it over mid-start, killing it.
+LEADER_START_SECONDS = 5.0
 
 # The broker's logger: these sequences were the broker actor's, and operators grep it.
 log = logging.getLogger("raymq.broker")
@@ -136,6 +142,9 @@ class ReplicationController:
         #: Replicated queues whose leader is being started (not checked meanwhile: it
         #: answers no ping while it recovers), with how many starts are under way.
         self._starting: dict[str, int] = {}
+        #: Queue -> (epoch, when, ``clock`` s) its leader began that epoch and has not
+        #: reported its in-sync set since: it is starting, and answers no ping.
+        self._began: dict[str, tuple[int, float]] = {}
         #: Queue -> the leader replica id a failover under way replaces.
         self._replacing: dict[str, str] = {}
         #: Nodes where a replica was lost, and when (``clock`` seconds).
@@ -301,6 +310,7 @@ class ReplicationController:
         self.refuse_if_stopping(name)
         rs.epoch += 1
         self._save(name)
+        self._began[name] = (rs.epoch, self.clock())
         if name in self._handing_over:
             self._handing_over[name].begun = True
         return rs.epoch, self._follower_refs(name, rs)
@@ -319,6 +329,7 @@ class ReplicationController:
         rs = entry.replicas
         rs.in_sync = [r for r in in_sync if r in rs.nodes]
         self._save(name)
+        self._began.pop(name, None)  # (its start reports once, at its end)
         return True
 
     async def leader_silent(self, name: str, epoch: int) -> None:
@@ -356,6 +367,8 @@ class ReplicationController:
             leader = self.ops.find_leader(name)
             # A leader of another epoch was replaced (or fenced): it leads nothing.
             answer = await self.ops.ping(leader) if leader is not None else None
+            if answer is None and leader is not None and self._starting_since(name) is not None:
+                answer = await self._wait_for_start(name, leader)
             if answer == entry.replicas.epoch:
                 if name in self._handing_over:  # it started after all
                     self._handed_over(name)
@@ -372,6 +385,27 @@ class ReplicationController:
                     await self._fail_over(name, leader, answered=answer is not None)
             finally:
                 self._replacing.pop(name, None)
+
+    def _starting_since(self, name: str) -> float | None:
+        """When (``clock`` s) the queue's leader began the current epoch, if it has not
+        reported its in-sync set since and ``LEADER_START_SECONDS`` have not passed."""
+        began = self._began.get(name)
+        if began is None or began[0] != self.queues[name].replicas.epoch:
+            return None
+        return began[1] if self.clock() - began[1] < LEADER_START_SECONDS else None
+
+    async def _wait_for_start(self, name: str, leader: Handle) -> int | None:
+        """A leader that did not answer the ping began its epoch moments ago: give its
+        start what is left of ``LEADER_START_SECONDS`` (none if its node is lost), then
+        ping it again; its answer (None: fail it over)."""
+        since = self._starting_since(name)
+        if since is None or self.queues[name].replicas.leader_node not in self.ops.alive_nodes():
+            return None
+        try:
+            await self.ops.leader_ready(leader, since + LEADER_START_SECONDS - self.clock())
+        except Exception as exc:  # the ping that follows decides, as without the wait
+            log.info("queue %r: its leader's start did not end: %r", name, exc)
+        return await self.ops.ping(leader)
 
     def _abandon_hand_over(self, name: str, h: _HandOver) -> None:
         """The promoted replica's node was lost before the hand-over ended (found by the
