@@ -895,7 +895,7 @@ def test_a_leader_that_began_its_epoch_is_given_time_to_end_its_start():
 
 @pytest.mark.parametrize("why", ["node lost", "start too long"])
 def test_a_starting_leader_is_failed_over_without_a_wait_once_its_node_or_its_time_is_gone(why):
-    from raymq.core.replication_controller import LEADER_START_SECONDS
+    from raymq.core.leader_starts import LEADER_START_SECONDS
 
     async def main():
         s = await _created()

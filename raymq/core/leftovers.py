@@ -95,6 +95,17 @@ class Leftovers:
         write_file_atomic(self.path, data)
 
 
+def verdict(in_the_set: bool, running: bool, node_alive: bool) -> str:
+    """What ``raymq remove-leftovers`` may do with a copy left behind: its replica is in
+    the set again on that node, runs there (rejoining), its node is not alive, or none
+    of these (``REMOVABLE``)."""
+    if in_the_set:
+        return IN_THE_SET
+    if running:
+        return RUNNING
+    return REMOVABLE if node_alive else NODE_GONE
+
+
 def replica_copy_path(paging_directory: str, queue: str, replica_id: str) -> str:
     """Where replica ``replica_id`` of ``queue`` keeps its copy on its node."""
     return os.path.join(paging_directory, queue, replica_id)

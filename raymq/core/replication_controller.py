@@ -44,7 +44,8 @@ from raymq.core.cluster_ops import (
     Unreachable,
 )
 from raymq.core.controller import NoNodes, ReplicaSet
-from raymq.core.leftovers import IN_THE_SET, NODE_GONE, REMOVABLE, RUNNING, Leftover, Leftovers
+from raymq.core.leader_starts import LEADER_START_SECONDS, LeaderStarts
+from raymq.core.leftovers import Leftover, Leftovers, verdict
 from raymq.core.registry import QueueEntry
 from raymq.errors import BrokerUnavailable, NotLeader
 
@@ -69,12 +70,6 @@ REJOIN_SECONDS = 120.0
 #: for lost, could hold no replica for LOST_NODE_SECONDS. One whose actor or node is
 #: gone is replaced at its second missed round.
 FOLLOWER_SILENCE_SECONDS = 20.0
-#: How long a leader that began its epoch may take to end its start (seconds) before
-#: an unanswered ping fails it over: its start surveys the followers (at most
-#: ``FOLLOWER_TIMEOUT_SECONDS``, 3 s) and asks this controller twice, and it answers no
-#: ping meanwhile. A restart in place on a loaded 2-core machine took over the ping's
-#: 1 s: the controller failed it over mid-start, killing it.
-LEADER_START_SECONDS = 5.0
 
 # The broker's logger: these sequences were the broker actor's, and operators grep it.
 log = logging.getLogger("raymq.broker")
@@ -139,12 +134,8 @@ class ReplicationController:
         #: rejoined may catch up before ``trim_excess`` retires it instead of the
         #: replacement.
         self._catching_up: dict[tuple[str, str], float] = {}
-        #: Replicated queues whose leader is being started (not checked meanwhile: it
-        #: answers no ping while it recovers), with how many starts are under way.
-        self._starting: dict[str, int] = {}
-        #: Queue -> (epoch, when, ``clock`` s) its leader began that epoch and has not
-        #: reported its in-sync set since: it is starting, and answers no ping.
-        self._began: dict[str, tuple[int, float]] = {}
+        #: Leaders starting (they answer no ping meanwhile).
+        self._starts = LeaderStarts()
         #: Queue -> the leader replica id a failover under way replaces.
         self._replacing: dict[str, str] = {}
         #: Nodes where a replica was lost, and when (``clock`` seconds).
@@ -274,15 +265,10 @@ class ReplicationController:
                     " and replaced if lost: try again"
                 ) from None
             return leader
-        self._starting[name] = self._starting.get(name, 0) + 1
-        try:
+        with self._starts.making(name):  # not checked meanwhile: it may recover long
             leader = await self._leader_actor(name, fresh)
             await self.ops.leader_ready(leader, None)
             return leader
-        finally:
-            self._starting[name] -= 1
-            if not self._starting[name]:
-                del self._starting[name]
 
     async def _leader_actor(self, name: str, fresh: bool = False) -> Handle:
         """The leader actor (created with its role if it does not run; ``fresh``: a new
@@ -310,7 +296,7 @@ class ReplicationController:
         self.refuse_if_stopping(name)
         rs.epoch += 1
         self._save(name)
-        self._began[name] = (rs.epoch, self.clock())
+        self._starts.began(name, rs.epoch, self.clock())
         if name in self._handing_over:
             self._handing_over[name].begun = True
         return rs.epoch, self._follower_refs(name, rs)
@@ -329,7 +315,7 @@ class ReplicationController:
         rs = entry.replicas
         rs.in_sync = [r for r in in_sync if r in rs.nodes]
         self._save(name)
-        self._began.pop(name, None)  # (its start reports once, at its end)
+        self._starts.reported(name)
         return True
 
     async def leader_silent(self, name: str, epoch: int) -> None:
@@ -362,12 +348,12 @@ class ReplicationController:
         at a time, and one that waited finds the new leader answering)."""
         async with self.lock_of(name):
             entry = self.queues.get(name)
-            if entry is None or entry.replicas is None or name in self._starting:
+            if entry is None or entry.replicas is None or self._starts.made_here(name):
                 return
             leader = self.ops.find_leader(name)
             # A leader of another epoch was replaced (or fenced): it leads nothing.
             answer = await self.ops.ping(leader) if leader is not None else None
-            if answer is None and leader is not None and self._starting_since(name) is not None:
+            if answer is None and leader is not None:
                 answer = await self._wait_for_start(name, leader)
             if answer == entry.replicas.epoch:
                 if name in self._handing_over:  # it started after all
@@ -386,20 +372,13 @@ class ReplicationController:
             finally:
                 self._replacing.pop(name, None)
 
-    def _starting_since(self, name: str) -> float | None:
-        """When (``clock`` s) the queue's leader began the current epoch, if it has not
-        reported its in-sync set since and ``LEADER_START_SECONDS`` have not passed."""
-        began = self._began.get(name)
-        if began is None or began[0] != self.queues[name].replicas.epoch:
-            return None
-        return began[1] if self.clock() - began[1] < LEADER_START_SECONDS else None
-
     async def _wait_for_start(self, name: str, leader: Handle) -> int | None:
-        """A leader that did not answer the ping began its epoch moments ago: give its
-        start what is left of ``LEADER_START_SECONDS`` (none if its node is lost), then
-        ping it again; its answer (None: fail it over)."""
-        since = self._starting_since(name)
-        if since is None or self.queues[name].replicas.leader_node not in self.ops.alive_nodes():
+        """A leader did not answer the ping: if it began its epoch moments ago, give
+        its start what is left of ``LEADER_START_SECONDS`` (none if its node is lost)
+        and ping it again. Its answer (None: fail it over)."""
+        rs = self.queues[name].replicas
+        since = self._starts.since(name, rs.epoch, self.clock())
+        if since is None or rs.leader_node not in self.ops.alive_nodes():
             return None
         try:
             await self.ops.leader_ready(leader, since + LEADER_START_SECONDS - self.clock())
@@ -665,14 +644,7 @@ class ReplicationController:
                 left.node_id in alive
                 and self.ops.find_follower(left.queue, left.replica_id) is not None
             )
-            if in_set:
-                out.append((left, IN_THE_SET))
-            elif running:
-                out.append((left, RUNNING))
-            elif left.node_id not in alive:
-                out.append((left, NODE_GONE))
-            else:
-                out.append((left, REMOVABLE))
+            out.append((left, verdict(in_set, running, left.node_id in alive)))
         return out
 
     def _give_up(self, name: str, rid: str, node: str, why: str) -> None:
