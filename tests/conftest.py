@@ -22,11 +22,15 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     """Start the whole-system scenarios this session will check (tests/background.py),
     in the order the suite reaches them, beside the rest of the suite."""
     if not session.config.option.collectonly:
-        background.start([item.path.name for item in session.items])
+        shared = None
+        if hasattr(session.config, "workerinput"):  # an xdist worker: basetemp/popen-gwN
+            basetemp = session.config._tmp_path_factory.getbasetemp()
+            shared = str(basetemp.parent / "scenarios")
+        background.start([item.path.name for item in session.items], shared)
 
 
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    background.stop_all()
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    background.stop_all(interrupted=exitstatus == pytest.ExitCode.INTERRUPTED)
 
 
 @pytest.fixture(scope="session")
