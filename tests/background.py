@@ -39,9 +39,9 @@ _children: set[subprocess.Popen] = set()
 _stopped = False  # the session ended: no child starts after stop_all
 #: Modules whose scenario another xdist worker runs (their outcome comes in a file).
 _elsewhere: set[str] = set()
-#: Longest a worker waits for another's scenario (seconds): beyond every scenario's
-#: own time limit (the replication one's 900 s) and the queue before it.
-ELSEWHERE_SECONDS = 2400.0
+#: Longest a worker waits for another's scenario (seconds): beyond the scenarios' time
+#: limits added up (600 + 1,500 + 900 s), as they run one after another.
+ELSEWHERE_SECONDS = 3600.0
 
 
 #: The directory this run's xdist workers share (``start``'s ``shared``), or None.
@@ -51,11 +51,33 @@ _runner = False
 
 
 def _claimed(shared: str) -> bool:
-    """True for the one worker that runs the scenarios of this run."""
+    """True for the one worker that runs the scenarios of this run (its pid is in the
+    claim: a waiting worker stops waiting if that process is gone)."""
     try:
-        os.close(os.open(os.path.join(shared, "runner"), os.O_CREAT | os.O_EXCL, 0o600))
+        fd = os.open(os.path.join(shared, "runner"), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
     except FileExistsError:
         return False
+    with os.fdopen(fd, "w") as f:
+        f.write(str(os.getpid()))
+    return True
+
+
+def _runner_alive(shared: str) -> bool:
+    """False once the worker that claimed the scenarios has ended (xdist replaces a
+    crashed worker, and no one runs them then)."""
+    try:
+        with open(os.path.join(shared, "runner")) as f:
+            pid = int(f.read() or 0)
+    except (OSError, ValueError):
+        return True  # (being written)
+    if not pid:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
     return True
 
 
@@ -65,7 +87,7 @@ def _shared_by(fn: Callable[[], object], path: str) -> Callable[[], object]:
     def run() -> object:
         try:
             result = ("returned", fn())
-        except Exception as exc:
+        except BaseException as exc:  # (pytest.fail and skip too: the waiter must know)
             result = ("raised", exc)
         try:
             data = pickle.dumps(result)
@@ -86,9 +108,14 @@ def _wait_for_file(module: str, path: str) -> object:
     while not os.path.exists(path):
         if time.monotonic() > deadline:
             raise TimeoutError(f"{module}'s scenario, run by another worker, never ended")
+        if not _runner_alive(os.path.dirname(path)) and not os.path.exists(path):
+            raise RuntimeError(f"the worker running {module}'s scenario ended before it did")
         time.sleep(0.5)  # polling for the other worker's file
-    with open(path, "rb") as f:
-        how, value = pickle.load(f)
+    try:
+        with open(path, "rb") as f:
+            how, value = pickle.load(f)
+    except Exception as exc:  # (an error that pickles but does not load)
+        raise RuntimeError(f"{module}'s scenario outcome could not be read: {exc!r}") from None
     if how == "raised":
         raise value
     return value

@@ -30,7 +30,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    background.stop_all(interrupted=exitstatus == pytest.ExitCode.INTERRUPTED)
+    # (-x and --maxfail end an xdist worker with TESTS_FAILED: stopped all the same)
+    stopped = bool(session.shouldfail or session.shouldstop)
+    background.stop_all(interrupted=stopped or exitstatus == pytest.ExitCode.INTERRUPTED)
 
 
 @pytest.fixture(scope="session")

@@ -44,7 +44,7 @@ from raymq.core.cluster_ops import (
     Unreachable,
 )
 from raymq.core.controller import NoNodes, ReplicaSet
-from raymq.core.leader_starts import LEADER_START_SECONDS, LeaderStarts
+from raymq.core.leader_starts import LeaderStarts
 from raymq.core.leftovers import Leftover, Leftovers, verdict
 from raymq.core.registry import QueueEntry
 from raymq.errors import BrokerUnavailable, NotLeader
@@ -296,7 +296,6 @@ class ReplicationController:
         self.refuse_if_stopping(name)
         rs.epoch += 1
         self._save(name)
-        self._starts.began(name, rs.epoch, self.clock())
         if name in self._handing_over:
             self._handing_over[name].begun = True
         return rs.epoch, self._follower_refs(name, rs)
@@ -305,7 +304,10 @@ class ReplicationController:
         """The replica ids last reported in sync for queue ``name`` (none if it is not
         replicated): a leader restarted in place asks which followers to trust."""
         entry = self.queues.get(name)
-        return [] if entry is None or entry.replicas is None else list(entry.replicas.in_sync)
+        if entry is None or entry.replicas is None:
+            return []
+        self._starts.began(name, entry.replicas.epoch, self.clock())  # (only a start asks)
+        return list(entry.replicas.in_sync)
 
     def update_in_sync(self, name: str, epoch: int, in_sync: list[str]) -> bool:
         """A leader's in-sync replicas; False (fenced) if ``epoch`` is not current."""
@@ -353,8 +355,8 @@ class ReplicationController:
             leader = self.ops.find_leader(name)
             # A leader of another epoch was replaced (or fenced): it leads nothing.
             answer = await self.ops.ping(leader) if leader is not None else None
-            if answer is None and leader is not None:
-                answer = await self._wait_for_start(name, leader)
+            if answer is None and leader is not None and self._still_starting(name):
+                return  # checked again at the next round
             if answer == entry.replicas.epoch:
                 if name in self._handing_over:  # it started after all
                     self._handed_over(name)
@@ -372,19 +374,17 @@ class ReplicationController:
             finally:
                 self._replacing.pop(name, None)
 
-    async def _wait_for_start(self, name: str, leader: Handle) -> int | None:
-        """A leader did not answer the ping: if it began its epoch moments ago, give
-        its start what is left of ``LEADER_START_SECONDS`` (none if its node is lost)
-        and ping it again. Its answer (None: fail it over)."""
+    def _still_starting(self, name: str) -> bool:
+        """The leader, which did not answer a ping, began its start's survey of the
+        followers less than ``LEADER_START_SECONDS`` ago and its node is alive: not
+        failed over yet (it answers no ping until its start ends)."""
         rs = self.queues[name].replicas
-        since = self._starts.since(name, rs.epoch, self.clock())
-        if since is None or rs.leader_node not in self.ops.alive_nodes():
-            return None
-        try:
-            await self.ops.leader_ready(leader, since + LEADER_START_SECONDS - self.clock())
-        except Exception as exc:  # the ping that follows decides, as without the wait
-            log.info("queue %r: its leader's start did not end: %r", name, exc)
-        return await self.ops.ping(leader)
+        if self._starts.since(name, rs.epoch, self.clock()) is None:
+            return False
+        if rs.leader_node not in self.ops.alive_nodes():
+            return False
+        log.info("queue %r: leader %s is starting: checked again later", name, rs.leader)
+        return True
 
     def _abandon_hand_over(self, name: str, h: _HandOver) -> None:
         """The promoted replica's node was lost before the hand-over ended (found by the
