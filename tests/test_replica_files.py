@@ -193,3 +193,41 @@ def test_an_install_makes_the_leaders_segments_durable_before_it_removes_others(
     assert not os.path.exists(os.path.join(directory, first))
     removed = calls.index("unlink")
     assert "fdatasync" in calls[:removed] and "dirsync" in calls[:removed], calls
+
+
+def _copy_end(directory: str) -> int:
+    """Where a copy ends as its recovery finds it when promoted: past its records or at
+    its checkpoint's next offset, whichever is later."""
+    from raymq.storage.checkpoint import read_checkpoint
+
+    ckpt, _damage = read_checkpoint(directory)
+    return max(ReplicaFiles(directory, "rq").end_offset, ckpt["next_offset"] if ckpt else 0)
+
+
+def test_an_install_whose_small_files_fail_keeps_the_segments_the_leader_deleted(
+    tmp_path, monkeypatch
+):
+    """Found by the replicated simulator (seeds 2605599 and 2607096): an install removed
+    the segment files the leader had deleted (every message acknowledged) before it
+    wrote the leader's checkpoint; a write of the small files that failed then (a crash
+    alike) left the copy ending short of what it had acknowledged, at its old
+    checkpoint's next offset: promoted, it would give those offsets again."""
+    from raymq.storage.checkpoint import encode_checkpoint
+
+    directory = _follower_copy(tmp_path)
+    files = ReplicaFiles(directory, "rq")
+    end = files.end_offset
+    assert end == 200 and _copy_end(directory) == 200
+    leaders = {"checkpoint": encode_checkpoint([], next_offset=end, ack_generation=7)}
+    calls: list[str] = []
+    _failing_once(monkeypatch, mirror_module, "write_file_atomic", calls)
+    with pytest.raises(OSError):
+        files.install({}, leaders, [(1, 0)], end, 0)  # the leader deleted every segment
+    files.close()
+    assert calls == ["write_file_atomic checkpoint"]
+    assert _copy_end(directory) >= end
+    # Installed again, it holds the leader's state: no segment, the same next offset.
+    files = ReplicaFiles(directory, "rq")
+    files.install({}, leaders, [(1, 0)], end, 0)
+    files.close()
+    assert ReplicaFiles(directory, "rq").sizes == {} and _copy_end(directory) == end

@@ -53,6 +53,15 @@ QUEUE = "rq"
 PING_TURNS = 50
 
 
+def _copy_end(files: ReplicaFiles, records_end: int) -> int:
+    """Where a follower's copy ends, as its recovery would find it when promoted: past
+    its records (``records_end``) or its checkpoint's next offset, whichever is later
+    (a segment whose messages were all acknowledged is deleted: the checkpoint keeps
+    its offsets given)."""
+    ckpt, _damage = read_checkpoint(files.directory)
+    return max(records_end, int(ckpt["next_offset"]) if ckpt else 0)
+
+
 class Gone(ConnectionError):
     """A call that cannot reach its actor (or leave its caller): as Ray's
     ``RayActorError``, or a frame of a replica channel that never arrived."""
@@ -233,8 +242,8 @@ class SimCluster:
         if method == "apply" and args[1].records:
             f.acked_end = max(f.acked_end, args[1].end_offset)
         elif method == "install":
-            # Its records' end (the leader's next offset may lie past burned offsets).
-            f.acked_end = f.follower.files._scan_end()
+            # Its copy's end (the leader's next offset may lie past burned offsets).
+            f.acked_end = _copy_end(f.follower.files, f.follower.files._scan_end())
 
     def try_open(self, f: SimFollower) -> None:
         """``open_follower``, if its node answers; a failing disk leaves it closed (the
@@ -254,10 +263,7 @@ class SimCluster:
         if f.follower is not None:
             return
         files = ReplicaFiles(f.directory, QUEUE)
-        end = files.end_offset
-        if not files.sizes:  # every message acknowledged: its segments were deleted
-            ckpt, _damage = read_checkpoint(f.directory)
-            end = int(ckpt["next_offset"]) if ckpt else 0
+        end = _copy_end(files, files.end_offset)
         if end < f.acked_end:
             raise Violation(
                 f"replica {f.rid} acknowledged commits up to offset {f.acked_end}; after"
