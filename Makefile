@@ -30,7 +30,7 @@ demo: bytecode
 
 test: bytecode
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/python -m pytest tests -n 2 --dist loadfile
+	$(VENV)/bin/python -m pytest tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -22,17 +22,11 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     """Start the whole-system scenarios this session will check (tests/background.py),
     in the order the suite reaches them, beside the rest of the suite."""
     if not session.config.option.collectonly:
-        shared = None
-        if hasattr(session.config, "workerinput"):  # an xdist worker: basetemp/popen-gwN
-            basetemp = session.config._tmp_path_factory.getbasetemp()
-            shared = str(basetemp.parent / "scenarios")
-        background.start([item.path.name for item in session.items], shared)
+        background.start([item.path.name for item in session.items])
 
 
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    # (-x and --maxfail end an xdist worker with TESTS_FAILED: stopped all the same)
-    stopped = bool(session.shouldfail or session.shouldstop)
-    background.stop_all(interrupted=stopped or exitstatus == pytest.ExitCode.INTERRUPTED)
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    background.stop_all()
 
 
 @pytest.fixture(scope="session")
