@@ -103,6 +103,7 @@ async def route_backlog(
         got = acked.gaps(pos, end, ROUTE_STEP_MESSAGES)
         if not len(got):
             return end
+        last_step = len(got) < ROUTE_STEP_MESSAGES  # it reaches the end
         pos = int(got[-1]) + 1
         got = got[~log.is_acked(got)]  # gone meanwhile: nothing to route
         if len(got):
@@ -111,6 +112,11 @@ async def route_backlog(
             # damage (quarantined, counted), not taken for a routing decision.
             log.confirm(rejected)
             acked.add(rejected)  # routed away, or lost to damage: never delivered
+        if last_step:
+            # Done: not one more step to find nothing new, which never comes while
+            # sends are published every turn of the loop (the caller routes what is
+            # published after it returns, with no await between).
+            return end
         await asyncio.sleep(0)
 
 

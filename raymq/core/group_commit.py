@@ -123,6 +123,9 @@ class GroupCommit:
             await self.kick.wait()
             self.kick.clear()
             await self.commit_once()
+            # One turn of the loop before the next commit: the fetches its ``wake``
+            # woke deliver first, rather than after another write and fdatasync.
+            await asyncio.sleep(0)
 
     async def commit_once(self) -> None:
         """One group commit of what is pending. Whatever happens, every caller waiting

@@ -327,8 +327,7 @@ class Subscription(DeadLetterMover):
                 self.area.scan_step(target)
                 await asyncio.sleep(0)  # let other calls in between scan steps
                 continue
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(arrival.wait(), remaining)
+            await _wait_for_arrival(arrival, remaining)
 
     def _count(self, counter: str, n: int) -> None:
         self.counters[counter] += n
@@ -491,8 +490,7 @@ class Subscription(DeadLetterMover):
                 self.area.scan_step(target)
                 await asyncio.sleep(0)  # let other calls in between scan steps
             elif n == 0 and (remaining := deadline - time.monotonic()) > 0:
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(arrival.wait(), remaining)
+                await _wait_for_arrival(arrival, remaining)
             else:
                 break
         self._count("out", n)
@@ -777,3 +775,14 @@ class Subscription(DeadLetterMover):
             "messages_scanned": t.messages_scanned,
             "segments_skipped": t.segments_skipped,
         }
+
+
+async def _wait_for_arrival(arrival: asyncio.Event, seconds: float) -> None:
+    """Wait until ``arrival`` is set, at most ``seconds``. Not ``wait_for``: its inner
+    task wakes the fetch two loop turns after the commit's ``wake``, and the group
+    commit's writer, which yields one turn after a commit that stored messages, would
+    then write and fdatasync the next commit before the delivery (0.5 ms p50 at 1,000
+    msg/s here, measured)."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(seconds):
+            await arrival.wait()
