@@ -6,7 +6,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from raymq.batch import MessageBatch, stored_property_groups
+from raymq.batch import MessageBatch, consecutive_rows, stored_property_groups
 from raymq.selector import Selector
 
 PROPS = [{"color": "red"}, None, {"color": "blue"}, {"color": "red"}, None, {"n": 1}]
@@ -24,6 +24,17 @@ def test_property_groups_name_each_message_s_distinct_map():
     assert len(decoded) == 4  # red, none, blue, n
     assert [decoded[i] for i in groups.index] == PROPS
     assert groups.counts.tolist() == [PROPS.count(d) for d in decoded]
+
+
+def test_consecutive_rows_are_a_slice_of_one_batch_and_nothing_else_is():
+    one = batch(PROPS, first=10)  # offsets 10..15
+    got = consecutive_rows([one], np.arange(11, 14))
+    assert got is not None and got.first_offset == 11 and len(got) == 3
+    assert [got.body(i) for i in range(3)] == [one.body(i) for i in range(1, 4)]
+    assert consecutive_rows([one], np.arange(10, 16)) is one
+    assert consecutive_rows([one], np.array([11, 13])) is None  # not consecutive
+    assert consecutive_rows([one], np.arange(14, 17)) is None  # past its end
+    assert consecutive_rows([one, batch(PROPS, first=16)], np.arange(11, 13)) is None
 
 
 def test_property_groups_of_a_batch_without_properties():
