@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 from raymq.batch import MessageBatch
 from raymq.config import BrokerConfig, QueueConfig
@@ -49,3 +50,40 @@ def test_a_waiting_fetch_delivers_before_the_next_commit_is_written(tmp_path):
 
     events = asyncio.run(main())
     assert events[:3] == ["write 1", "delivered 1", "write 1"], events
+
+
+def test_a_checkpoint_is_written_while_the_queue_delivers(tmp_path):
+    """A commit that takes a checkpoint (several syncs, milliseconds) is written off the
+    event loop: a fetch of a message published before it is answered while it is
+    written. Written in the loop, the write below would wait out its 5 s for a delivery
+    that could not run."""
+
+    async def main() -> list[str]:
+        q = QueueCore(QueueConfig("q", durable=True), BrokerConfig(paging_directory=str(tmp_path)))
+        q.start()
+        events: list[str] = []
+        delivered = threading.Event()
+        write = q.log.write
+
+        def checkpoint_waits_for_a_delivery(prepared) -> None:
+            if prepared.checkpoint is not None:
+                events.append("checkpoint write starts")
+                delivered.wait(5.0)
+                events.append("checkpoint write ends")
+            write(prepared)
+
+        await q.send_batch(_one(b"published"))
+        q.log.write = checkpoint_waits_for_a_delivery
+        checkpoint = asyncio.ensure_future(q.commits.checkpoint())
+        while "checkpoint write starts" not in events:
+            await asyncio.sleep(0.001)
+        delivery = await asyncio.wait_for(q.fetch_delivery("c", 10, 5.0, 100), 5)
+        events.append(f"delivered {len(delivery.offsets)}")
+        delivered.set()
+        await asyncio.wait_for(checkpoint, 10)
+        await q.close()
+        return events
+
+    events = asyncio.run(main())
+    # (A housekeeping tick may take another checkpoint after it: only the first counts.)
+    assert events[:3] == ["checkpoint write starts", "delivered 1", "checkpoint write ends"], events
