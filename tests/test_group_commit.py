@@ -75,8 +75,12 @@ def test_a_checkpoint_is_written_while_the_queue_delivers(tmp_path):
         await q.send_batch(_one(b"published"))
         q.log.write = checkpoint_waits_for_a_delivery
         checkpoint = asyncio.ensure_future(q.commits.checkpoint())
-        while "checkpoint write starts" not in events:
-            await asyncio.sleep(0.001)
+
+        async def write_started() -> None:
+            while "checkpoint write starts" not in events:
+                await asyncio.sleep(0.001)
+
+        await asyncio.wait_for(write_started(), 10)
         delivery = await asyncio.wait_for(q.fetch_delivery("c", 10, 5.0, 100), 5)
         events.append(f"delivered {len(delivery.offsets)}")
         delivered.set()
