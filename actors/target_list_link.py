@@ -23,7 +23,7 @@ from raymq.core.link import Fault, LinkFault
 from raymq.core.target_list import FetchAnswer, FetchFailed
 from raymq.core.target_list_link import ConsumerSpec, Endpoint
 from raymq.errors import BrokerUnavailable, RayMQError, ray_reason
-from raymq.ray_faults import ACTOR_FAULTS, fault_of
+from raymq.ray_faults import ACTOR_FAULTS, fault_of, submit
 from raymq.wire.fetch import FetchChannel, Registration
 
 #: Longest a TargetList waits for its broker to start its queue's actor again (seconds):
@@ -44,6 +44,14 @@ def _link_fault(exc: ray.exceptions.RayError) -> Exception:
         final = bool(getattr(exc, "actor_init_failed", False))  # it could not start again
         return LinkFault(fault_of(exc), ray_reason(exc), final=final)
     return LinkFault(Fault.FAILED, ray_reason(exc))
+
+
+def _submit(method: Any, *args: Any) -> Any:
+    """``method.remote(*args)``; Ray's refusal to submit it as the link's fault."""
+    try:
+        return submit(method, *args)
+    except ray.exceptions.RayError as exc:
+        raise _link_fault(exc) from None
 
 
 async def _ray(call: Awaitable[T]) -> T:
@@ -99,8 +107,13 @@ class RayQueueEndpoint:
     async def register(self) -> Endpoint | None:
         spec = self.spec
         queue = await self.actor()
-        call = queue.register_consumer.remote(
-            spec.consumer_id, spec.prefetch, spec.selector, self._me, spec.subscription
+        call = _submit(
+            queue.register_consumer,
+            spec.consumer_id,
+            spec.prefetch,
+            spec.selector,
+            self._me,
+            spec.subscription,
         )
         return await _ray(call)
 
@@ -121,7 +134,7 @@ class RayQueueEndpoint:
             pass
         try:
             broker = await asyncio.to_thread(ray.get_actor, BROKER_ACTOR_NAME, namespace)
-            return await asyncio.wait_for(broker.get_queue.remote(self.spec.queue), REVIVE_SECONDS)
+            return await asyncio.wait_for(submit(broker.get_queue, self.spec.queue), REVIVE_SECONDS)
         except RayMQError as exc:  # (Ray's error for a typed one is one too)
             raise FetchFailed(getattr(exc, "cause", exc)) from None
         except (ValueError, TimeoutError, ray.exceptions.RayError) as exc:
@@ -144,11 +157,11 @@ class RayQueueEndpoint:
 
     async def fetch(self, args: tuple) -> tuple[Any, Any]:
         queue = await self.actor()
-        return tuple(queue.fetch_batch.options(num_returns=2).remote(*args))
+        return tuple(_submit(queue.fetch_batch.options(num_returns=2), *args))
 
     async def fetch_parked(self, token: int) -> tuple[Any, Any]:
         queue = await self.actor()
-        return tuple(queue.fetch_parked.options(num_returns=2).remote(token))
+        return tuple(_submit(queue.fetch_parked.options(num_returns=2), token))
 
     async def answer(self, handle: Any) -> FetchAnswer:
         return await _ray(handle)
@@ -156,14 +169,16 @@ class RayQueueEndpoint:
     async def give_back(self, offsets: np.ndarray) -> None:
         spec = self.spec
         queue = await self.actor()
-        await _ray(queue.give_back.remote(spec.consumer_id, offsets, spec.subscription))
+        await _ray(_submit(queue.give_back, spec.consumer_id, offsets, spec.subscription))
 
     async def close_consumer(self, offsets: np.ndarray) -> int:
         spec = self.spec
         queue = await self.actor()
-        return await _ray(queue.close_consumer.remote(spec.consumer_id, offsets, spec.subscription))
+        return await _ray(
+            _submit(queue.close_consumer, spec.consumer_id, offsets, spec.subscription)
+        )
 
     async def consumer_stats(self) -> dict:
         spec = self.spec
         queue = await self.actor()
-        return await _ray(queue.consumer_stats.remote(spec.consumer_id, spec.subscription))
+        return await _ray(_submit(queue.consumer_stats, spec.consumer_id, spec.subscription))

@@ -27,7 +27,7 @@ class Actor:
 
     def __init__(self, name: str, state: str = "up"):
         self.name = name
-        self.state = state  # up | restarting | gone | moved | paused | not_leader
+        self.state = state  # up | restarting | gone | unknown | moved | paused | not_leader
         self.calls = 0
 
     def __repr__(self) -> str:
@@ -58,6 +58,8 @@ class FakeCluster:
                 raise LinkFault(Fault.RESTARTING, "restarting")
         if handle.state == "gone":
             raise LinkFault(Fault.GONE, "died")
+        if handle.state == "unknown":  # Ray knows no such actor (another Ray session's)
+            raise LinkFault(Fault.GONE, "ActorNotFound", final=True)
         if handle.state == "moved":
             raise LinkFault(Fault.MOVED, "node gone: unschedulable")
         if handle.state == "not_leader":
@@ -166,6 +168,24 @@ def test_a_dead_actor_nobody_replaces_ends_in_broker_unavailable_within_the_grac
         link.call("stats")
     assert 10.0 <= cluster.clock.now <= 11.0
     assert cluster.located >= 2  # asked again on every attempt
+
+
+def test_an_actor_gone_for_good_that_nobody_replaces_fails_at_once(cluster):
+    """A handle of a Ray session since shut down: Ray knows neither its actor nor the
+    broker's. Waiting out the grace cannot help; the typed error comes at once."""
+    link = link_of(cluster, grace=60.0)
+    cluster.current.state = "unknown"
+    cluster.locate_error = BrokerUnavailable("the broker's actor is unknown too")
+    with pytest.raises(BrokerUnavailable, match=r"queue 'q'.*gone for good.*ActorNotFound"):
+        link.call("stats")
+    assert cluster.clock.now == 0.0 and cluster.located == 1
+
+
+def test_an_actor_gone_for_good_is_followed_to_the_one_the_broker_names(cluster):
+    link = link_of(cluster)
+    cluster.current.state = "unknown"
+    cluster.current = Actor("a2")
+    assert link.call("stats") == ("a2", "stats", ())
 
 
 def test_a_paused_actor_costs_at_most_the_grace(cluster):

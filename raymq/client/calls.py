@@ -16,7 +16,7 @@ from raymq.errors import (
     RayMQError,
     ray_reason,
 )
-from raymq.ray_faults import ACTOR_FAULTS
+from raymq.ray_faults import ACTOR_FAULTS, ActorNotFound, submit
 
 #: How long a call keeps retrying while an actor restarts (seconds).
 RESTART_GRACE_SECONDS = 60.0
@@ -75,7 +75,7 @@ def _call(
     while True:
         try:
             try:
-                return ray.get(method.remote(*args, **kwargs))
+                return ray.get(submit(method, *args, **kwargs))
             except ray.exceptions.RayTaskError as exc:
                 if isinstance(exc.cause, NotLeader) and refresh is not None:
                     raise exc.cause from None
@@ -83,7 +83,8 @@ def _call(
                     raise _unwrap(exc) from None
                 raise exc.cause from None  # an actor it called restarts: wait as for ours
         except (*_FAULTS, NotLeader) as exc:
-            if not retry or time.monotonic() > deadline:
+            # An actor Ray cannot find (of a Ray session since shut down) never returns.
+            if not retry or time.monotonic() > deadline or isinstance(exc, ActorNotFound):
                 if isinstance(exc, NotLeader):
                     raise
                 what = "actor unavailable" if about is None else f"{about}: actor unavailable"

@@ -25,6 +25,7 @@ from raymq.client.acks import AckPipeline
 from raymq.client.calls import _FAULTS, _RETRYABLE, _reason, _unwrap
 from raymq.client.messages import Message, _offsets_of
 from raymq.errors import InvalidAck, NotLeader
+from raymq.ray_faults import ActorNotFound, submit
 from raymq.wire.errors import WireBroken
 from raymq.wire.send import MAX_ACK_OFFSETS, SendChannel
 
@@ -183,7 +184,11 @@ class ConsumerAcks:
             except WireBroken:  # known broken: Ray carries this one
                 fut = None
         if fut is None:
-            fut = actor.ack.remote(self.consumer_id, offsets, self._subscription).future()
+            try:
+                fut = submit(actor.ack, self.consumer_id, offsets, self._subscription).future()
+            except ActorNotFound as exc:  # a call that failed: checked (and sent again) as one
+                fut = concurrent.futures.Future()
+                fut.set_exception(exc)
         fut.raymq_actor = actor  # (whom it went to: _resend_acks)
         return fut
 
@@ -272,7 +277,11 @@ class ConsumerAcks:
         """Ack ``offsets`` after the queue refused them together (changing nothing): one
         call acks those it accepts; returns its refusal of the others, if any. A call
         that fails otherwise is counted in ``acks_lost``."""
-        ref = self._actor.ack_acceptable.remote(self.consumer_id, offsets, self._subscription)
+        try:
+            ref = submit(self._actor.ack_acceptable, self.consumer_id, offsets, self._subscription)
+        except ActorNotFound as exc:
+            self._ack_lost([offsets], exc)
+            return None
         try:
             _fresh, refusal = ray.get(ref, timeout=acks.ACK_ANSWER_SECONDS)
         except ray.exceptions.GetTimeoutError:

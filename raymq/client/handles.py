@@ -51,7 +51,7 @@ from raymq.errors import (
     SubscriptionNotFound,
 )
 from raymq.properties import encode_properties, validate_properties
-from raymq.ray_faults import fault_of
+from raymq.ray_faults import ActorNotFound, fault_of, submit
 from raymq.selector import Selector
 from raymq.wire.errors import WireBroken
 from raymq.wire.send import SendChannel
@@ -555,9 +555,8 @@ class _RayTransport:
 
     def call(self, handle: Any, method: str, args: tuple, timeout: float | None) -> Any:
         """``method(*args)`` on ``handle`` (``raymq.core.link.Transport``)."""
-        ref = getattr(handle, method).remote(*args)
         try:
-            return ray.get(ref, timeout=timeout)
+            return ray.get(submit(getattr(handle, method), *args), timeout=timeout)
         except ray.exceptions.RayTaskError as exc:  # (first: it is an instance of its cause)
             if isinstance(exc.cause, _FAULTS):  # an actor it called restarts or died
                 raise LinkFault(fault_of(exc.cause), _reason(exc.cause)) from None
@@ -566,6 +565,8 @@ class _RayTransport:
             # Not cancelled: a call half done in the queue (a send in its group commit)
             # is left to finish; the link reports its outcome as unknown.
             raise LinkFault(Fault.SILENT, f"no answer in {timeout:g} s") from None
+        except ActorNotFound as exc:  # (first: one of _FAULTS) never comes back
+            raise LinkFault(Fault.GONE, _reason(exc), final=True) from None
         except _FAULTS as exc:
             raise LinkFault(fault_of(exc), _reason(exc)) from None
 

@@ -204,7 +204,13 @@ class QueueLink:
                     f"{self.about}: its actor could not be reached for"
                     f" {self.grace_seconds():g} s ({fault})"
                 ) from fault
-            self.follow(handle)
+            if not self.follow(handle) and fault.final:
+                # Gone for good (Ray knows no such actor) and no other named: waiting
+                # out the grace would only delay the same answer.
+                raise BrokerUnavailable(
+                    f"{self.about}: its actor is gone for good and no other serves it"
+                    f" ({fault})"
+                ) from fault
             self._sleep(min(delay, max(deadline - self._clock(), 0.0)))
             delay = min(delay * 2, RETRY_MAX_SECONDS)
 
