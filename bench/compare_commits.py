@@ -164,6 +164,12 @@ def _setting(text: str) -> tuple[str, int]:
     return name, int(value)
 
 
+def tree_env() -> dict[str, str]:
+    """The environment of a tree's worker: this one's, less what would point it at
+    another Ray (``RAY_ADDRESS``) or another tree's code (``PYTHONPATH``)."""
+    return {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PYTHONPATH")}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("trees", nargs="*", help="LABEL=PATH of each checkout")
@@ -210,7 +216,7 @@ def main() -> None:
                     if s.split(":", 1)[0] == label
                 ),
             ]
-            env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PYTHONPATH")}
+            env = tree_env()
             t0 = time.monotonic()
             proc = subprocess.run(cmd, cwd=path, env=env, capture_output=True, text=True)
             line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]

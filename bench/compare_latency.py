@@ -26,12 +26,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from typing import NoReturn
 
 import numpy as np
+from compare_commits import tree_env
 
 #: The object store each tree's Ray gets (bytes): several Rays share the machine's
 #: memory, and 1 KiB messages at 1,000 msg/s need little of it.
@@ -91,31 +95,51 @@ class Tree:
             "--worker",
             f"--rate={rate}",
         ]
-        env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PYTHONPATH")}
+        env = tree_env()
         # Its stderr, shown if it fails; open for as long as the worker runs.
         self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115
         self.proc = subprocess.Popen(
             cmd, cwd=path, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=self.log, text=True, bufsize=1,
         )  # fmt: skip
+        # Its stdout, line by line (None when it ends): read in a thread, so that a
+        # worker that hangs is waited for with a deadline, not for ever.
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
 
-    def expect(self, prefix: str) -> str:
-        """The rest of the worker's next line starting with ``prefix`` (other lines are
-        skipped); exits with the worker's stderr if it ended first."""
+    def _read(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
-            if line.startswith(prefix):
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def expect(self, prefix: str, seconds: float) -> str:
+        """The rest of the worker's next line starting with ``prefix`` (other lines are
+        skipped), within ``seconds``; exits with the worker's stderr if it ended first
+        or did not answer in time (then it is killed)."""
+        deadline = time.monotonic() + seconds
+        while True:
+            try:
+                line = self._lines.get(timeout=max(deadline - time.monotonic(), 0.0))
+            except queue.Empty:
+                self.proc.kill()
+                self._fail(f"gave no {prefix.strip()} line within {seconds:g} s (killed)")
+            if line is None:
+                self._fail(f"ended: exit {self.proc.wait()}")
+            elif line.startswith(prefix):
                 return line[len(prefix) :]
+
+    def _fail(self, why: str) -> NoReturn:
         self.log.seek(0)
         print(self.log.read()[-5000:], file=sys.stderr)
-        raise SystemExit(f"{self.label} ({self.path}) ended: exit {self.proc.wait()}")
+        raise SystemExit(f"{self.label} ({self.path}) {why}")
 
     def run(self, path: str, seconds: float) -> dict:
         """One window: ``seconds`` of ``path`` ("default" or "tuned")."""
         assert self.proc.stdin is not None
         self.proc.stdin.write(f"run {path} {seconds}\n")
         self.proc.stdin.flush()
-        return json.loads(self.expect("RESULT "))
+        return json.loads(self.expect("RESULT ", seconds + ANSWER_MARGIN_SECONDS))
 
     def close(self) -> None:
         """Stop the worker (its broker and Ray)."""
@@ -157,7 +181,7 @@ def main() -> None:
         # One at a time: several Rays starting at once on 2 cores time out.
         for label, path in (t.split("=", 1) for t in a.trees):
             trees.append(Tree(label, path, a.rate))
-            trees[-1].expect("READY")
+            trees[-1].expect("READY", START_SECONDS)
             print(f"{label} ready ({time.monotonic() - t0:.0f} s)", flush=True)
         e2e = {(t.label, path): [] for t in trees for path in paths}
         p99s = {(t.label, path): [] for t in trees for path in paths}
