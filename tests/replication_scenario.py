@@ -205,6 +205,22 @@ class Scenario:
                 os.kill(pid, signal.SIGKILL)
         return t
 
+    def remove_leader(self, name: str) -> tuple[str, float]:
+        """Remove the node of queue ``name``'s leader, with its process: the leader the
+        broker names now, once it names one on a worker node (under load a failover may
+        have moved it since the queue was made). Returns that node and when it went."""
+        found: dict[str, str | None] = {}
+
+        def on_a_worker() -> bool:
+            found["node"] = self.broker.queue_nodes().get(name)
+            return found["node"] in self.workers()
+
+        wait_for(f"queue {name!r}'s leader on a worker node", on_a_worker)
+        node = found["node"]
+        assert node is not None
+        pid = ray.get(self.broker.get_queue(name)._actor.pid.remote())
+        return node, self.remove(node, [pid])
+
     def leader_pid(self, q) -> int:
         return ray.get(q._actor.pid.remote())
 
@@ -222,7 +238,6 @@ class Scenario:
 
     def leader_loss(self) -> dict:
         q = self.create("leader")
-        leader = self.broker.queue_nodes()["leader"]
         producers = Producers(q).start()
         wait_for("acks before the loss", lambda: producers.count() >= 2000)
         holder = q.consumer(prefetch=500)  # holds messages unacknowledged across the loss
@@ -230,7 +245,7 @@ class Scenario:
         while len(held) < 300:
             held += [m.body for m in holder.receive(max_messages=300, timeout=5)]
         idle = self.broker.get_queue("leader")  # a handle not used until after the loss
-        removed_at = self.remove(leader, [self.leader_pid(q)])
+        leader, removed_at = self.remove_leader("leader")
         wait_for("a new leader", lambda: self.broker.queue_nodes()["leader"] != leader)
         wait_for("acks after the loss", lambda: producers.first_ack_after(removed_at + 0.001))
         after = producers.count()
@@ -320,8 +335,7 @@ class Scenario:
         q.send(b"due", deliver_at=due_at)
         q.send_batch([b"short-%d" % i for i in range(5)], ttl=2.0)
         q.send_batch([b"urgent-%d" % i for i in range(5)], priority=9)
-        leader = self.broker.queue_nodes()["timed"]
-        self.remove(leader, [self.leader_pid(q)])
+        leader, _ = self.remove_leader("timed")
         wait_for("a new leader", lambda: self.broker.queue_nodes()["timed"] != leader)
         # The new leader's pass finds them again (at once after its start).
         wait_for("priorities found", lambda: q.stats()["prioritized"] == 5)
