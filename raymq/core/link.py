@@ -208,8 +208,7 @@ class QueueLink:
                 # Gone for good (Ray knows no such actor) and no other named: waiting
                 # out the grace would only delay the same answer.
                 raise BrokerUnavailable(
-                    f"{self.about}: its actor is gone for good and no other serves it"
-                    f" ({fault})"
+                    f"{self.about}: its actor is gone for good and no other serves it ({fault})"
                 ) from fault
             self._sleep(min(delay, max(deadline - self._clock(), 0.0)))
             delay = min(delay * 2, RETRY_MAX_SECONDS)

@@ -105,6 +105,8 @@ class AckState:
             idx = np.flatnonzero(~seg.acked[lo:hi])[:need]
             out.append(idx + (seg.base_offset + lo))
             need -= len(idx)
+        if len(out) == 1:
+            return out[0]
         return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
 
     def is_acked(self, offsets: np.ndarray) -> np.ndarray:

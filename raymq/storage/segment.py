@@ -407,6 +407,10 @@ class Segment:
             self.summary_overflow = True
 
 
+def _base_offset(segment: Segment) -> int:
+    return segment.base_offset
+
+
 class Segments(list):
     """The live segments of a queue in offset order (a list), with lookups by offset."""
 
@@ -415,8 +419,11 @@ class Segments(list):
         return np.fromiter((s.base_offset for s in self), dtype=np.int64, count=len(self))
 
     def index_at(self, offset: int) -> int:
-        """Index of the first segment that may hold ``offset`` or anything after it."""
-        return max(0, int(np.searchsorted(self.bases(), offset, side="right")) - 1)
+        """Index of the first segment that may hold ``offset`` or anything after it.
+        A bisection over the segments themselves: every fetch, read and holding() asks,
+        and ``bases()`` costs an array of all segments each time (a deep backlog has
+        thousands)."""
+        return max(0, bisect_right(self, offset, key=_base_offset) - 1)
 
     def holding(self, offset: int) -> Segment | None:
         """The live segment holding ``offset``, if any."""
