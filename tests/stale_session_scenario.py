@@ -7,6 +7,7 @@ must end in a typed RayMQ error at once. Prints one JSON line: what each call di
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -16,14 +17,33 @@ import ray
 import raymq
 from raymq.errors import RayMQError
 
+#: Directories this run made (Ray's temp directories, the paging directory): removed at
+#: its end. Under /tmp: Ray's socket paths inside them must stay short.
+_made: list[str] = []
+
+
+def _dir() -> str:
+    _made.append(tempfile.mkdtemp(prefix="rmq-stale-"))
+    return _made[-1]
+
 
 def _ray() -> None:
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    """A new local Ray of this process's own: ``address="local"`` (not a cluster found
+    running, such as the jobs scenario's ``ray start`` beside the suite) and a temp
+    directory of its own (where ``--address auto`` looks for the current cluster)."""
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        configure_logging=False,
+        _temp_dir=_dir(),
+    )
 
 
 def main() -> None:
     _ray()
-    broker = raymq.connect(paging_directory=tempfile.mkdtemp(prefix="rmq-stale-"))
+    broker = raymq.connect(namespace="raymq-stale-session", paging_directory=_dir())
     queue = broker.create_queue("stale")
     queue.send(b"one")
     consumer = queue.consumer()
@@ -58,4 +78,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:
+        for made in _made:
+            shutil.rmtree(made, ignore_errors=True)
