@@ -61,6 +61,11 @@ async def _ray(call: Awaitable[T]) -> T:
         raise _link_fault(exc) from None
 
 
+async def _ray_call(method: Any, *args: Any) -> Any:
+    """``method(*args)`` by Ray, awaited; Ray's failures as the link's faults."""
+    return await _ray(_submit(method, *args))
+
+
 class RayQueueEndpoint:
     """The queue's actor for one TargetList (``raymq.core.target_list_link.QueueEndpoint``).
 
@@ -107,7 +112,7 @@ class RayQueueEndpoint:
     async def register(self) -> Endpoint | None:
         spec = self.spec
         queue = await self.actor()
-        call = _submit(
+        return await _ray_call(
             queue.register_consumer,
             spec.consumer_id,
             spec.prefetch,
@@ -115,7 +120,6 @@ class RayQueueEndpoint:
             self._me,
             spec.subscription,
         )
-        return await _ray(call)
 
     async def find(self) -> None:
         self.queue_actor = await self._find()
@@ -169,16 +173,14 @@ class RayQueueEndpoint:
     async def give_back(self, offsets: np.ndarray) -> None:
         spec = self.spec
         queue = await self.actor()
-        await _ray(_submit(queue.give_back, spec.consumer_id, offsets, spec.subscription))
+        await _ray_call(queue.give_back, spec.consumer_id, offsets, spec.subscription)
 
     async def close_consumer(self, offsets: np.ndarray) -> int:
         spec = self.spec
         queue = await self.actor()
-        return await _ray(
-            _submit(queue.close_consumer, spec.consumer_id, offsets, spec.subscription)
-        )
+        return await _ray_call(queue.close_consumer, spec.consumer_id, offsets, spec.subscription)
 
     async def consumer_stats(self) -> dict:
         spec = self.spec
         queue = await self.actor()
-        return await _ray(_submit(queue.consumer_stats, spec.consumer_id, spec.subscription))
+        return await _ray_call(queue.consumer_stats, spec.consumer_id, spec.subscription)

@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import queue
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -79,8 +80,6 @@ def worker(rate: int) -> None:
     finally:
         broker.shutdown()
         ray.shutdown()
-        import shutil
-
         shutil.rmtree(paging, ignore_errors=True)
 
 
