@@ -360,7 +360,7 @@ class WireClient:
             self._break(WireBroken(f"{self.what}: {self.protocol} answered nonsense: {exc!r}"))
 
     def _frame(self, header: list, buffers: list) -> None:
-        req_id, error, value, _sizes = header
+        req_id = header[0]
         with self._lock:
             waiter = self._waiting.pop(req_id, None)
         bound = self._bounds.pop(req_id, None)
@@ -368,12 +368,7 @@ class WireClient:
             bound.cancel()
         if waiter is None:
             return  # its waiter gave up
-        if error is None:
-            _tell(waiter, Answer(value, buffers), None)
-        elif type(error) is list and len(error) == 2:
-            _tell(waiter, None, error_of(str(error[0]), str(error[1])))
-        else:
-            raise frames.FrameError(f"an error that is not [name, message]: {error!r:.80}")
+        _tell(waiter, *answer_outcome(header, buffers))
 
     def _break(self, error: WireBroken) -> None:
         """(The loop's thread) Broken for good: every waiter fails, the socket closes."""
@@ -408,6 +403,17 @@ class WireClient:
             sock.close()
         if not self._lost.done():
             self._lost.set_result(None)
+
+
+def answer_outcome(header: list, buffers: list) -> tuple[Answer, None] | tuple[None, BaseException]:
+    """An answer frame's outcome: (its ``Answer``, None), or (None, its typed error).
+    ``frames.FrameError`` if its error is not ``[name, message]``."""
+    _req_id, error, value, _sizes = header
+    if error is None:
+        return Answer(value, buffers), None
+    if type(error) is list and len(error) == 2:
+        return None, error_of(str(error[0]), str(error[1]))
+    raise frames.FrameError(f"an error that is not [name, message]: {error!r:.80}")
 
 
 def _tell(

@@ -40,10 +40,10 @@ from typing import NamedTuple
 import pyarrow as pa
 
 from raymq.selector.parser import MAX_SELECTOR_LENGTH
-from raymq.wire.blocking import BlockingClient
 from raymq.wire.errors import WireBroken
 from raymq.wire.ipc import from_ipc, to_ipc
 from raymq.wire.server import DEFERRED, Op, Protocol, ProtocolServer, Request, WireServer
+from raymq.wire.sync_client import SyncClient
 
 log = logging.getLogger("raymq.wire.delivery")
 
@@ -237,7 +237,9 @@ class DeliveryChannel:
         #: Answers with messages read whole: after a break the TargetList gives back the
         #: rows of any answer it wrote beyond these (``TargetListActor.channel_broke``).
         self.answers_read = 0
-        self._client = BlockingClient(
+        # Read by the thread that takes (one request at a time): no hand-off from the
+        # wire loop's thread for each answer (raymq.wire.sync_client).
+        self._client = SyncClient(
             (host, port, secret), PROTOCOL, f"queue {queue!r}", timeout=CONNECT_TIMEOUT_SECONDS
         )
 
