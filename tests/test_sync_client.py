@@ -23,6 +23,17 @@ def connect(endpoint, name: str, patience: float = 30.0) -> SyncClient:
     return SyncClient(endpoint, name, "test", patience=patience)
 
 
+async def held_call(s, name: str, patience: float = 30.0) -> tuple[SyncClient, asyncio.Future]:
+    """A client of the server ``s`` and its call of the protocol's held op, under way in
+    a thread, held in the back end (``s.backend.gate`` lets it go)."""
+    s.backend.hold()
+    client = await asyncio.to_thread(connect, s.endpoint, name, patience)
+    op, args, buffers = s.spec.held
+    waiting = asyncio.ensure_future(asyncio.to_thread(client.call, op, args, buffers))
+    await s.backend.entered.wait()
+    return client, waiting
+
+
 @pytest.mark.parametrize("name", PROTOCOLS)
 def test_every_op_is_answered_and_typed_errors_leave_the_connection_usable(name):
     async def main():
@@ -89,10 +100,7 @@ def test_a_request_with_a_bound_breaks_the_connection_after_it():
 def test_a_busy_server_answers_pings_and_its_client_waits_past_its_patience(name):
     async def main():
         async with serving(name) as s:
-            s.backend.hold()
-            client = await asyncio.to_thread(connect, s.endpoint, name, 0.1)
-            op, args, buffers = s.spec.held
-            waiting = asyncio.ensure_future(asyncio.to_thread(client.call, op, args, buffers))
+            client, waiting = await held_call(s, name, patience=0.1)
             await until(lambda: s.wire.pings_answered >= 3, "three pings answered")
             assert not waiting.done()
             s.backend.gate.set()
@@ -108,11 +116,7 @@ def test_a_busy_server_answers_pings_and_its_client_waits_past_its_patience(name
 def test_a_server_killed_mid_request_fails_it_answer_pending(name):
     async def main():
         async with serving(name) as s:
-            s.backend.hold()
-            client = await asyncio.to_thread(connect, s.endpoint, name)
-            op, args, buffers = s.spec.held
-            waiting = asyncio.ensure_future(asyncio.to_thread(client.call, op, args, buffers))
-            await s.backend.entered.wait()  # held in the back end
+            _client, waiting = await held_call(s, name)
             (conn,) = s.wire._open
             conn.transport.abort()  # the server's process dies
             with pytest.raises(WireBroken) as broken:
@@ -127,11 +131,7 @@ def test_a_server_killed_mid_request_fails_it_answer_pending(name):
 def test_close_from_another_thread_ends_a_waiting_call_at_once(name):
     async def main():
         async with serving(name) as s:
-            s.backend.hold()
-            client = await asyncio.to_thread(connect, s.endpoint, name)
-            op, args, buffers = s.spec.held
-            waiting = asyncio.ensure_future(asyncio.to_thread(client.call, op, args, buffers))
-            await s.backend.entered.wait()
+            client, waiting = await held_call(s, name)
             started = time.monotonic()
             client.close()  # this thread is not the one reading
             with pytest.raises(WireBroken, match="closed") as broken:
