@@ -22,6 +22,7 @@ import itertools
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from raymq.wire import frames
@@ -88,7 +89,12 @@ class SyncClient:
         self.what = what
 
     def call(
-        self, op: str, args: list, buffers: frames.Buffer = (), *, within: float | None = None
+        self,
+        op: str,
+        args: list,
+        buffers: Sequence[frames.Buffer] = (),
+        *,
+        within: float | None = None,
     ) -> Answer:
         """Send a request and read its answer (raises its typed error, or
         ``WireBroken`` with ``answer_pending`` set); ``within`` (seconds) bounds this
@@ -128,8 +134,10 @@ class SyncClient:
                 self._sock.close()
 
     def _send(self, parts: list[frames.Buffer]) -> None:
-        self._sock.settimeout(None)  # (blocking: a full socket buffer waits for the server)
-        self._sock.sendall(b"".join(parts))  # (small requests: one copy, one system call)
+        # Small requests, one at a time: the socket's buffer never fills unless the
+        # server is gone (then ``patience`` bounds the wait).
+        self._sock.settimeout(self.patience)
+        self._sock.sendall(b"".join(parts))  # (one copy, one system call)
 
     def _answer(
         self, req_id: int, within: float | None
