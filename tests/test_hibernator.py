@@ -68,6 +68,8 @@ class FakeProcesses:
         self.most_starting = 0
         #: Queue -> an event its next ``end`` waits for (to hold a sweep there).
         self.end_gates: dict[str, asyncio.Event] = {}
+        #: How long an idleness probe's answer takes to come back (seconds).
+        self.answer_seconds = 0.0
 
     def start(self, name: str) -> tuple[FakeProcess, str]:
         if name not in self.nodes:
@@ -98,7 +100,10 @@ class FakeProcesses:
     async def idle_seconds(self, handle: FakeProcess) -> float | None:
         if not handle.alive:
             return None
-        return None if handle.busy else self.clock() - handle.last_call
+        seconds = None if handle.busy else self.clock() - handle.last_call
+        if self.answer_seconds:  # the answer's way back (a loaded machine's)
+            await asyncio.sleep(self.answer_seconds)
+        return seconds
 
     async def hibernate(self, handle: FakeProcess) -> bool:
         if not handle.alive:
@@ -133,11 +138,15 @@ def run(coro, seconds: float = 10.0):
     return asyncio.run(asyncio.wait_for(coro, seconds))
 
 
-def test_queues_started_together_start_side_by_side_and_are_trimmed_to_the_cap():
+@pytest.mark.parametrize("answer_seconds", [0.0, 0.001])
+def test_queues_started_together_start_side_by_side_and_are_trimmed_to_the_cap(answer_seconds):
+    # With the probes' answers slow to come back, a probe's measuring is early in its
+    # round trip (a queue handed out and not called yet must still be told apart).
     names = [f"q{i}" for i in range(6)]
 
     async def scenario() -> None:
         hib, processes = hibernator(2, names)
+        processes.answer_seconds = answer_seconds
 
         async def create(name: str) -> None:
             handle = await hib.handle(name, new=True)

@@ -147,10 +147,9 @@ class HibernationPolicy:
         """True if ``name`` was handed out less than ``handout_grace_seconds`` before
         ``probed_at`` and its actor has seen no call since: its idle time, measured at
         ``probed_at`` (by this clock), is at least the handout's age then. The broker
-        takes the middle of the probe's round trip for ``probed_at``: off by half of
-        it at most, less than what separates the handout from the two calls it is
-        told apart from (the broker's ``ready`` before it, whose answer had to travel
-        back; the client's first call after it, which needs a round trip)."""
+        takes the probe's sending for ``probed_at``, the earliest the actor can have
+        measured: a queue not called since its handout is then always held back, and
+        at worst one called just after it is held for one more sweep."""
         at = self._handed_out.get(name)
         if at is None or idle is None:
             return False

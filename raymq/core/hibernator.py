@@ -227,12 +227,15 @@ class Hibernator:
         return Sweep(done, len(held))
 
     async def _probe(self, handle: Handle) -> tuple[float | None, float]:
-        """A process's idle seconds, and when it measured them by this broker's clock:
-        the middle of the probe's round trip (each probe its own: one that times out
-        must not blur the others')."""
+        """A process's idle seconds, and the earliest it can have measured them by this
+        broker's clock: when the probe was sent (each probe its own). Not the middle of
+        the round trip: an answer slow to come back (a loaded machine) put that middle
+        after the measuring by more than separates a handout from the call before it,
+        and a queue handed out and not called yet was hibernated (a fake replays it,
+        ``tests/test_hibernator.py``, probes answered 1 ms late)."""
         sent = self._clock()
         seconds = await self._processes.idle_seconds(handle)
-        return seconds, (sent + self._clock()) / 2
+        return seconds, sent
 
     async def hibernate(self, name: str, probed: Handle | None = None) -> bool:
         """Hibernate one queue if it is still idle: its actor closes its files, is
