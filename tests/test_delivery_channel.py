@@ -467,3 +467,42 @@ def test_a_take_is_written_at_once_not_at_the_end_of_the_loops_turn():
 
     run(main())
     assert seen == {"now": True}
+
+
+def _written_by_arrow(batch: pa.RecordBatch) -> bytes:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.RecordBatchStreamWriter(sink, batch.schema) as writer:
+        writer.write_batch(batch)
+    return sink.getvalue().to_pybytes()
+
+
+@pytest.mark.parametrize(
+    "batch",
+    [
+        delivery(0, 1),
+        delivery(10, 50).slice(5, 7),
+        delivery(0, 0),
+        delivery(0, 2000),  # over SHORT_WRITE_BYTES: Arrow's stream writer
+        pa.record_batch([pa.array([1, 2])], names=["x"]),  # another schema
+    ],
+    ids=["one", "slice", "empty", "large", "other-schema"],
+)
+def test_an_ipc_stream_is_the_one_arrow_writes_and_reads_back_into_its_buffer(batch):
+    stream = to_ipc(batch).to_pybytes()
+    assert stream == _written_by_arrow(batch)  # readable by any Arrow reader
+    data = bytearray(stream)
+    back = from_ipc(data)
+    assert back.equals(batch) and back.schema.equals(batch.schema, check_metadata=True)
+    if batch.num_rows:  # zero-copy: the rows' buffers lie in the bytes received
+        start = np.frombuffer(data, np.uint8).ctypes.data
+        assert start <= back.column(0).buffers()[1].address < start + len(data)
+
+
+def test_a_stream_cut_short_or_without_its_batch_is_arrow_invalid_or_os_error():
+    stream = to_ipc(delivery(0, 3)).to_pybytes()
+    schema = pa.ipc.open_stream(stream).schema.serialize().to_pybytes()
+    assert stream.startswith(schema)
+    without_batch = schema + stream[-8:]  # the schema's message, then the end marker
+    for data in (b"", stream[:10], stream[: len(schema) + 20], stream[:-20], without_batch):
+        with pytest.raises((pa.ArrowInvalid, OSError)):
+            from_ipc(data)
