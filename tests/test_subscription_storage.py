@@ -81,6 +81,22 @@ def test_recovery_merges_checkpoint_and_ack_log_ranges_per_subscription(tmp_path
     log.close()
 
 
+def test_offsets_never_published_are_neither_acknowledged_nor_logged(tmp_path):
+    """A negative offset in the ack log would read back as a subscription's marker, one
+    past the end as the ack of a message published later."""
+    log, acks = _address_log(tmp_path)
+    acks.create(0, 0)
+    commit(log, [b"m"] * 10)
+    assert acks.ack(0, np.array([3, -1, 2, 10, 12])).tolist() == [2, 3]
+    commit(log)
+    commit(log, [b"m"] * 5)  # offsets 10-14: not acknowledged by anyone
+    log.close()
+    log, _ = SegmentLog.open(str(tmp_path), queue="a", page_size_bytes=PAGE)
+    assert log.recovered_subscriptions[0] == AckRanges.from_ranges(ranges((2, 4)))
+    assert log.recovered_subscriptions.keys() == {0}
+    log.close()
+
+
 def test_a_queue_has_no_subscription_state(tmp_path):
     log, _ = SegmentLog.open(str(tmp_path), queue="q", page_size_bytes=PAGE)
     commit(log, [b"m"] * 10)

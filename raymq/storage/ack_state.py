@@ -33,19 +33,37 @@ class AckState:
         segments = self.segments
         if not len(offsets) or not segments:
             return 0
-        where = np.searchsorted(segments.bases(), offsets, side="right") - 1
-        fresh = 0
-        for i in np.unique(where[where >= 0]):
-            seg = segments[i]
-            mine = offsets[(where == i)]
-            mine = mine[mine < seg.end_offset]
-            if len(mine):
-                fresh += seg.ack(mine)
-                if seg.fd is None:
-                    seg.free_acked_records(int(mine.min()), int(mine.max()))
+        lo, hi = int(offsets.min()), int(offsets.max())
+        seg = segments[segments.index_at(lo)]
+        if seg.base_offset <= lo and hi < seg.end_offset:
+            # All in one segment, as a consumer's acks mostly are: no array of every
+            # segment's base (a deep backlog has thousands) and no split.
+            fresh = self._ack_in(seg, offsets, lo, hi)
+            applied = [offsets]
+        else:
+            where = np.searchsorted(segments.bases(), offsets, side="right") - 1
+            fresh, applied = 0, []
+            for i in np.unique(where[where >= 0]):
+                seg = segments[i]
+                mine = offsets[(where == i)]
+                mine = mine[mine < seg.end_offset]
+                if len(mine):
+                    fresh += self._ack_in(seg, mine, int(mine.min()), int(mine.max()))
+                    applied.append(mine)
         self.depth -= fresh
-        if log_it and self.durable and len(offsets):
-            self._pending.append(offsets)
+        if log_it and self.durable:
+            # Only what was applied goes to the ack log: an offset not published yet
+            # would ack the message that gets it once the log is read back, and a
+            # negative one reads back as a marker of the record's format.
+            self._pending.extend(applied)
+        return fresh
+
+    @staticmethod
+    def _ack_in(seg: Segment, offsets: np.ndarray, lo: int, hi: int) -> int:
+        """Ack ``offsets`` (from ``lo`` to ``hi``, all in ``seg``); how many were new."""
+        fresh = seg.ack(offsets)
+        if seg.fd is None:
+            seg.free_acked_records(lo, hi)
         return fresh
 
     def apply_ranges(self, ranges: np.ndarray) -> None:

@@ -17,6 +17,7 @@ import errno
 import os
 import struct
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 import numpy as np
 
@@ -53,17 +54,41 @@ _TAIL_MARKS = (DELAY_MARK, DELIVERY_MARK)
 ACK_RESERVE_BYTES = 256 * 1024
 
 
+#: Up to this many offsets, ``to_ranges`` walks them in Python: a group commit's acks at
+#: low rates are a few offsets, for which numpy's seven array operations cost 20-35 µs
+#: and the walk 2-4 µs (32 offsets with a gap after each: about 20 µs).
+SMALL_RANGES = 32
+
+
 def to_ranges(offsets: np.ndarray) -> np.ndarray:
-    """Sorted unique offsets as an (k, 2) int64 array of [start, end) ranges."""
+    """Offsets (any order, repeats allowed) as a (k, 2) int64 array of the [start, end)
+    ranges they cover, ascending."""
     if len(offsets) == 0:
         return np.zeros((0, 2), dtype=np.int64)
     o = offsets.astype(np.int64, copy=False)
+    if len(o) <= SMALL_RANGES:
+        return _small_ranges(o.tolist())
     if len(o) > 1 and not (o[1:] > o[:-1]).all():  # acks come sorted: skip the hash/sort
         o = np.unique(o)
     breaks = np.flatnonzero(np.diff(o) != 1) + 1
     starts = np.concatenate(([o[0]], o[breaks]))
     ends = np.concatenate((o[breaks - 1], [o[-1]])) + 1
     return np.stack([starts, ends], axis=1)
+
+
+def _small_ranges(o: list[int]) -> np.ndarray:
+    """``to_ranges`` of a few offsets, as a Python walk."""
+    if any(b <= a for a, b in pairwise(o)):  # acks come sorted: sort only if not
+        o = sorted(set(o))
+    ranges = []
+    start = prev = o[0]
+    for x in o[1:]:
+        if x != prev + 1:
+            ranges.append((start, prev + 1))
+            start = x
+        prev = x
+    ranges.append((start, prev + 1))
+    return np.array(ranges, dtype=np.int64)
 
 
 def deliveries_as_ranges(counts: dict[int, int]) -> list[tuple[int, np.ndarray]]:

@@ -240,7 +240,9 @@ class SubscriptionAcks:
         subscription has now acknowledged are acknowledged in the log. Returns the
         offsets newly acknowledged by this subscription."""
         offsets = np.asarray(offsets, dtype=np.int64)
-        offsets = offsets[offsets < self.log.next_offset]
+        # Never published: not acknowledged, nor logged (a negative offset would read
+        # back as a marker of the ack record's format).
+        offsets = offsets[(offsets >= 0) & (offsets < self.log.next_offset)]
         fresh = self.acked[sid].add(offsets)
         if not len(fresh):
             return fresh
