@@ -125,6 +125,8 @@ def warm(node_id: str, after: threading.Event | None = None) -> None:
         try:
             if after is not None:
                 after.wait(DEFER_SECONDS)
+            if not ray.is_initialized():  # ended meanwhile: .remote() would start a Ray
+                return
             actor, ready = _new(node_id)
             with _lock:
                 _spares[key], _ready[key] = actor, ready
@@ -179,6 +181,8 @@ class _Makers:
                 job()
             except Exception:  # (make() logs its own; never lose the thread)
                 log.exception("a spare TargetList's creation failed")
+            except SystemExit:  # Ray ended in this process (ray.shutdown): so do we
+                return
             with self._lock:
                 self._idle += 1
 
@@ -197,11 +201,14 @@ def _connect(key: tuple[str, str], actor: object, ready: object) -> None:
     connection beside it, unless the spare was taken meanwhile (whoever took it
     connects). A failure is logged: the consumer then connects, or starts it by Ray."""
     try:
-        endpoint = ray.get(ready, timeout=UP_SECONDS)
+        # Waited on as a Python future, not in ray.get: this daemon thread may still be
+        # waiting when the process ends Ray (ray.shutdown), and Ray's own wait then
+        # ends it with SystemExit from inside the core worker being torn down.
+        endpoint = ready.future().result(timeout=UP_SECONDS)
         if endpoint is None:  # it could not listen: started by a Ray call
             return
         channel = DeliveryChannel(*endpoint, "(none yet)")
-    except (ray.exceptions.RayError, WireBroken) as exc:  # a dead spare: take() sees it
+    except (ray.exceptions.RayError, WireBroken, TimeoutError) as exc:  # take() sees it
         log.info("spare TargetList %s: no DeliveryChannel connected: %r", key[1], exc)
         return
     with _lock:

@@ -2,7 +2,9 @@
 child process with a Ray of its own): a queue, its consumer and the broker made in one
 Ray session, used after ``ray.shutdown()`` and a new ``ray.init()``. Ray refuses to
 submit a call to an actor of the old session with a bare ``Exception``; every call
-must end in a typed RayMQ error at once. Prints one JSON line: what each call did."""
+must end in a typed RayMQ error at once. A spare TargetList whose creation was deferred
+until after ``ray.shutdown()`` is not made (its ``.remote()`` would start a new Ray),
+and no RayMQ thread dies of the shutdown. Prints one JSON line: what each call did."""
 
 from __future__ import annotations
 
@@ -10,9 +12,11 @@ import json
 import shutil
 import sys
 import tempfile
+import threading
 import time
 
 import ray
+from raymq.placement import spares
 
 import raymq
 from raymq.errors import RayMQError
@@ -49,7 +53,18 @@ def main() -> None:
     consumer = queue.consumer()
     received = consumer.receive(max_messages=1, timeout=30)
     assert [m.body for m in received] == [b"one"], received
+    thread_errors: list[str] = []
+    threading.excepthook = lambda args: thread_errors.append(
+        f"{args.thread.name if args.thread else '?'}: {args.exc_type.__name__}"
+    )
+    wanted = threading.Event()  # a spare for another node, deferred until this is set
+    spares.warm("a-node-of-the-old-session", after=wanted)
     ray.shutdown()
+    wanted.set()
+    deadline = time.monotonic() + 60
+    while spares._making and time.monotonic() < deadline:
+        time.sleep(0.05)
+    deferred = {"made_a_ray": ray.is_initialized(), "still_making": len(spares._making)}
     _ray()
     calls = {
         "send": lambda: queue.send(b"two"),
@@ -72,6 +87,8 @@ def main() -> None:
             "message": str(raised)[:300],
             "seconds": time.monotonic() - started,
         }
+    outcomes["deferred_spare"] = deferred
+    outcomes["thread_errors"] = thread_errors
     print(json.dumps(outcomes))
     sys.stdout.flush()
     ray.shutdown()

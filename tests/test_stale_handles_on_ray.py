@@ -29,6 +29,10 @@ def test_every_call_of_a_handle_from_a_shut_down_session_raises_a_typed_error(tm
     )
     assert done.returncode == 0, done.stderr[-3000:]
     outcomes = json.loads(done.stdout.strip().splitlines()[-1])
+    # A spare deferred past ray.shutdown() is not made: its .remote() would have
+    # started a Ray of its own. No RayMQ thread died of the shutdown.
+    assert outcomes.pop("deferred_spare") == {"made_a_ray": False, "still_making": 0}
+    assert outcomes.pop("thread_errors") == []
     assert set(outcomes) == {"send", "stats", "receive", "ack", "create_queue"}
     for call, outcome in outcomes.items():
         assert outcome["error"] == "BrokerUnavailable", (call, outcome)
