@@ -1,11 +1,11 @@
 """Chaos soak: ``bench.soak``'s producers and churning consumers while processes die.
 
-Every 10-25 s (``--kill-every``) a random victim is SIGKILLed: a queue's actor (Ray
-restarts it in place; the new process recovers from its files and delivers again what
-was not acknowledged) or a live consumer's TargetList (that consumer is gone: its
-application gets a typed error and opens another; the queue delivers what it held
-again). Consumers use selectors, nack, leave messages unacknowledged and pipeline half
-their acks, as in ``bench.soak``.
+Every 10-25 s (``--kill-every``) a random victim is SIGKILLed: a queue's or the
+address's actor (Ray restarts it in place; the new process recovers from its files and
+delivers again what was not acknowledged) or a live consumer's TargetList (that
+consumer is gone: its application gets a typed error and opens another; the queue
+delivers what it held again). Consumers use selectors, nack, leave messages
+unacknowledged and pipeline half their acks, as in ``bench.soak``.
 
 What must hold (exit status 1 otherwise):
 
@@ -14,7 +14,8 @@ What must hold (exit status 1 otherwise):
 - unknown = misrouted = 0: nothing served that was not sent, or that a selector rejects;
 - no client error other than a typed ``RayMQError``, and never ``InvalidAck`` (an
   application acking what it received is never refused);
-- no queue without a delivery for ``STALL_SECONDS`` while it holds messages.
+- no queue or subscription without a delivery for ``STALL_SECONDS`` while it holds
+  messages.
 
 Deliveries while an old copy is held and after an ack are expected here (a killed
 queue process delivers again what it had not stored as acknowledged: at-least-once),
@@ -39,15 +40,17 @@ import ray
 
 from bench.common import console, start_broker, stop_broker
 from bench.soak import (
+    ENDPOINTS,
     MUST_BE_0,
-    QUEUES,
+    TARGETS,
     Soak,
     report,
     scan_logs,
 )
 from raymq.errors import InvalidAck, RayMQError
 
-#: A queue holding messages with no delivery for this long is stalled (seconds).
+#: A queue or subscription holding messages with no delivery for this long is stalled
+#: (seconds).
 STALL_SECONDS = 60.0
 #: Bound on asking a victim for its process id (seconds).
 PID_SECONDS = 10.0
@@ -63,7 +66,8 @@ class ChaosSoak(Soak):
         self.killed_serials: set[int] = set()
         #: Typed errors: ("expected" | "unexpected", type name) -> count.
         self.typed: Counter[tuple[str, str]] = Counter()
-        self.stall_max = [0.0] * len(QUEUES)  # seconds without a delivery, holding some
+        #: Per queue and subscription: seconds without a delivery, holding some.
+        self.stall_max = [0.0] * len(ENDPOINTS)
         self.stalls = 0
 
     def error(self, where: str, exc: BaseException) -> None:
@@ -96,18 +100,19 @@ class ChaosSoak(Soak):
             self.killed_serials.add(serial)
             kind = "target_list"
         else:
-            qi = self.rng.randrange(len(QUEUES))
-            what, kind = f"queue actor of {QUEUES[qi]}", "queue"
+            qi = self.rng.randrange(len(TARGETS))  # the address's actor among them
+            what, kind = f"queue actor of {TARGETS[qi]}", "queue"
             pid = ray.get(self.queues[qi]._actor.pid.remote(), timeout=PID_SECONDS)
         os.kill(pid, signal.SIGKILL)
         self.kills[kind] += 1
         console.print(f"[magenta]SIGKILL[/magenta] {what} (pid {pid})")
 
     def watchdog(self) -> None:
-        """Every second: how long each queue holding messages went without a delivery."""
+        """Every second: how long each queue or subscription holding messages went
+        without a delivery."""
         seen = [ledger.counts.delivered for ledger in self.ledgers]
-        since = [time.monotonic()] * len(QUEUES)
-        stalled = [False] * len(QUEUES)
+        since = [time.monotonic()] * len(ENDPOINTS)
+        stalled = [False] * len(ENDPOINTS)
         while not self.stop_consuming.wait(1.0):
             now = time.monotonic()
             for qi, ledger in enumerate(self.ledgers):
@@ -120,7 +125,7 @@ class ChaosSoak(Soak):
                 if waited > STALL_SECONDS and not stalled[qi]:
                     stalled[qi] = True
                     self.stalls += 1
-                    console.print(f"[red]{QUEUES[qi]} stalled {waited:.0f} s[/red]")
+                    console.print(f"[red]{ENDPOINTS[qi]} stalled {waited:.0f} s[/red]")
 
 
 def run(args: argparse.Namespace) -> bool:

@@ -1,5 +1,5 @@
-"""Soak: concurrent producers and churning consumers on two queues, checked message by
-message at the end.
+"""Soak: concurrent producers and churning consumers on two queues and an address's two
+subscriptions, checked message by message at the end.
 
 What it measures: whether every message a producer was told is stored is acknowledged
 by some consumer by the end, when consumers come and go with and without selectors,
@@ -9,22 +9,27 @@ rates, and the memory (PSS) of the Ray session's processes while it runs.
 
 The scenario, on a Ray of its own (as every ``bench/`` script): 2 durable queues with 1
 MiB pages (``soak.a`` pages past its memory, ``soak.b`` has ``address_full_policy=BLOCK``
-with ``max_size_bytes``); 4 producer threads sending singles and batches of 10 and 500
-messages with properties (``color``, ``producer``, ``seq``) at a bounded rate, pausing
-while a queue's depth is over ``--max-backlog``; 4 consumer slots, each a thread that
-opens a consumer on a random queue for 5-30 s (selector ``color = 'red'``, ``color IN
-('green', 'blue')`` or none; Python or Arrow receives), closes it and opens another.
+with ``max_size_bytes``) and a durable address ``soak.c`` with two subscriptions
+(``all``, and ``warm`` routing only ``color IN ('red', 'blue')``: every message sent
+there must be acknowledged on each subscription that routes it); 4 producer threads
+sending singles and batches of 10 and 500 messages with properties (``color``,
+``producer``, ``seq``) to a random queue or the address at a bounded rate, pausing while
+its depth is over ``--max-backlog``; 4 consumer slots, each a thread that opens a
+consumer on a random queue or subscription for 5-30 s (selector ``color = 'red'``,
+``color IN ('green', 'blue')`` or none; Python or Arrow receives), closes it and opens
+another.
 Every body carries its id (queue, producer, sequence) and bytes derived from it; the
 properties are derived from it too. Randomness comes from ``--seed``; thread timing
 does not, so two runs are alike, not identical.
 
-At the end producers stop, every consumer closes, the queue's ``in_flight`` is read
-(nothing may be held by a closed consumer), a fresh consumer per queue drains it
-(until ``backlog()`` and the queue's depth say nothing is left, or ``--drain-timeout``).
+At the end producers stop, every consumer closes, each queue's and subscription's
+``in_flight`` is read (nothing may be held by a closed consumer), a fresh consumer per
+queue and subscription drains it (until ``backlog()`` and its depth say nothing is
+left, or ``--drain-timeout``).
 
     python -m bench.soak [--minutes 3] [--seed 12] [--rate 3000] [--max-backlog 50000]
 
-What must hold (exit status 1 otherwise), per queue and in total:
+What must hold (exit status 1 otherwise), per queue and subscription and in total:
 
 - stuck = 0: ``in_flight`` once every consumer closed, plus messages still in the queue
   after the drain that nobody holds;
@@ -67,7 +72,21 @@ from bench.common import console, print_table, start_broker, stop_broker
 from raymq.errors import AddressFull
 from raymq.properties import decode_properties
 
-QUEUES = ("soak.a", "soak.b")
+#: What producers send to: two queues and an address (a body's id names its index here).
+TARGETS = ("soak.a", "soak.b", "soak.c")
+ADDRESS = 2
+#: The address's subscriptions: name -> (routing selector, the colours it routes).
+SUBSCRIPTIONS: dict[str, tuple[str | None, set[str] | None]] = {
+    "all": (None, None),
+    "warm": ("color IN ('red', 'blue')", {"red", "blue"}),
+}
+#: What consumers consume, each with a ledger of its own: the queues, the subscriptions.
+ENDPOINTS = (*TARGETS[:ADDRESS], *(f"{TARGETS[ADDRESS]}/{n}" for n in SUBSCRIPTIONS))
+#: Target index -> the indexes of its endpoints.
+ENDPOINTS_OF = {
+    **{t: [t] for t in range(ADDRESS)},
+    ADDRESS: list(range(ADDRESS, len(ENDPOINTS))),
+}
 PRODUCERS = 4
 CONSUMER_SLOTS = 4
 COLORS = ("red", "green", "blue")
@@ -120,11 +139,14 @@ class Counts:
 
 
 class Ledger:
-    """What happened to every id of one queue: per producer, arrays indexed by sequence
-    number (an id costs 6 bytes here, not a Python object)."""
+    """What happened to every id sent to one queue or subscription: per producer, arrays
+    indexed by sequence number (an id costs 6 bytes here, not a Python object).
+    ``index`` is the target the ids were sent to; ``routes``, the colours a
+    subscription's selector lets through (None: all)."""
 
-    def __init__(self, index: int):
+    def __init__(self, index: int, routes: set[str] | None = None):
         self.index = index
+        self.routes = routes
         self.lock = threading.Lock()
         self.next_seq = [0] * PRODUCERS
         self.sent = [np.zeros(0, np.bool_) for _ in range(PRODUCERS)]
@@ -149,9 +171,14 @@ class Ledger:
             return first
 
     def confirm(self, p: int, first: int, n: int) -> None:
-        """The queue said these ``n`` messages are stored."""
+        """The queue said these ``n`` messages are stored (for a subscription: those of
+        them it routes)."""
         with self.lock:
-            self.sent[p][first : first + n] = True
+            if self.routes is None:
+                self.sent[p][first : first + n] = True
+            else:
+                for s in range(first, first + n):
+                    self.sent[p][s] = properties_of(p, s)["color"] in self.routes
             self.counts.send_calls += 1
 
     def _bad(self, what: str) -> None:
@@ -188,6 +215,9 @@ class Ledger:
             if wanted is not None and props["color"] not in wanted:
                 c.misrouted += 1
                 self._bad(f"{q}.{p}.{s} ({props['color']}) given to {selector!r}")
+            elif self.routes is not None and props["color"] not in self.routes:
+                c.misrouted += 1
+                self._bad(f"{q}.{p}.{s} ({props['color']}) routed to {self.routes}")
             if self.deliveries[p][s]:
                 c.duplicates += 1
             if self.acked[p][s]:
@@ -216,7 +246,8 @@ class Ledger:
                     self.counts.acked += 1
 
     def totals(self) -> dict[str, int]:
-        """Sent, lost (sent, never acked), never delivered, attempted and not confirmed."""
+        """Sent, lost (sent, never acked), never delivered, attempted and not confirmed
+        (for a subscription: of what it routes)."""
         with self.lock:
             sent = lost = undelivered = unconfirmed = 0
             for p in range(PRODUCERS):
@@ -225,7 +256,11 @@ class Ledger:
                 sent += int(s.sum())
                 lost += int((s & ~a).sum())
                 undelivered += int((s & (d == 0)).sum())
-                unconfirmed += int((~s).sum())
+                routed = np.ones(n, np.bool_)
+                if self.routes is not None:  # properties_of's colour of each sequence
+                    colour = (np.arange(n) + p) % len(COLORS)
+                    routed = np.isin(colour, [COLORS.index(c) for c in self.routes])
+                unconfirmed += int((~s & routed).sum())
             return {
                 "sent": sent,
                 "lost": lost,
@@ -240,25 +275,39 @@ class Soak:
     def __init__(self, broker, args: argparse.Namespace):
         self.args = args
         self.broker = broker
+        address = broker.create_address(TARGETS[ADDRESS], page_size_bytes=PAGE_SIZE)
+        #: Where producers send (queues and the address), by target index: each runs in
+        #: an actor of its own (``bench.chaos`` kills them).
         self.queues = [
-            broker.create_queue(QUEUES[0], page_size_bytes=PAGE_SIZE),
+            broker.create_queue(TARGETS[0], page_size_bytes=PAGE_SIZE),
             broker.create_queue(
-                QUEUES[1],
+                TARGETS[1],
                 page_size_bytes=PAGE_SIZE,
                 max_size_bytes=BLOCK_QUEUE_BYTES,
                 address_full_policy="BLOCK",
             ),
+            address,
         ]
-        self.ledgers = [Ledger(i) for i in range(len(QUEUES))]
+        #: What consumers consume, by endpoint index (``ENDPOINTS``).
+        self.endpoints = [
+            *self.queues[:ADDRESS],
+            *(
+                address.create_subscription(name, selector=selector)
+                for name, (selector, _) in SUBSCRIPTIONS.items()
+            ),
+        ]
+        self.ledgers = [Ledger(i) for i in range(ADDRESS)] + [
+            Ledger(ADDRESS, routes) for _, routes in SUBSCRIPTIONS.values()
+        ]
         self.stop_producing = threading.Event()
         self.stop_consuming = threading.Event()
-        # Set while a queue's depth is over --max-backlog: its producers wait.
-        self.paused = [threading.Event() for _ in QUEUES]
+        # Set while a target's depth is over --max-backlog: its producers wait.
+        self.paused = [threading.Event() for _ in TARGETS]
         self.errors: list[str] = []
         self.errors_lock = threading.Lock()
         self.consumers_opened = 0
         self.live_consumers = 0
-        self.depth = [0] * len(QUEUES)
+        self.depth = [0] * len(ENDPOINTS)
         self.pss_now = (0, 0)  # (Ray processes, their PSS in bytes)
         self.pss_by_kind: list[dict[str, int]] = []  # the first and the last sample
         self.pss_peak = 0
@@ -279,18 +328,19 @@ class Soak:
     # -- producers -------------------------------------------------------------------
 
     def produce(self, p: int) -> None:
-        """Producer ``p``: random queue and send size, at ``--rate / PRODUCERS`` msg/s."""
+        """Producer ``p``: random target and send size, at ``--rate / PRODUCERS`` msg/s."""
         rng = random.Random(self.args.seed * 1000 + p)
         rate = self.args.rate / PRODUCERS
         next_at = time.monotonic()
         while not self.stop_producing.is_set():
-            qi = rng.randrange(len(QUEUES))
+            qi = rng.randrange(len(TARGETS))
             if self.paused[qi].is_set():
                 time.sleep(0.05)
                 continue
             n = rng.choices(SEND_SIZES, SEND_WEIGHTS)[0]
-            ledger, queue = self.ledgers[qi], self.queues[qi]
-            first = ledger.reserve(p, n)
+            ledgers, queue = [self.ledgers[e] for e in ENDPOINTS_OF[qi]], self.queues[qi]
+            # Only this thread reserves producer p's numbers: each ledger gives the same.
+            first = {ledger.reserve(p, n) for ledger in ledgers}.pop()
             seqs = range(first, first + n)
             try:
                 if n == 1:
@@ -302,13 +352,14 @@ class Soak:
                     bodies = [body_of(qi, p, s) for s in seqs]
                     props = [properties_of(p, s) for s in seqs]
                     count = len(queue.send_batch(bodies, props, timeout=SEND_TIMEOUT))
-                ledger.confirm(p, first, count)
+                for ledger in ledgers:
+                    ledger.confirm(p, first, count)
             except AddressFull:  # soak.b at max_size_bytes for SEND_TIMEOUT: nothing stored
-                with ledger.lock:
-                    ledger.counts.address_full += 1
+                with ledgers[0].lock:
+                    ledgers[0].counts.address_full += 1
                 time.sleep(0.2)
             except Exception as exc:
-                self.error(f"producer {p} on {QUEUES[qi]}", exc)
+                self.error(f"producer {p} on {TARGETS[qi]}", exc)
                 time.sleep(1.0)
             # Bounded rate: the machine has 2 cores, shared with the queue actors.
             next_at = max(next_at + n / rate, time.monotonic() - 1.0)
@@ -322,7 +373,7 @@ class Soak:
         """Consumer slot ``slot``: one consumer after another, each for 5-30 s."""
         rng = random.Random(self.args.seed * 1000 + 100 + slot)
         while not self.stop_consuming.is_set():
-            qi = rng.randrange(len(QUEUES))
+            qi = rng.randrange(len(ENDPOINTS))
             selector = rng.choice(SELECTORS)
             prefetch = int(round(10 ** rng.uniform(2, math.log10(5000))))
             life = rng.uniform(5, 30)
@@ -330,7 +381,7 @@ class Soak:
             try:
                 self._one_consumer(rng, qi, selector, prefetch, life, arrow)
             except Exception as exc:
-                self.error(f"consumer slot {slot} on {QUEUES[qi]} ({selector!r})", exc)
+                self.error(f"consumer slot {slot} on {ENDPOINTS[qi]} ({selector!r})", exc)
             self.stop_consuming.wait(rng.uniform(0, 2))  # the slot stays empty a moment
 
     def _one_consumer(
@@ -343,7 +394,7 @@ class Soak:
         arrow: bool,
     ) -> None:
         ledger = self.ledgers[qi]
-        consumer = self.queues[qi].consumer(selector=selector, prefetch=prefetch)
+        consumer = self.endpoints[qi].consumer(selector=selector, prefetch=prefetch)
         with self.errors_lock:
             self.consumers_opened += 1
             self.live_consumers += 1
@@ -398,17 +449,19 @@ class Soak:
         bound = self.args.max_backlog
         while not self.stop_consuming.is_set():
             try:
-                stats = [q.stats() for q in self.queues]
+                stats = [q.stats() for q in self.endpoints]
             except Exception as exc:
                 self.error("monitor", exc)
                 stats = None
             if stats is not None:
                 for i, s in enumerate(stats):
                     self.depth[i] = s["depth"]
-                    if s["depth"] >= bound:
-                        self.paused[i].set()
-                    elif s["depth"] < 0.8 * bound:
-                        self.paused[i].clear()
+                for t, endpoints in ENDPOINTS_OF.items():
+                    depth = max(self.depth[e] for e in endpoints)
+                    if depth >= bound:
+                        self.paused[t].set()
+                    elif depth < 0.8 * bound:
+                        self.paused[t].clear()
             now = time.monotonic()
             if now - last >= PROGRESS_SECONDS:
                 last = now
@@ -475,32 +528,31 @@ class Soak:
         for t in [*consumers, *helpers]:
             t.join()
         self.sample_memory()
-        closed = [q.stats() for q in self.queues]
+        closed = [q.stats() for q in self.endpoints]
         console.print(
             "consumers closed; in flight "
-            + ", ".join(f"{n} {s['in_flight']:,}" for n, s in zip(QUEUES, closed, strict=True))
+            + ", ".join(f"{n} {s['in_flight']:,}" for n, s in zip(ENDPOINTS, closed, strict=True))
             + "; draining ..."
         )
         d0 = time.monotonic()
-        for qi in range(len(QUEUES)):
+        for qi in range(len(ENDPOINTS)):
             self.drain(qi, self.args.drain_timeout)
         drain_seconds = time.monotonic() - d0
         self.sample_memory()
-        final = [q.stats() for q in self.queues]
+        final = [q.stats() for q in self.endpoints]
         seconds = {"produce": produce_seconds, "drain": drain_seconds, "all": time.monotonic() - t0}
         return closed, final, seconds
 
     # -- the end ---------------------------------------------------------------------
 
     def drain(self, qi: int, timeout: float) -> None:
-        """Receive and ack everything left in queue ``qi`` with one fresh consumer, until
-        its backlog and the queue's depth are 0, or nothing comes for 10 s, or
-        ``timeout``."""
+        """Receive and ack everything left in endpoint ``qi`` with one fresh consumer,
+        until its backlog and depth are 0, or nothing comes for 10 s, or ``timeout``."""
         ledger = self.ledgers[qi]
         deadline = time.monotonic() + timeout
         idle_since = time.monotonic()
         who = -1 - qi  # not a serial of the consumer slots
-        with self.queues[qi].consumer(prefetch=5000) as c:
+        with self.endpoints[qi].consumer(prefetch=5000) as c:
             while time.monotonic() < deadline:
                 got = receive(c, 1000, arrow=True, timeout=1.0)
                 if got:
@@ -512,10 +564,10 @@ class Soak:
                     c.ack(offsets)
                     continue
                 if c.backlog() == 0 and (
-                    self.queues[qi].stats()["depth"] == 0 or time.monotonic() - idle_since > 10
+                    self.endpoints[qi].stats()["depth"] == 0 or time.monotonic() - idle_since > 10
                 ):
                     return
-            console.print(f"[red]drain of {QUEUES[qi]} timed out[/red]")
+            console.print(f"[red]drain of {ENDPOINTS[qi]} timed out[/red]")
 
 
 def receive(
@@ -608,8 +660,8 @@ FIGURES = (
 
 
 def figures(ledger: Ledger, closed: dict, final: dict) -> dict[str, int]:
-    """One queue's figures (``FIGURES``) from its ledger and its queue stats once every
-    consumer closed (``closed``) and after the drain (``final``)."""
+    """One queue's or subscription's figures (``FIGURES``) from its ledger and its stats
+    once every consumer closed (``closed``) and after the drain (``final``)."""
     t, c = ledger.totals(), ledger.counts
     # Stuck: in flight once every consumer closed, plus what the drain could not get
     # that nobody holds (held ones are in flight, counted already).
@@ -647,11 +699,11 @@ def report(
     total = {k: sum(r[k] for r in rows) for k, _ in FIGURES}
     for qi, ledger in enumerate(soak.ledgers):
         for example in ledger.counts.examples:
-            console.print(f"  {QUEUES[qi]}: {example}", markup=False)
+            console.print(f"  {ENDPOINTS[qi]}: {example}", markup=False)
     print_table(
         f"Soak: {soak.args.minutes:g} min, seed {soak.args.seed}, "
         f"{soak.consumers_opened} consumers opened",
-        ["messages", *QUEUES, "total"],
+        ["messages", *ENDPOINTS, "total"],
         [[label, *(f"{r[k]:,}" for r in rows), f"{total[k]:,}"] for k, label in FIGURES],
     )
     produce, everything = seconds["produce"], seconds["all"]
@@ -662,7 +714,7 @@ def report(
         f" ({everything:.0f} s, of which {seconds['drain']:.1f} s draining)",
         soft_wrap=True,
     )
-    for qi, name in enumerate(QUEUES):
+    for qi, name in enumerate(ENDPOINTS):
         s, c = final[qi], closed[qi]
         console.print(
             f"{name}: queue stats in {s['messages_in']:,}  out {s['messages_out']:,}"

@@ -1,6 +1,7 @@
 """A short chaos soak on a real Ray (issue 28): producers and churning consumers
-(selectors, nacks, messages left unacknowledged, pipelined acks) on two queues while a
-queue's actor or a consumer's TargetList is SIGKILLed every few seconds.
+(selectors, nacks, messages left unacknowledged, pipelined acks) on two queues and an
+address's two subscriptions while a queue's or the address's actor or a consumer's
+TargetList is SIGKILLed every few seconds.
 
 It runs ``bench.chaos`` in a child process (its own Ray); ``python -m bench.chaos``
 runs the 10-minute soak. What must hold is ``bench.chaos``'s: nothing acknowledged to
