@@ -12,6 +12,7 @@ import pytest
 
 from raymq.config import apply_ray_env_defaults
 from tests import background
+from tests.module_broker import ModuleBroker
 
 # Quiet and quick: no dashboard, no usage stats, short metrics interval.
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -75,7 +76,16 @@ def broker_factory(ray_session, paging_dir):
             b.shutdown()
 
 
+@pytest.fixture(scope="module")
+def _module_broker(ray_session, tmp_path_factory):
+    shared = ModuleBroker(lambda: tmp_path_factory.mktemp("paging"))
+    yield shared
+    shared.close()
+
+
 @pytest.fixture
-def broker(broker_factory):
-    """A broker in a fresh namespace with its own paging directory."""
-    return broker_factory()
+def broker(_module_broker):
+    """A broker with no queue and no address, shared by the module's tests (emptied after
+    each). Its paging directory is ``broker.config.paging_directory``, not ``paging_dir``."""
+    yield _module_broker.get()
+    _module_broker.empty()

@@ -20,6 +20,7 @@ import raymq
 from raymq import cli
 from raymq.cli import BYTES, main
 from tests.jobs_scenario import readme_block
+from tests.module_broker import ModuleBroker
 
 #: Generous bound on a command that must not wait out its --timeout (seconds; a loaded
 #: machine can be slow); the timeouts given are twice this, so passing proves the
@@ -27,26 +28,35 @@ from tests.jobs_scenario import readme_block
 PROMPT = 300.0
 
 
-@pytest.fixture
-def ns(ray_session, paging_dir):
-    """A namespace with a broker started by ``raymq start``; stopped afterwards."""
-    name = f"raymq-cli-{uuid.uuid4().hex[:8]}"
-    assert (
-        main(
-            [
-                "--namespace",
-                name,
-                "start",
-                "--paging-directory",
-                paging_dir,
-                "--housekeeping-period",
-                "0.5",
-            ]
-        )
-        == 0
+def _cli_start(namespace: str, paging_directory: str) -> raymq.Broker:
+    """``raymq start`` of a broker; returns a handle to it."""
+    args = ["start", "--paging-directory", paging_directory, "--housekeeping-period", "0.5"]
+    assert main(["--namespace", namespace, *args]) == 0
+    return raymq.connect(namespace=namespace, create=False, warm=False)
+
+
+@pytest.fixture(scope="module")
+def _cli_broker(ray_session, tmp_path_factory):
+    shared = ModuleBroker(
+        lambda: tmp_path_factory.mktemp("paging"),
+        start=_cli_start,
+        stop=lambda b: main(["--namespace", b.namespace, "stop"]),
     )
-    yield name
-    main(["--namespace", name, "stop"])
+    yield shared
+    shared.close()
+
+
+@pytest.fixture
+def ns(_cli_broker):
+    """A namespace with a broker started by ``raymq start`` (shared by the module's
+    tests, emptied after each; started again after a test that stops it)."""
+    yield _cli_broker.get().namespace
+    _cli_broker.empty()
+
+
+def paging_directory_of(ns: str) -> str:
+    """The paging directory of the broker running in ``ns``."""
+    return raymq.connect(namespace=ns, create=False, warm=False).config.paging_directory
 
 
 def run(capsys, ns: str, *args: str) -> tuple[int, str, str]:
@@ -441,7 +451,8 @@ def test_selector_warning_text():
 # -- start: settings of a running broker ------------------------------------------------
 
 
-def test_start_twice_and_with_other_settings(ns, capsys, paging_dir):
+def test_start_twice_and_with_other_settings(ns, capsys):
+    paging_dir = paging_directory_of(ns)
     out = ok(capsys, ns, "start", "--paging-directory", paging_dir, "--housekeeping-period", "0.5")
     assert "already running" in out
     out = ok(capsys, ns, "start")
@@ -753,7 +764,8 @@ def test_address_and_subscription_errors_are_one_line(ns, capsys):
     assert set(status["queues"]) == {"orders"}
 
 
-def test_unsubscribe_and_delete_address(ns, capsys, paging_dir):
+def test_unsubscribe_and_delete_address(ns, capsys):
+    paging_dir = paging_directory_of(ns)
     ok(capsys, ns, "create-address", "events")
     ok(capsys, ns, "create-queue", "poison")
     ok(capsys, ns, "subscribe", "events", "audit")

@@ -31,7 +31,8 @@ def receive_until_it_raises(consumer) -> tuple[list[bytes], BrokerUnavailable]:
     pytest.fail(f"receive() returned nothing without an error for {DEADLINE_SECONDS} s")
 
 
-def test_a_queue_that_cannot_restart_fails_receive_until_it_is_back(broker, paging_dir):
+def test_a_queue_that_cannot_restart_fails_receive_until_it_is_back(broker_factory, paging_dir):
+    broker = broker_factory()  # its files are in paging_dir
     q = broker.create_queue("orders")
     q.send_batch([b"m%02d" % i for i in range(20)])
     directory = os.path.join(paging_dir, "orders")

@@ -14,7 +14,8 @@ from raymq import errors
 @pytest.mark.parametrize(
     "name", ["", "..", ".", "a/b", "../x", "a\x00b", "x" * 201, "a\\b", ".hidden"]
 )
-def test_invalid_queue_names_touch_no_file(broker, paging_dir, name):
+def test_invalid_queue_names_touch_no_file(broker, name):
+    paging_dir = broker.config.paging_directory
     before = sorted(os.listdir(paging_dir))
     with pytest.raises(errors.InvalidQueueName):
         broker.create_queue(name)

@@ -302,7 +302,8 @@ def test_single_sends_go_over_the_send_channel_and_survive_a_sigkill(broker):
     assert all(got[o] == body for o, body in sent.items())
 
 
-def test_delete_queue_removes_files(broker, paging_dir):
+def test_delete_queue_removes_files(broker_factory, paging_dir):
+    broker = broker_factory()  # its files are in paging_dir
     q = broker.create_queue("gone")
     q.send(b"x")
     assert os.path.isdir(os.path.join(paging_dir, "gone"))
@@ -313,7 +314,8 @@ def test_delete_queue_removes_files(broker, paging_dir):
         broker.get_queue("gone")
 
 
-def test_segment_files_deleted_when_acked(broker, paging_dir):
+def test_segment_files_deleted_when_acked(broker_factory, paging_dir):
+    broker = broker_factory()  # its files are in paging_dir
     q = broker.create_queue("pages", page_size_bytes=64 * 1024)
     for _ in range(8):
         q.send_batch([b"s" * 1000] * 50)

@@ -28,7 +28,8 @@ def test_get_queue_right_after_a_kill_waits_for_the_restart(broker):
     assert [m.body for m in again.browse()] == [b"before", b"after"]
 
 
-def test_a_queue_whose_node_is_gone_starts_here_only_with_its_files(broker, paging_dir):
+def test_a_queue_whose_node_is_gone_starts_here_only_with_its_files(broker_factory, paging_dir):
+    broker = broker_factory()  # its files are in paging_dir
     for name in ("moved", "lost"):
         broker.create_queue(name).send(name.encode())
         ray.kill(broker.get_queue(name)._actor, no_restart=True)
