@@ -15,7 +15,7 @@ What must hold (exit status 1 otherwise):
 - no client error other than a typed ``RayMQError``, and never ``InvalidAck`` (an
   application acking what it received is never refused);
 - no queue or subscription without a delivery for ``STALL_SECONDS`` while it holds
-  messages.
+  messages and a consumer is open on it.
 
 Deliveries while an old copy is held and after an ack are expected here (a killed
 queue process delivers again what it had not stored as acknowledged: at-least-once),
@@ -109,7 +109,8 @@ class ChaosSoak(Soak):
 
     def watchdog(self) -> None:
         """Every second: how long each queue or subscription holding messages went
-        without a delivery."""
+        without a delivery while a consumer was open on it (with four of them and four
+        consumer slots picking one at random, one may have no consumer for a minute)."""
         seen = [ledger.counts.delivered for ledger in self.ledgers]
         since = [time.monotonic()] * len(ENDPOINTS)
         stalled = [False] * len(ENDPOINTS)
@@ -117,7 +118,7 @@ class ChaosSoak(Soak):
             now = time.monotonic()
             for qi, ledger in enumerate(self.ledgers):
                 delivered = ledger.counts.delivered
-                if delivered != seen[qi] or self.depth[qi] == 0:
+                if delivered != seen[qi] or self.depth[qi] == 0 or not self.consuming[qi]:
                     seen[qi], since[qi], stalled[qi] = delivered, now, False
                     continue
                 waited = now - since[qi]

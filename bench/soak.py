@@ -316,6 +316,8 @@ class Soak:
         self.queue_pids = [ray.get(q._actor.pid.remote()) for q in self.queues]
         #: Open consumers by serial (``bench.chaos`` kills their TargetLists).
         self.live: dict[int, Any] = {}
+        #: Open consumers per endpoint (``bench.chaos`` watches only those consumed).
+        self.consuming = [0] * len(ENDPOINTS)
         self.serial_of: dict[int, int] = {}  # consumer thread -> its consumer's serial
 
     def error(self, where: str, exc: BaseException) -> None:
@@ -400,6 +402,7 @@ class Soak:
             self.live_consumers += 1
             who = self.consumers_opened
             self.live[who] = consumer
+            self.consuming[qi] += 1
             self.serial_of[threading.get_ident()] = who
         left = 0  # messages this consumer holds on purpose, given back by its close
         try:
@@ -437,6 +440,7 @@ class Soak:
             with self.errors_lock:
                 self.live_consumers -= 1
                 self.live.pop(who, None)
+                self.consuming[qi] -= 1
             ledger.let_go(who=who)
             consumer.close()  # flushes pipelined acks; the rest is delivered again
 
