@@ -135,7 +135,9 @@ class Counts:
     misrouted: int = 0  # rejected by the selector of the consumer that got it
     send_calls: int = 0
     address_full: int = 0
-    examples: list[str] = field(default_factory=list)  # the first few bad ones
+    #: The first few bad ones of each kind (a kind that comes often, such as deliveries
+    #: while held under kills, must not hide the first of a rarer one).
+    examples: dict[str, list[str]] = field(default_factory=dict)
 
 
 class Ledger:
@@ -181,9 +183,10 @@ class Ledger:
                     self.sent[p][s] = properties_of(p, s)["color"] in self.routes
             self.counts.send_calls += 1
 
-    def _bad(self, what: str) -> None:
-        if len(self.counts.examples) < 5:
-            self.counts.examples.append(what)
+    def _bad(self, kind: str, what: str) -> None:
+        seen = self.counts.examples.setdefault(kind, [])
+        if len(seen) < 5:
+            seen.append(what)
 
     def check(
         self, offset: int, body: bytes, props: dict, selector: str | None, who: int
@@ -201,28 +204,32 @@ class Ledger:
             holder = self.holding.get(offset)
             if holder is not None:
                 c.while_held += 1
-                self._bad(f"offset {offset} given to consumer {who} while {holder} held it")
+                self._bad("while_held", f"offset {offset} given to {who} while {holder} held it")
             self.holding[offset] = who
             if q != self.index or not 0 <= p < PRODUCERS or not 0 <= s < self.next_seq[p]:
                 c.unknown += 1
-                self._bad(f"unknown id {head[:40]!r}")
+                self._bad("unknown", f"unknown id {head[:40]!r}")
                 return None
             if body != body_of(q, p, s) or props != properties_of(p, s):
                 c.unknown += 1
-                self._bad(f"{q}.{p}.{s}: body or properties differ")
+                self._bad("unknown", f"{q}.{p}.{s}: body or properties differ")
                 return None
             wanted = SELECTED[selector]
             if wanted is not None and props["color"] not in wanted:
                 c.misrouted += 1
-                self._bad(f"{q}.{p}.{s} ({props['color']}) given to {selector!r}")
+                self._bad("misrouted", f"{q}.{p}.{s} ({props['color']}) given to {selector!r}")
             elif self.routes is not None and props["color"] not in self.routes:
                 c.misrouted += 1
-                self._bad(f"{q}.{p}.{s} ({props['color']}) routed to {self.routes}")
+                self._bad(
+                    "misrouted",
+                    f"{q}.{p}.{s} (offset {offset}, {props['color']}) routed to {self.routes}"
+                    f" and given to consumer {who}",
+                )
             if self.deliveries[p][s]:
                 c.duplicates += 1
             if self.acked[p][s]:
                 c.after_ack += 1
-                self._bad(f"{q}.{p}.{s} (offset {offset}) delivered again after its ack")
+                self._bad("after_ack", f"{q}.{p}.{s} (offset {offset}) delivered after its ack")
             self.deliveries[p][s] += 1
             return p, s
 
@@ -702,7 +709,7 @@ def report(
     rows = [figures(lg, closed[i], final[i]) for i, lg in enumerate(soak.ledgers)]
     total = {k: sum(r[k] for r in rows) for k, _ in FIGURES}
     for qi, ledger in enumerate(soak.ledgers):
-        for example in ledger.counts.examples:
+        for example in [e for kind in ledger.counts.examples.values() for e in kind]:
             console.print(f"  {ENDPOINTS[qi]}: {example}", markup=False)
     print_table(
         f"Soak: {soak.args.minutes:g} min, seed {soak.args.seed}, "
