@@ -44,6 +44,7 @@ from bench.soak import (
     MUST_BE_0,
     TARGETS,
     Soak,
+    add_address_option,
     report,
     scan_logs,
 )
@@ -170,6 +171,7 @@ def main() -> None:
     parser.add_argument("--max-backlog", type=int, default=50_000)
     parser.add_argument("--drain-timeout", type=float, default=180.0, help="seconds per queue")
     parser.add_argument("--kill-every", default="10,25", help="seconds between kills: LO,HI")
+    add_address_option(parser)
     sys.exit(0 if run(parser.parse_args()) else 1)
 
 

@@ -315,6 +315,9 @@ class Soak:
         self.consumers_opened = 0
         self.live_consumers = 0
         self.depth = [0] * len(ENDPOINTS)
+        #: Targets and endpoints in use: without the address (``--no-address``) it
+        #: stays empty, its subscriptions are drained of nothing and report zeros.
+        self.in_use = (ADDRESS, ADDRESS) if args.no_address else (len(TARGETS), len(ENDPOINTS))
         self.pss_now = (0, 0)  # (Ray processes, their PSS in bytes)
         self.pss_by_kind: list[dict[str, int]] = []  # the first and the last sample
         self.pss_peak = 0
@@ -342,7 +345,7 @@ class Soak:
         rate = self.args.rate / PRODUCERS
         next_at = time.monotonic()
         while not self.stop_producing.is_set():
-            qi = rng.randrange(len(TARGETS))
+            qi = rng.randrange(self.in_use[0])
             if self.paused[qi].is_set():
                 time.sleep(0.05)
                 continue
@@ -382,7 +385,7 @@ class Soak:
         """Consumer slot ``slot``: one consumer after another, each for 5-30 s."""
         rng = random.Random(self.args.seed * 1000 + 100 + slot)
         while not self.stop_consuming.is_set():
-            qi = rng.randrange(len(ENDPOINTS))
+            qi = rng.randrange(self.in_use[1])
             selector = rng.choice(SELECTORS)
             prefetch = int(round(10 ** rng.uniform(2, math.log10(5000))))
             life = rng.uniform(5, 30)
@@ -787,6 +790,15 @@ def scan_logs(logs_dir: str) -> None:
         console.print(f"  {n:5d} x {line}", soft_wrap=True, markup=False)
 
 
+def add_address_option(parser: argparse.ArgumentParser) -> None:
+    """``--no-address``: send to and consume from the two queues only."""
+    parser.add_argument(
+        "--no-address",
+        action="store_true",
+        help="the two queues only: nothing sent to the address or its subscriptions",
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=3.0, help="producing time")
@@ -796,6 +808,7 @@ def main() -> None:
         "--max-backlog", type=int, default=50_000, help="depth above which producers pause"
     )
     parser.add_argument("--drain-timeout", type=float, default=180.0, help="seconds per queue")
+    add_address_option(parser)
     args = parser.parse_args()
 
     broker = start_broker("bench-soak")
