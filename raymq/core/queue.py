@@ -356,10 +356,12 @@ class QueueCore(QueueMemory, AddressPart):
         self.admission.signal_freed()
 
     async def after_commit(self, prepared: PreparedWrite) -> None:
-        """After a durable commit: unlink deleted files, match the new messages against
-        selectors, fill the HeadQueueCache."""
-        if self.log.unlinkable:  # off the event loop; done before the acks return
-            await asyncio.to_thread(self.log.unlink_deleted)
+        """After a durable commit: route the new messages and match them against
+        selectors, fill the HeadQueueCache, then unlink deleted files.
+
+        The commit is published already (fetches see its offsets): nothing may be
+        awaited before each subscription's filter has routed them, or a fetch running
+        meanwhile takes messages its filter rejects (found by ``bench.chaos``)."""
         subscriptions = self.all_subscriptions()
         for seg, _pos, _bufs, chunk, _size in prepared.items:
             groups = chunk.property_groups()
@@ -379,6 +381,8 @@ class QueueCore(QueueMemory, AddressPart):
             if not subscriptions:  # an address with none: routed nowhere (as Artemis)
                 nowhere = np.arange(chunk.first_offset, chunk.end_offset, dtype=np.int64)
                 self._subscription_acks.release(nowhere)  # (kept if it retains)
+        if self.log.unlinkable:  # off the event loop; done before the acks return
+            await asyncio.to_thread(self.log.unlink_deleted)
 
     async def _tick_loop(self) -> None:
         """Housekeeping: checkpoint an idle queue, sample rates, trim and refill the
