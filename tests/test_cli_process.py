@@ -4,6 +4,7 @@ answers fails. The suite's Ray runs in the pytest process (``tests/conftest.py``
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -136,6 +137,24 @@ def on_a_terminal(*args: str, answer: str, env: dict[str, str]):
         os.close(slave)
         os.close(master)
     return done.returncode, done.stdout, done.stderr
+
+
+def test_everything_the_script_prints_reaches_a_pipe_and_its_status_is_kept(
+    ns, tmp_path, gcs_address
+):
+    """The script ends at once after the command (``raymq.cli.run``: ``os._exit``, no
+    interpreter finalization): what it printed is flushed first, to the last line of a
+    large output, and the exit status is the command's."""
+    n = 4000  # ~0.5 MiB of JSON lines: far beyond Python's and the pipe's buffers
+    assert main(["--namespace", ns, "send", "q", "--count", str(n - 1), "--size", "64"]) == 0
+    env = auto_env(tmp_path, gcs_address)
+    code, out, err, _ = raymq("--namespace", ns, "consume", "q", "-n", str(n), "--json", env=env)
+    assert code == 0, err
+    lines = out.splitlines()
+    assert len(lines) == n and out.endswith("\n"), (len(lines), out[-200:])
+    assert [json.loads(line)["offset"] for line in lines] == list(range(n))
+    code, out, err, _ = raymq("--namespace", ns, "consume", "nowhere", env=env)
+    assert code == 1 and out == "" and err.startswith("raymq: error: "), err
 
 
 def test_deleting_asks_on_a_terminal(ns, tmp_path, gcs_address):

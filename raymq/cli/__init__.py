@@ -17,7 +17,11 @@ printing, ``common.connect``) and ``targets`` (what a name names).
 
 from __future__ import annotations
 
+import logging
+import os
+import sys
 import traceback
+from typing import NoReturn
 
 import click
 
@@ -95,6 +99,7 @@ __all__ = [
     "find_target",
     "kept_dead_letter_queues",
     "main",
+    "run",
     "metrics_urls",
     "one_line",
     "queue_order",
@@ -234,3 +239,25 @@ def main(argv: list[str] | None = None) -> int:
         click.echo(f"raymq: error: unexpected {type(exc).__name__}: {one_line(exc)}", err=True)
         return EXIT_ERROR
     return rv if isinstance(rv, int) else 0
+
+
+def run() -> NoReturn:
+    """The ``raymq`` script: ``main``, then a quick exit with its status.
+
+    Python's own finalization of the modules a command imported (Ray, pyarrow, numpy)
+    took 0.4-0.9 s of every command, a third of a short one's time (measured: `raymq
+    status` 1.8-2.3 -> 1.2-1.4 s). Once the output is flushed and Ray is left as
+    ``ray.shutdown`` leaves it (what its own exit hook does), nothing of RayMQ's is left
+    to run (no exit hooks; a command's consumer and sends end before it returns), so
+    the process ends without it."""
+    code = main()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe (``| head``): nothing more to say
+            code = code or EXIT_ERROR
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+    os._exit(code)

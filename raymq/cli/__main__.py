@@ -1,7 +1,5 @@
 """``python -m raymq.cli``: the ``raymq`` command."""
 
-import sys
+from raymq.cli import run
 
-from raymq.cli import main
-
-sys.exit(main())
+run()
