@@ -14,7 +14,13 @@ import pyarrow as pa
 import pytest
 
 from raymq.core.link import Fault, LinkFault
-from raymq.core.target_list import PERSISTENT_FAILURES, FetchAnswer, FetchFailed, TargetList
+from raymq.core.target_list import (
+    PERSISTENT_FAILURES,
+    RESTART_PATIENCE_SECONDS,
+    FetchAnswer,
+    FetchFailed,
+    TargetList,
+)
 from raymq.core.target_list_link import ConsumerSpec, StaleEndpoint, TargetListLink
 from raymq.errors import BrokerUnavailable, NotLeader, QueueNotFound
 from raymq.wire.errors import WireBroken
@@ -525,6 +531,35 @@ def test_a_restart_that_outlasts_its_patience_raises_broker_unavailable_naming_t
 
     error = run(main)
     assert not isinstance(error, NotLeader)
+
+
+def test_a_restart_that_fails_for_good_is_not_waited_for_the_restart_patience():
+    """A queue actor restarting in place whose start then fails (Ray gives up on it: a
+    final fault, then the broker cannot revive it) ends the restart's wait: ``take``
+    raises the typed error after the queue error's patience, not after
+    ``RESTART_PATIENCE_SECONDS`` counted from the restart (a CI run once waited 69 s
+    for ``test_a_queue_that_cannot_restart_fails_receive_until_it_is_back``)."""
+
+    async def main():
+        queue = FakeQueue(20, channel=False)
+        consumer = Consumer(queue, high_watermark=5)
+        await consumer.start()
+        queue.ack(await consumer.take(5))
+        failures = consumer.link.loader.failures
+        queue.restart()
+        queue.ack(await consumer.take(5))  # what it holds: room for a fetch, which fails
+        while failures.count < 2:  # (the fake clock moves on the loader's backoff)
+            await asyncio.sleep(0)
+        assert failures.patience == RESTART_PATIENCE_SECONDS
+        restarted_at = failures.since
+        queue.end()
+        with pytest.raises(QueueNotFound):
+            while True:
+                queue.ack(await consumer.take(5))
+        return restarted_at, consumer.clock.now
+
+    restarted_at, raised_at = run(main)
+    assert raised_at - restarted_at < RESTART_PATIENCE_SECONDS / 4
 
 
 def test_a_broken_channel_falls_back_to_ray_and_registers_again():

@@ -303,13 +303,16 @@ class FetchFailed(Exception):
 
     ``error`` is the typed error, naming the queue, that ``take`` raises once failures
     persist; ``restarting`` says the queue actor is restarting or silent, which is given
-    ``RESTART_PATIENCE_SECONDS`` to come back (else ``QUEUE_ERROR_PATIENCE_SECONDS``).
+    ``RESTART_PATIENCE_SECONDS`` to come back (else ``QUEUE_ERROR_PATIENCE_SECONDS``);
+    ``final`` says its actor could not start again (Ray gave up on it): a restart being
+    waited for is over, and failed.
     """
 
-    def __init__(self, error: RayMQError, *, restarting: bool = False):
+    def __init__(self, error: RayMQError, *, restarting: bool = False, final: bool = False):
         super().__init__(str(error))
         self.error = error
         self.restarting = restarting
+        self.final = final
 
 
 @dataclass(frozen=True)
@@ -349,9 +352,14 @@ class FailureStreak:
         self.error = failure.error
         # A queue that was restarting answers with other errors while it comes back
         # (its name not registered yet, its broker reviving it): the whole row gets the
-        # restart's patience, or a consumer sees errors during a restart in place.
+        # restart's patience, or a consumer sees errors during a restart in place. A
+        # restart that failed for good (the actor's start raised) is waited for no more:
+        # the row has the patience of what follows from then on (a revival's error).
         patience = RESTART_PATIENCE_SECONDS if failure.restarting else QUEUE_ERROR_PATIENCE_SECONDS
-        self.patience = patience if self.count == 1 else max(self.patience, patience)
+        if self.count == 1 or failure.final:
+            self.patience = patience
+        else:
+            self.patience = max(self.patience, patience)
         return min(RETRY_BACKOFF_SECONDS * 2 ** min(self.count - 1, 16), RETRY_BACKOFF_MAX_SECONDS)
 
     def succeeded(self) -> None:

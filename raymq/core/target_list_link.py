@@ -443,7 +443,7 @@ class TargetListLink:
                 how = "could not start again" if fault.final else how
                 self._lost(dead=True, death=f"its actor {how}: {fault.cause}")
                 error = BrokerUnavailable(f"queue {queue!r}: {self._death}")
-                raise FetchFailed(error, restarting=not fault.final) from None
+                raise FetchFailed(error, restarting=not fault.final, final=fault.final) from None
             self._lost()
             error = BrokerUnavailable(f"queue {queue!r}: fetch failed: {fault.cause}")
             raise FetchFailed(error) from None
