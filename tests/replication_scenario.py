@@ -700,7 +700,13 @@ def main(paging_dir: str, temp_dir: str, names: list[str]) -> dict:
     ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
     out: dict = {}
     try:
-        broker = raymq.connect(namespace="replication", paging_directory=paging_dir)
+        # No checkpoint but the one each open takes: recovery scans only past the
+        # checkpointed size, and healed_leader's rot must be found by the restart's
+        # recovery (a periodic checkpoint taken between its send and its kill, on a
+        # slow run, would cover the rotted record: the scrub's to find, not recovery's).
+        broker = raymq.connect(
+            namespace="replication", paging_directory=paging_dir, checkpoint_interval=3600.0
+        )
         s = Scenario(cluster, broker, paging_dir)
         for name in names:
             t = time.monotonic()
