@@ -317,7 +317,9 @@ def test_a_commit_is_routed_before_a_fetch_can_run_while_its_deleted_files_are_u
 def test_an_earliest_filter_over_a_backlog_is_routed_while_the_address_serves_sends(
     tmp_path, monkeypatch
 ):
-    monkeypatch.setattr("raymq.core.address.ROUTE_STEP_MESSAGES", 100)  # many steps
+    # Many steps, so that the routing outlasts a few sends however slow their commits
+    # (with 100 a step, a checkpoint in every commit let it end within one).
+    monkeypatch.setattr("raymq.core.address.ROUTE_STEP_MESSAGES", 25)
 
     async def main():
         core = open_address(tmp_path)
