@@ -17,6 +17,7 @@ printing, ``common.connect``) and ``targets`` (what a name names).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -99,11 +100,11 @@ __all__ = [
     "find_target",
     "kept_dead_letter_queues",
     "main",
-    "run",
     "metrics_urls",
     "one_line",
     "queue_order",
     "quoted_suggestion",
+    "run",
     "selector_warning",
     "send",
     "setting_differences",
@@ -259,5 +260,8 @@ def run() -> NoReturn:
             code = code or EXIT_ERROR
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
-        ray.shutdown()
+        # The command is over and its output out: a failing disconnect must not turn
+        # into a traceback and the slow interpreter exit this function avoids.
+        with contextlib.suppress(Exception):
+            ray.shutdown()
     os._exit(code)
