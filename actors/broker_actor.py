@@ -278,19 +278,27 @@ class BrokerActor:
         return await self._replication.suspect_leader(name, actor_id)
 
     async def delete_queue(self, name: str) -> None:
-        """Stop a queue's actor and delete its files and messages."""
+        """Stop a queue's actor and delete its files and messages. A hibernated queue
+        is not started for it: its files are deleted as they are."""
         validate_queue_name(name)
         async with self._lock:
-            if name not in self._queues:
+            entry = self._queues.get(name)
+            if entry is None:
                 raise QueueNotFound(f"queue {name!r} does not exist")
-            handle = await self.get_queue(name)
-            async with self._replication.lock_of(name):  # no failover of what is deleted
-                await self._replication.stop_followers(name, delete_files=True)
-                await handle.shutdown.remote(delete_files=True)
-                ray.kill(handle, no_restart=True)
-                del self._queues[name]
-                self._hibernation.stopped(name)
-            shutil.rmtree(self._registry.directory(name), ignore_errors=True)
+            if entry.config.replicas > 1:
+                handle = await self.get_queue(name)
+                async with self._replication.lock_of(name):  # no failover of what is deleted
+                    await self._replication.stop_followers(name, delete_files=True)
+                    await handle.shutdown.remote(delete_files=True)
+                    ray.kill(handle, no_restart=True)
+                    del self._queues[name]
+                    self._hibernation.stopped(name)
+            else:
+                await self._hibernator.delete(name, lambda: self._queues.pop(name, None))
+            # In a thread: a deep queue's segment files take a while to unlink.
+            await asyncio.to_thread(
+                shutil.rmtree, self._registry.directory(name), ignore_errors=True
+            )
 
     async def stop_queues(self, timeout: float = STOP_SECONDS) -> None:
         """Stop every queue actor, keeping the files (``raymq stop``, test teardown).

@@ -117,6 +117,13 @@ class RayQueueProcesses:
         except (TimeoutError, *GONE) as exc:
             raise Unreachable(repr(exc)) from None
 
+    async def delete_files(self, name: str, handle: Handle) -> None:
+        """See ``QueueProcesses`` (at most ``HIBERNATE_SECONDS``)."""
+        try:
+            await asyncio.wait_for(handle.shutdown.remote(delete_files=True), HIBERNATE_SECONDS)
+        except (TimeoutError, *GONE) as exc:
+            log.warning("queue %r: its actor did not delete its files: %r; ended", name, exc)
+
     async def end(self, name: str, handle: Handle) -> None:
         """See ``QueueProcesses``: killed, then its name polled (up to
         ``HIBERNATE_SECONDS``; logged if it is still held)."""

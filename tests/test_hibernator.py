@@ -44,6 +44,7 @@ class FakeProcess:
         self.busy = False
         self.closed = False
         self.alive = True
+        self.files_deleted = False
 
     def call(self) -> None:
         """A client's call: ``LinkFault`` if this process cannot answer it."""
@@ -112,6 +113,10 @@ class FakeProcesses:
             return False
         handle.closed = True
         return True
+
+    async def delete_files(self, name: str, handle: FakeProcess) -> None:
+        if handle.alive:  # (a dead one's are left to the broker)
+            handle.closed = handle.files_deleted = True
 
     async def end(self, name: str, handle: FakeProcess) -> None:
         gate = self.end_gates.pop(name, None)
@@ -306,5 +311,54 @@ def test_a_queue_deleted_before_its_start_raises_queue_not_found():
         hib, _ = hibernator(2, [])
         with pytest.raises(QueueNotFound):
             await hib.handle("gone", new=True)
+
+    run(scenario())
+
+
+def test_deleting_a_hibernated_queue_starts_no_process_for_it():
+    async def scenario() -> None:
+        hib, processes = hibernator(2, ["a"])
+        await hib.handle("a", new=True)
+        assert await hib.hibernate("a")
+        forgotten = []
+        assert not await hib.delete("a", lambda: forgotten.append(processes.nodes.pop("a")))
+        assert forgotten == ["n1"] and processes.serial == 1 and processes.running == {}
+        assert hib.policy.active() == [] and hib.counts["revivals"] == 0
+
+    run(scenario())
+
+
+def test_deleting_a_running_queue_deletes_its_files_and_ends_its_process():
+    async def scenario() -> None:
+        hib, processes = hibernator(2, ["a"])
+        process = await hib.handle("a", new=True)
+        assert await hib.delete("a", lambda: processes.nodes.pop("a"))
+        assert process.files_deleted and not process.alive and processes.ended == [process]
+        assert hib.policy.active() == []
+
+    run(scenario())
+
+
+def test_a_revival_waiting_for_a_deletion_finds_the_queue_deleted():
+    """A client's call that revives the queue while it is being deleted waits for the
+    deletion (the queue's lock), then raises ``QueueNotFound``: no process is started
+    for a deleted queue (it would make its directory again)."""
+
+    async def scenario() -> None:
+        hib, processes = hibernator(2, ["a"])
+        await hib.handle("a", new=True)
+        gate = processes.end_gates["a"] = asyncio.Event()  # holds the deletion in its lock
+        deleting = asyncio.create_task(hib.delete("a", lambda: processes.nodes.pop("a")))
+        while not hib.lock_of("a").locked():
+            await asyncio.sleep(0)
+        reviving = asyncio.create_task(hib.handle("a"))
+        await asyncio.sleep(START_SECONDS)  # time enough to start, were it not waiting
+        assert not reviving.done() and processes.serial == 1
+        gate.set()
+        assert await deleting
+        with pytest.raises(QueueNotFound):
+            await reviving
+        assert processes.serial == 1 and processes.running == {}
+        assert hib.policy.active() == []
 
     run(scenario())

@@ -288,6 +288,20 @@ def test_a_queue_left_hibernating_by_a_dead_broker_is_started_anew(broker):
     assert sorted(_receive_all(broker.get_queue("limbo"), 2)) == [b"a", b"b"]
 
 
+def test_deleting_a_hibernated_queue_does_not_start_it(broker):
+    q = broker.create_queue("deleted-asleep")
+    q.send_batch([b"a", b"b"])
+    directory = os.path.join(broker.config.paging_directory, "deleted-asleep")
+    assert broker.hibernate("deleted-asleep") and not _running(broker, "deleted-asleep")
+    assert os.listdir(directory)
+    revivals = broker.hibernation_stats()["revivals"]
+    broker.delete_queue("deleted-asleep")
+    assert broker.hibernation_stats()["revivals"] == revivals  # not started to be deleted
+    assert not _running(broker, "deleted-asleep") and not os.path.exists(directory)
+    assert "deleted-asleep" not in broker.list_queues()
+    assert broker.create_queue("deleted-asleep").stats()["depth"] == 0  # a new, empty one
+
+
 def test_a_consumer_made_through_an_old_handle_of_a_hibernated_queue_receives(broker):
     q = broker.create_queue("old-handle")
     q.send(b"kept")

@@ -91,6 +91,11 @@ class QueueProcesses(Protocol):
         """End a closed actor and wait (bounded) until its name is free, so that the
         next ``start`` makes a new one."""
 
+    async def delete_files(self, name: str, handle: Handle) -> None:
+        """Ask the actor to close its queue and delete its files, waiting a bounded
+        time; one that is gone or does not answer in time is logged, not raised (it
+        is ended next, and its files deleted by the broker)."""
+
 
 @dataclass(frozen=True)
 class Sweep:
@@ -268,6 +273,21 @@ class Hibernator:
             self.counts["hibernations"] += 1
             log.info("queue %r hibernated", name)
             return True
+
+    async def delete(self, name: str, forget: Callable[[], None]) -> bool:
+        """Delete queue ``name``'s process, if one runs: it deletes its files and is
+        ended. A hibernated queue is not started for it (its files are the caller's to
+        delete). ``forget`` drops the queue from the registry while its lock is held,
+        so that a start waiting for the lock finds it deleted (``QueueNotFound``).
+        Returns True if a process was running."""
+        async with self.lock_of(name):  # no start, revival or hibernation meanwhile
+            handle = self._processes.find(name)
+            if handle is not None:
+                await self._processes.delete_files(name, handle)
+                await self._processes.end(name, handle)
+            forget()
+            self.policy.stopped(name)
+        return handle is not None
 
     def trim_soon(self) -> None:
         """Queues started side by side passed a node's cap (the others were starting
