@@ -121,7 +121,7 @@ class RayQueueProcesses:
         """See ``QueueProcesses`` (at most ``HIBERNATE_SECONDS``)."""
         try:
             await asyncio.wait_for(handle.shutdown.remote(delete_files=True), HIBERNATE_SECONDS)
-        except (TimeoutError, *GONE) as exc:
+        except Exception as exc:  # gone, silent, or closed for a hibernation (NotLeader)
             log.warning("queue %r: its actor did not delete its files: %r; ended", name, exc)
 
     async def end(self, name: str, handle: Handle) -> None:

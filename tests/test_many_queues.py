@@ -302,6 +302,18 @@ def test_deleting_a_hibernated_queue_does_not_start_it(broker):
     assert broker.create_queue("deleted-asleep").stats()["depth"] == 0  # a new, empty one
 
 
+def test_deleting_a_queue_left_hibernating_by_its_broker_ends_its_actor(broker):
+    """Closed for a hibernation the broker did not finish, the actor answers NotLeader,
+    its shutdown too: it is ended, and its files deleted all the same."""
+    q = broker.create_queue("deleted-limbo")
+    q.send_batch([b"a"])
+    assert _call(q._actor.hibernate)  # closed, not ended
+    broker.delete_queue("deleted-limbo")
+    assert not _running(broker, "deleted-limbo")
+    assert not os.path.exists(os.path.join(broker.config.paging_directory, "deleted-limbo"))
+    assert "deleted-limbo" not in broker.list_queues()
+
+
 def test_a_consumer_made_through_an_old_handle_of_a_hibernated_queue_receives(broker):
     q = broker.create_queue("old-handle")
     q.send(b"kept")

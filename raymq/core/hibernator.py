@@ -93,8 +93,9 @@ class QueueProcesses(Protocol):
 
     async def delete_files(self, name: str, handle: Handle) -> None:
         """Ask the actor to close its queue and delete its files, waiting a bounded
-        time; one that is gone or does not answer in time is logged, not raised (it
-        is ended next, and its files deleted by the broker)."""
+        time; one that fails (gone, silent, or closed by a hibernation its broker did
+        not finish) is logged, not raised: it is ended next, and its files deleted by
+        the broker."""
 
 
 @dataclass(frozen=True)
