@@ -19,13 +19,15 @@ import time
 from bench.common import console, fill, print_table, start_broker, stop_broker
 
 STATES = ("running", "hibernated")
+#: Messages per ``send_batch`` of the fill (``bench.common.fill``'s default).
+FILL_BATCH = 1000
 
 
 def delete_once(broker, name: str, messages: int, hibernated: bool) -> float:
     """Create queue ``name`` with ``messages`` 1 KiB messages, hibernate it if
     ``hibernated``, then delete it; the deletion's seconds."""
     q = broker.create_queue(name)
-    fill(q, messages, 1024)
+    fill(q, messages, 1024, batch=FILL_BATCH)
     if hibernated and not broker.hibernate(name):
         raise RuntimeError(f"queue {name!r} did not hibernate (busy?)")
     t0 = time.perf_counter()
@@ -38,6 +40,10 @@ def main() -> None:
     p.add_argument("--messages", type=int, default=300_000)
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
+    if args.messages < FILL_BATCH or args.messages % FILL_BATCH:
+        p.error(f"--messages must be a positive multiple of {FILL_BATCH} (sent in batches)")
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
     broker = start_broker("bench-delete-queue")
     try:
         seconds: dict[str, list[float]] = {s: [] for s in STATES}
